@@ -33,6 +33,16 @@ class LossScaleState(NamedTuple):
       :class:`DynamicScaleState`).
     inner_state: the wrapped optax transformation's state; bit-for-bit
       unchanged by a skipped step.
+    skips_at_min_scale: int32 ``()``. Consecutive skipped steps taken while
+      the scale was already at the policy's ``min_scale`` (0 when the wrapper
+      was not told a ``min_scale``). Saturating.
+    fp32_fallback: bool ``()``. True while the float32 fallback is on: the
+      loss should be computed in float32 (see :func:`select_precision`).
+    fallback_steps_left: int32 ``()``. Updates left before the fallback ends
+      and the scale is reset (0 when the fallback is off).
+    underflow: dict of float32 ``()`` fractions of the last step's unscaled
+      gradients, ``{'zero_frac', 'subnormal_frac'}`` plus one such dict per
+      parameter label; an empty dict unless ``underflow_stats`` is on.
   """
 
   loss_scale: jax.Array
@@ -43,18 +53,29 @@ class LossScaleState(NamedTuple):
   grad_norm: jax.Array
   policy_state: Any
   inner_state: Any
+  skips_at_min_scale: jax.Array
+  fp32_fallback: jax.Array
+  fallback_steps_left: jax.Array
+  underflow: Any
 
 
-def init_state(loss_scale: jax.Array, policy_state: Any, inner_state: Any) -> LossScaleState:
-  """Builds the state before the first step, with every field at its fixed dtype."""
-  zero = jnp.zeros([], jnp.int32)
+def init_state(loss_scale: jax.Array, policy_state: Any, inner_state: Any,
+               underflow: Any = None) -> LossScaleState:
+  """Builds the state before the first step, with every field at its fixed dtype.
+
+  Each field is its own buffer, so the state can be donated to a jitted step.
+  """
   return LossScaleState(
-      loss_scale=jnp.asarray(loss_scale, jnp.float32),
-      num_steps=zero,
-      num_skipped=zero,
-      consecutive_skips=zero,
+      loss_scale=jnp.array(loss_scale, jnp.float32),
+      num_steps=jnp.zeros([], jnp.int32),
+      num_skipped=jnp.zeros([], jnp.int32),
+      consecutive_skips=jnp.zeros([], jnp.int32),
       last_step_finite=jnp.ones([], jnp.bool_),
       grad_norm=jnp.full([], jnp.nan, jnp.float32),
-      policy_state=policy_state,
+      policy_state=jax.tree.map(jnp.array, policy_state),
       inner_state=inner_state,
+      skips_at_min_scale=jnp.zeros([], jnp.int32),
+      fp32_fallback=jnp.zeros([], jnp.bool_),
+      fallback_steps_left=jnp.zeros([], jnp.int32),
+      underflow={} if underflow is None else underflow,
   )
