@@ -107,3 +107,111 @@ def global_amax(tree: Any) -> jax.Array:
     if x.size:
       amax = jnp.maximum(amax, jnp.max(jnp.abs(x)).astype(jnp.float32))
   return amax
+
+
+# --- Multi-device reductions (pmap / shard_map) ---------------------------------
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """Mesh axes over which ``x`` varies, as typed by ``shard_map(check_vma=True)``.
+
+  Empty outside ``shard_map``, under ``shard_map(check_vma=False)`` and under
+  ``pmap``, where JAX does not track it.
+  """
+  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def tree_varying_axes(tree: Any) -> frozenset[str]:
+  """Union of :func:`varying_axes` over the floating leaves of ``tree``."""
+  axes = frozenset()
+  for x in _float_leaves(tree):
+    axes |= varying_axes(x)
+  return axes
+
+
+def check_axis_coverage(grads: Any, state_leaf: Any, axis_name: AxisName) -> None:
+  """Raises ValueError when the gradients vary over a mapped axis that neither
+  ``axis_name`` nor the (replicated) loss-scale state covers.
+
+  Under ``shard_map`` with ``check_vma=True`` each gradient leaf's type says
+  over which mesh axes it varies. If it varies over an axis missing from
+  ``axis_name`` while the loss scale does not, each device would decide alone
+  whether to skip and the replicated loss-scale state would diverge. Runs at
+  trace time; a no-op where JAX does not track variance (``pmap``,
+  ``check_vma=False``).
+  """
+  missing = tree_varying_axes(grads) - varying_axes(state_leaf) - set(_axis_names(axis_name))
+  if missing:
+    raise ValueError(
+        f"axis_name={axis_name!r} does not cover the mapped axes {sorted(missing)} over which "
+        f"the gradients vary (gradient axes found: {sorted(tree_varying_axes(grads))}). "
+        "Without them each device decides alone whether to skip and the loss-scale state "
+        "stops being replicated. Pass axis_name="
+        f"{tuple(sorted(set(_axis_names(axis_name)) | missing))!r} to the loss-scaled "
+        "transformation, or give each device its own state (shard it over those axes).")
+
+
+def _axis_sizes(axis_name: AxisName) -> dict[str, int]:
+  """Size of each named axis; ValueError (at trace time) for a name not mapped here."""
+  try:
+    return {n: lax.axis_size(n) if hasattr(lax, "axis_size") else lax.psum(1, n)
+            for n in _axis_names(axis_name)}
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} names an axis that is not mapped here ({e}). Under jax.jit with "
+        "NamedSharding leave axis_name=None; under pmap / shard_map / vmap pass the names of the "
+        "mapped axes.") from e
+
+
+def finite_and_norm(tree: Any, axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
+  """``(all_finite(tree, axis_name), global L2 norm)`` with one collective.
+
+  Without ``axis_name`` the norm is local: ``global_norm(tree)``. With it,
+  the norm is that of the whole gradient as the devices hold it together:
+  a leaf that varies over a named axis (``shard_map(check_vma=True)`` types
+  say so) is taken to be sharded along it, so its squared norms are summed
+  over that axis; over a named axis along which it does not vary it is
+  replicated and counted once. Where JAX does not track variance (``pmap``,
+  ``check_vma=False``) every leaf is taken to be replicated and the squared
+  norm is averaged over the named axes: exact for data-parallel (all-reduced)
+  gradients, and the same value on every device in every case.
+
+  Returns:
+    A bool ``()`` and a float32 ``()``, both identical on every device of the
+    named axes.
+  """
+  names = _axis_names(axis_name)
+  if not names:
+    return jnp.isfinite(nonfinite_sum(tree)), global_norm(tree)
+  sizes = _axis_sizes(axis_name)
+  sq = jnp.zeros([], jnp.float32)
+  for x in _float_leaves(tree):
+    copies = 1
+    for n in set(names) - varying_axes(x):  # replicated over these: counted once
+      copies *= sizes[n]
+    x32 = x.astype(_compute_dtype(x.dtype))
+    sq = sq + jnp.sum(jnp.real(x32 * jnp.conj(x32))).astype(jnp.float32) / copies
+  total = lax.psum(jnp.stack([nonfinite_sum(tree), sq]), names)
+  return jnp.isfinite(total[0]), jnp.sqrt(total[1])
+
+
+def reduced_amax(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """:func:`global_amax` of ``tree``, maximised over ``axis_name`` when given."""
+  amax = global_amax(tree)
+  names = _axis_names(axis_name)
+  return lax.pmax(amax, names) if names else amax
+
+
+def zeros_of(struct: Any) -> jax.Array:
+  """Zeros of a ``jax.ShapeDtypeStruct``'s shape and dtype, varying over the same
+  ``shard_map`` mesh axes (so both branches of a skip ``lax.cond`` type-match)."""
+  z = jnp.zeros(struct.shape, struct.dtype)
+  mat = getattr(struct, "manual_axis_type", None)
+  axes = tuple(sorted(mat.varying if mat is not None else (getattr(struct, "vma", None) or ())))
+  if not axes:
+    return z
+  return lax.pcast(z, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(z, axes)
