@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_dls import _validation as v
 from optax_dls._policy import SCALE_MAX, SCALE_MIN
+from optax_dls._monitoring import flatten_underflow
 from optax_dls._state import LossScaleState
 
 
@@ -16,23 +19,62 @@ def _is_ours(x: Any) -> bool:
   return isinstance(x, LossScaleState)
 
 
+_MULTISTEPS_OUTSIDE = (
+    "opt_state is an optax.MultiSteps state wrapping a loss-scaled optimizer, "
+    "MultiSteps(dynamic_loss_scale(...)). This order is not supported: MultiSteps adds every "
+    "micro-batch to its accumulator before the loss scaler can check it, so one non-finite "
+    "micro-batch poisons the accumulator for good (0 * NaN = NaN). Put the loss scaling "
+    "outside: optax_dls.dynamic_loss_scale(optax.MultiSteps(inner, every_k_schedule=k)); "
+    "a non-finite micro-batch is then dropped and the loss scale backs off.")
+
+
+def _is_node(x: Any) -> bool:
+  return _is_ours(x) or isinstance(x, optax.MultiStepsState)
+
+
 def _find_all(tree: Any) -> list[LossScaleState]:
   found = []
-  for leaf in jax.tree.leaves(tree, is_leaf=_is_ours):
-    if _is_ours(leaf):
+  for leaf in jax.tree.leaves(tree, is_leaf=_is_node):
+    if isinstance(leaf, optax.MultiStepsState):
+      if _find_all(leaf.inner_opt_state):
+        raise ValueError(_MULTISTEPS_OUTSIDE)
+    elif _is_ours(leaf):
       found.append(leaf)
       found.extend(_find_all((leaf.policy_state, leaf.inner_state)))
   return found
+
+
+def _unwrap(tree: Any) -> Any:
+  """Replaces flax ``nnx.Variable`` leaves (an ``nnx.Optimizer``'s state) by their arrays.
+
+  flax is never imported here: without it loaded there can be no Variables.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return tree
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  value = lambda x: x.get_value() if hasattr(x, "get_value") else x.value
+  return jax.tree.map(lambda x: value(x) if is_var(x) else x, tree, is_leaf=is_var)
+
+
+def _like(old: Any, new: jax.Array) -> Any:
+  """``new`` in ``old``'s place: same dtype, and same wrapper (e.g. an nnx Variable) if any."""
+  dtype = jnp.result_type(jax.tree.leaves(old)[0])
+  return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])
 
 
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
   ``opt_state`` may be the state itself or any pytree holding it: an
-  ``optax.chain`` state, a ``MultiStepsState``, a dict, a flax ``TrainState``.
+  ``optax.chain`` state, a loss-scaled ``optax.MultiSteps`` state, a dict, a
+  flax ``TrainState``, an ``nnx.Optimizer`` or its ``opt_state``. Leaves
+  wrapped in ``nnx.Variable`` are returned as plain arrays.
 
   Raises:
-    ValueError: there is no loss-scale state in ``opt_state``, or more than one.
+    ValueError: there is no loss-scale state in ``opt_state``, or more than
+      one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
+      message says what to do instead).
   """
   found = _find_all(opt_state)
   if not found:
@@ -44,7 +86,7 @@ def find_state(opt_state: Any) -> LossScaleState:
     raise ValueError(
         f"opt_state holds {len(found)} LossScaleStates, so which scale to use is ambiguous: "
         "wrap the optimizer once, at the outside, or pass the sub-state you mean.")
-  return found[0]
+  return _unwrap(found[0])
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
@@ -79,6 +121,13 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   Raises:
     TypeError: ``loss`` is not floating point.
     ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> optax_dls.scale_loss(jnp.float16(0.5), state)
+    Array(512., dtype=float32)
   """
   scale = loss_scale(opt_state)
   loss = jnp.asarray(loss)
@@ -100,9 +149,26 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``update_ratio`` (float32): applied steps over all steps (1 before any).
     ``grad_norm`` (float32): global L2 norm of the last step's unscaled
       gradients (NaN before the first step).
+    ``fp32_fallback`` (bool): whether the float32 fallback is on (always
+      False unless the transformation was built with ``fallback_after``).
+    ``underflow/zero_frac``, ``underflow/subnormal_frac`` (float32), and
+      ``underflow/<label>/zero_frac``, ``underflow/<label>/subnormal_frac``
+      per parameter label: only when built with ``underflow_stats``; the
+      fractions of zero and of fp16-subnormal (0 < |x| < 2**-14) entries of
+      the last step's unscaled gradients (NaN before the first step).
 
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'w': jnp.array([1.0, jnp.inf])}, state, params)
+    >>> m = optax_dls.metrics(state)
+    >>> float(m['loss_scale']), bool(m['skipped']), int(m['skip_count'])
+    (512.0, True, 1)
   """
   s = find_state(opt_state)
   steps = s.num_steps.astype(jnp.float32)
@@ -115,7 +181,25 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       "num_steps": s.num_steps,
       "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
       "grad_norm": s.grad_norm,
+      "fp32_fallback": s.fp32_fallback,
+      **flatten_underflow(s.underflow),
   }
+
+
+def applied_steps(opt_state: Any) -> jax.Array:
+  """Number of applied (not skipped) updates: ``num_steps - skip_count``, int32 ``()``.
+
+  Step counters kept outside the optimizer state, such as flax
+  ``TrainState.step`` and ``nnx.Optimizer.step``, count skipped steps too;
+  this is the count of updates that reached the inner optimizer. When the
+  loss scaling wraps ``optax.MultiSteps``, it counts applied micro-batches;
+  the applied windows are the ``MultiStepsState.gradient_step``.
+
+  Raises:
+    ValueError: none or more than one loss-scale state in ``opt_state``.
+  """
+  s = find_state(opt_state)
+  return s.num_steps - s.num_skipped
 
 
 def reset_scale(opt_state: Any, value: float) -> Any:
@@ -132,6 +216,12 @@ def reset_scale(opt_state: Any, value: float) -> Any:
   Raises:
     ValueError: ``value`` out of range, or none or more than one loss-scale
       state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.ones(2)})
+    >>> optax_dls.loss_scale(optax_dls.reset_scale(state, 2.0**12))
+    Array(4096., dtype=float32)
   """
   find_state(opt_state)
   if not isinstance(value, jax.core.Tracer):
@@ -143,7 +233,7 @@ def reset_scale(opt_state: Any, value: float) -> Any:
       return x
     ps = x.policy_state
     if hasattr(ps, "growth_tracker") and hasattr(ps, "_replace"):
-      ps = ps._replace(growth_tracker=jnp.zeros_like(ps.growth_tracker))
-    return x._replace(loss_scale=jnp.asarray(value, jnp.float32), policy_state=ps)
+      ps = ps._replace(growth_tracker=_like(ps.growth_tracker, 0))
+    return x._replace(loss_scale=_like(x.loss_scale, value), policy_state=ps)
 
   return jax.tree.map(reset, opt_state, is_leaf=_is_ours)

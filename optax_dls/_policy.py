@@ -31,10 +31,12 @@ class GradStats(NamedTuple):
       gradients is finite (reduced over ``axis_name`` when one is given).
     step: int32 ``()``. Number of updates before this one, skipped included.
     grad_norm: float32 ``()``, global L2 norm of the *unscaled* gradients
-      (inf or NaN on a non-finite step). Always present.
+      (inf or NaN on a non-finite step). Always present. With ``axis_name``
+      it is reduced over those axes (sharded leaves summed, replicated ones
+      counted once; see ``docs/multi_device.md``), the same on every device.
     amax: float32 ``()``, largest absolute value of the *scaled* gradients as
-      they arrived, or ``None`` unless the policy lists ``"amax"`` in
-      ``LossScalePolicy.stats``.
+      they arrived (maximised over ``axis_name`` when one is given), or
+      ``None`` unless the policy lists ``"amax"`` in ``LossScalePolicy.stats``.
   """
 
   finite: jax.Array
@@ -141,6 +143,19 @@ def dynamic_policy(
   Raises:
     ValueError: a value outside its valid range; the message names it.
     TypeError: a value of the wrong type, or a traced (non-static) value.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_dls
+    >>> policy = optax_dls.dynamic_policy(init_scale=8.0, growth_interval=2)
+    >>> scale, state = policy.init()
+    >>> for finite in [True, True, False]:
+    ...   stats = optax_dls.GradStats(finite=jnp.array(finite), step=jnp.array(0),
+    ...                               grad_norm=jnp.array(1.0))
+    ...   scale, state = policy.update(scale, state, stats)
+    ...   print(float(scale))
+    8.0
+    16.0
+    8.0
   """
   growth_factor = v.real("growth_factor", growth_factor)
   v.check(1.0 < growth_factor < float("inf"), "growth_factor", growth_factor, "1 < value < inf")
@@ -194,7 +209,8 @@ def static_policy(scale: float) -> LossScalePolicy:
     checkpoint moves between the two.
 
   Raises:
-    ValueError: ``scale`` out of range. TypeError: not a static number.
+    ValueError: ``scale`` out of range.
+    TypeError: not a static number.
   """
   scale = _scale_value("scale", scale)
 

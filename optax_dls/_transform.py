@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_dls import _numerics, _policy
-from optax_dls._state import LossScaleState, init_state
+from optax_dls import _fallback, _monitoring, _numerics, _policy
+from optax_dls._state import init_state
 
 
 def _check_axis_name(axis_name: Any) -> Any:
@@ -26,6 +26,13 @@ def loss_scaled(
     policy: _policy.LossScalePolicy,
     *,
     axis_name: str | tuple[str, ...] | None = None,
+    alerts: bool = True,
+    alert_after: int = 3,
+    min_scale: float | None = None,
+    underflow_stats: Any = None,
+    fallback_after: int | None = None,
+    fallback_steps: int = 100,
+    fallback_scale: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with loss scaling driven by ``policy``.
 
@@ -48,12 +55,46 @@ def loss_scaled(
 
   Args:
     inner: any optax ``GradientTransformation``; ``**extra_args`` of
-      ``update`` are forwarded to it.
+      ``update`` are forwarded to it. An ``optax.MultiSteps`` (gradient
+      accumulation) is accepted as is: a non-finite micro-batch is then
+      dropped before it reaches the accumulator.
     policy: a :class:`LossScalePolicy`, e.g. :func:`dynamic_policy`.
     axis_name: ``None`` (default), a mapped axis name or a tuple of names.
       Needed under ``pmap`` / ``shard_map``: the finite flag is reduced over
-      every named axis so that all devices skip together. Not needed under
-      ``jit`` with ``NamedSharding``.
+      every named axis so that all devices skip together, and the stored
+      ``grad_norm`` (and ``amax``) become the same on every device (see
+      ``docs/multi_device.md`` for what the norm means there).
+      Name every axis the gradients are sharded or computed over (e.g.
+      ``("data", "model")``). Not needed under ``jit`` with
+      ``NamedSharding``. Under ``vmap`` with an axis name it makes every
+      member share one decision; without one each member keeps its own scale.
+    alerts: bool, default True. Log one warning (logger ``optax_dls``, from
+      process 0, device 0 of the named axes) when ``consecutive_skips``
+      reaches ``alert_after`` (once per run of skips), and one on the first
+      skip taken at ``min_scale``; each gives the step (0-based index of the
+      update), the new loss scale and the skip count. Done by an ordered
+      ``io_callback`` inside a
+      ``lax.cond`` that runs only then. With False no callback is compiled.
+      Alerts are off under ``vmap``.
+    alert_after: int in [1, 2**31 - 1], default 3.
+    min_scale: float or None (default). The policy's floor; only used to
+      detect a scale stuck at the minimum (``skips_at_min_scale`` and its
+      alert). :func:`dynamic_loss_scale` passes its own.
+    underflow_stats: None (default, off: nothing computed), True, a pytree
+      of string labels matching the gradients, or a callable
+      ``grads -> labels`` as in ``optax.multi_transform``. When on, every
+      update stores the fractions of zero and of fp16-subnormal
+      (0 < |x| < 2**-14) entries of the unscaled gradients, overall and per
+      label, read by :func:`metrics` as ``'underflow/zero_frac'``,
+      ``'underflow/<label>/subnormal_frac'``, ...
+    fallback_after: int >= 1 or None (default, off). After this many
+      consecutive skipped steps the state's ``fp32_fallback`` flag turns on
+      for ``fallback_steps`` updates; :func:`select_precision` then runs the
+      float32 loss. When it turns off the loss scale is reset to
+      ``fallback_scale`` (default: the policy's initial scale) and the
+      policy state to its initial value. 10 is a common choice.
+    fallback_steps: int >= 1, updates the fallback lasts. Default 100.
+    fallback_scale: float in [2**-126, 2**126] or None (default).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -63,29 +104,74 @@ def loss_scaled(
     TypeError: ``inner`` is not an optax transformation, ``policy`` is not a
       :class:`LossScalePolicy`, or ``axis_name`` is not a string or tuple of
       strings.
+    ValueError: at trace time, from ``update`` under ``shard_map`` (with
+      ``check_vma=True``, the default) when the gradients vary over a mesh
+      axis that ``axis_name`` leaves out while the loss-scale state is
+      replicated over it (not detectable under ``pmap``), or when
+      ``axis_name`` names an axis that is not mapped where ``update`` runs
+      (e.g. under plain ``jit``).
   """
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation, got {inner!r} of type {type(inner).__name__}.")
   policy = _policy.check_policy(policy)
   axis_name = _check_axis_name(axis_name)
+  if not isinstance(alerts, bool):
+    raise TypeError(f"alerts must be a bool, got {alerts!r}.")
+  alert_after = _monitoring.check_alert_after(alert_after)
+  if min_scale is not None:
+    min_scale = _policy._scale_value("min_scale", min_scale)
+  uopt = _monitoring.check_underflow_option(underflow_stats)
+  fallback = None if fallback_after is None else _fallback.FallbackConfig(
+      fallback_after, fallback_steps, fallback_scale)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     scale, policy_state = policy.init()
-    return init_state(scale, policy_state, inner.init(params))
+    return init_state(scale, policy_state, inner.init(params),
+                      underflow=_monitoring.underflow_init(uopt, params))
+
+  def observe(new, old, scale, finite, unscaled):
+    """Underflow statistics, stuck-at-minimum count, fallback and alerts (each only when on)."""
+    changes = {}
+    if uopt is not None:
+      changes["underflow"] = _monitoring.underflow_fractions(uopt, unscaled, axis_name)
+    if min_scale is not None:
+      changes["skips_at_min_scale"] = jnp.where(
+          ~finite & (scale <= min_scale), optax.safe_increment(old.skips_at_min_scale), 0).astype(jnp.int32)
+    if fallback is not None:
+      active, left, ended = _fallback.advance(
+          fallback, finite=finite, consecutive=new.consecutive_skips,
+          active=old.fp32_fallback, steps_left=old.fallback_steps_left)
+      init_scale, init_policy_state = policy.init()
+      reset_to = init_scale if fallback.scale is None else fallback.scale
+      changes.update(
+          fp32_fallback=active, fallback_steps_left=left,
+          loss_scale=jnp.where(ended, reset_to, new.loss_scale).astype(jnp.float32),
+          policy_state=jax.tree.map(lambda a, b: jnp.where(ended, a, b).astype(jnp.result_type(b)),
+                                    init_policy_state, new.policy_state))
+    new = new._replace(**changes)
+    if alerts:
+      _monitoring.emit_alerts(
+          step=old.num_steps, scale=new.loss_scale, consecutive=new.consecutive_skips,
+          at_min=changes.get("skips_at_min_scale"), alert_after=alert_after, axis_name=axis_name)
+    return new
 
   def update_fn(grads, state, params=None, **extra_args):
+    _numerics.check_axis_coverage(grads, state.loss_scale, axis_name)
     if policy.passthrough:
       updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
       return updates, state._replace(
+          underflow=state.underflow if uopt is None else _monitoring.underflow_fractions(uopt, grads, axis_name),
           num_steps=optax.safe_increment(state.num_steps),
-          grad_norm=_numerics.global_norm(grads),
+          grad_norm=_numerics.finite_and_norm(grads, axis_name)[1],
           inner_state=inner_state)
 
     scale = state.loss_scale
     inv_scale = (1.0 / scale).astype(jnp.float32)
     unscaled = _numerics.unscale(grads, inv_scale)
-    finite = _numerics.all_finite(unscaled, axis_name)
+    finite, grad_norm = _numerics.finite_and_norm(unscaled, axis_name)
 
     def apply(operands):
       u, inner_state = operands
@@ -94,7 +180,7 @@ def loss_scaled(
     def skip(operands):
       u, inner_state = operands
       shapes = jax.eval_shape(apply, operands)[0]
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      zeros = jax.tree.map(_numerics.zeros_of, shapes)
       return zeros, inner_state
 
     updates, inner_state = lax.cond(finite, apply, skip, (unscaled, state.inner_state))
@@ -102,10 +188,10 @@ def loss_scaled(
     stats = _policy.GradStats(
         finite=finite,
         step=state.num_steps,
-        grad_norm=_numerics.global_norm(unscaled),
-        amax=_numerics.global_amax(grads) if "amax" in policy.stats else None)
+        grad_norm=grad_norm,
+        amax=_numerics.reduced_amax(grads, axis_name) if "amax" in policy.stats else None)
     new_scale, policy_state = policy.update(scale, state.policy_state, stats)
-    new_state = LossScaleState(
+    new_state = state._replace(
         loss_scale=jnp.asarray(new_scale, jnp.float32),
         num_steps=optax.safe_increment(state.num_steps),
         num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
@@ -114,7 +200,7 @@ def loss_scaled(
         grad_norm=stats.grad_norm,
         policy_state=policy_state,
         inner_state=inner_state)
-    return updates, new_state
+    return updates, observe(new_state, state, scale, finite, unscaled)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -132,6 +218,12 @@ def dynamic_loss_scale(
     consecutive_hysteresis: bool = False,
     warmup_steps: int = 0,
     axis_name: str | tuple[str, ...] | None = None,
+    alerts: bool = True,
+    alert_after: int = 3,
+    underflow_stats: Any = None,
+    fallback_after: int | None = None,
+    fallback_steps: int = 100,
+    fallback_scale: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling around any optax transformation.
 
@@ -145,10 +237,23 @@ def dynamic_loss_scale(
 
   Args:
     inner: the optax transformation to wrap, e.g. ``optax.adamw(3e-4)``.
-    init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
-      max_scale, hysteresis, consecutive_hysteresis, warmup_steps: as in
-      :func:`dynamic_policy`.
-    axis_name: as in :func:`loss_scaled`.
+    init_scale: initial loss scale. Default ``2**15``.
+    growth_factor: float > 1. Default 2.
+    backoff_factor: float in (0, 1). Default 0.5.
+    growth_interval: consecutive finite steps before a growth. Default 2000.
+    min_scale: floor of the scale. Default 1.
+    max_scale: ceiling of the scale (never inf). Default ``2**24``.
+    hysteresis: overflows tolerated before a backoff. Default 1.
+    consecutive_hysteresis: refill the hysteresis on every finite step.
+      Default False.
+    warmup_steps: no growth before this many updates. Default 0.
+    axis_name: as in :func:`loss_scaled`. Default None.
+    alerts: as in :func:`loss_scaled`. Default True.
+    alert_after: as in :func:`loss_scaled`. Default 3.
+    underflow_stats: as in :func:`loss_scaled`. Default None (off).
+    fallback_after: as in :func:`loss_scaled`. Default None (off).
+    fallback_steps: as in :func:`loss_scaled`. Default 100.
+    fallback_scale: as in :func:`loss_scaled`. Default None.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -173,7 +278,10 @@ def dynamic_loss_scale(
       growth_interval=growth_interval, min_scale=min_scale, max_scale=max_scale,
       hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
       warmup_steps=warmup_steps)
-  return loss_scaled(inner, policy, axis_name=axis_name)
+  return loss_scaled(
+      inner, policy, axis_name=axis_name, alerts=alerts, alert_after=alert_after,
+      min_scale=min_scale, underflow_stats=underflow_stats, fallback_after=fallback_after,
+      fallback_steps=fallback_steps, fallback_scale=fallback_scale)
 
 
 def static_loss_scale(
@@ -181,6 +289,11 @@ def static_loss_scale(
     scale: float,
     *,
     axis_name: str | tuple[str, ...] | None = None,
+    alerts: bool = True,
+    alert_after: int = 3,
+    underflow_stats: Any = None,
+    fallback_after: int | None = None,
+    fallback_steps: int = 100,
 ) -> optax.GradientTransformationExtraArgs:
   """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
@@ -188,14 +301,27 @@ def static_loss_scale(
     inner: the optax transformation to wrap.
     scale: float in [2**-126, 2**126], the constant loss scale.
     axis_name: as in :func:`loss_scaled`.
+    alerts: as in :func:`loss_scaled`.
+    alert_after: as in :func:`loss_scaled`.
+    underflow_stats: as in :func:`loss_scaled`.
+    fallback_after: as in :func:`loss_scaled`.
+    fallback_steps: as in :func:`loss_scaled`.
 
   Raises:
-    ValueError: ``scale`` out of range. TypeError: a wrong or traced value.
+    ValueError: ``scale`` out of range.
+    TypeError: a wrong or traced value.
   """
-  return loss_scaled(inner, _policy.static_policy(scale), axis_name=axis_name)
+  return loss_scaled(
+      inner, _policy.static_policy(scale), axis_name=axis_name, alerts=alerts,
+      alert_after=alert_after, underflow_stats=underflow_stats,
+      fallback_after=fallback_after, fallback_steps=fallback_steps)
 
 
-def no_loss_scale(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def no_loss_scale(
+    inner: optax.GradientTransformation,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> optax.GradientTransformationExtraArgs:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 
   Gradients go to ``inner`` unchanged, nothing is checked or skipped, and the
@@ -203,7 +329,14 @@ def no_loss_scale(inner: optax.GradientTransformation) -> optax.GradientTransfor
   and :func:`metrics` still work, so one training loop serves fp16, bf16 and
   fp32.
 
+  Args:
+    inner: the optax transformation to wrap.
+    axis_name: as in :func:`loss_scaled`; here it only makes the stored
+      ``grad_norm`` metric the norm over every device (needed under
+      ``shard_map`` with sharded gradients, where it would otherwise differ
+      between devices).
+
   Raises:
     TypeError: ``inner`` is not an optax transformation.
   """
-  return loss_scaled(inner, _policy.noop_policy())
+  return loss_scaled(inner, _policy.noop_policy(), axis_name=axis_name)

@@ -1,0 +1,93 @@
+"""Presets and configuration: from_config with dicts and YAML files, unknown keys, preset values."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+YAML = """
+model: {d_model: 512}          # other sections are left alone
+loss_scale:
+  init_scale: 4096
+  growth_interval: 100
+  warmup_steps: 50
+"""
+
+
+def _trajectory(policy, finite):
+  """Scales a policy produces for a finite / non-finite sequence (eager, no compilation)."""
+  scale, state = policy.init()
+  out = []
+  for i, f in enumerate(finite):
+    stats = optax_dls.GradStats(finite=jnp.asarray(f), step=jnp.asarray(i, jnp.int32),
+                                grad_norm=jnp.float32(1.0))
+    scale, state = policy.update(scale, state, stats)
+    out.append(float(scale))
+  return out
+
+
+FINITE = np.random.default_rng(0).random(400) > 0.02
+
+
+def test_yaml_file_gives_the_same_policy_as_the_arguments(tmp_path):
+  path = tmp_path / "train.yaml"
+  path.write_text(YAML)
+  policy = optax_dls.from_config(path)
+  expected = optax_dls.dynamic_policy(init_scale=4096, growth_interval=100, warmup_steps=50)
+  assert _trajectory(policy, FINITE) == _trajectory(expected, FINITE)
+  assert float(policy.init()[0]) == 4096
+
+
+def test_with_inner_gives_a_transformation_with_wrapper_options():
+  cfg = {"loss_scale": {"init_scale": 512, "alerts": False, "underflow_stats": True, "fallback_after": 10}}
+  tx = optax_dls.from_config(cfg, optax.sgd(0.1))
+  state = tx.init({"w": jnp.ones(2)})
+  assert float(optax_dls.loss_scale(state)) == 512 and set(state.underflow) == {"zero_frac", "subnormal_frac"}
+
+
+def test_preset_with_override():
+  policy = optax_dls.from_config({"preset": "qlora", "growth_interval": 10})
+  expected = optax_dls.dynamic_policy(**(optax_dls.preset("qlora") | {"growth_interval": 10}))
+  assert _trajectory(policy, FINITE) == _trajectory(expected, FINITE)
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"loss_scale": {"init_scale": 8, "growth_intervall": 3}}, "growth_intervall"),
+    ({"kind": "static", "scale": 8, "init_scale": 8}, "init_scale"),
+    ({"kind": "none", "scale": 8}, "scale"),
+    ({"alerts": False}, "alerts"),  # a wrapper option without inner
+])
+def test_unknown_or_misplaced_key_is_named(cfg, key):
+  with pytest.raises(ValueError, match=f"'{key}'"):
+    optax_dls.from_config(cfg)
+
+
+def test_bad_values_and_kinds():
+  with pytest.raises(ValueError, match="kind"):
+    optax_dls.from_config({"kind": "adaptive"})
+  with pytest.raises(ValueError, match="preset"):
+    optax_dls.from_config({"preset": "vision"})
+  with pytest.raises(ValueError, match="growth_interval"):
+    optax_dls.from_config({"growth_interval": 0})
+  with pytest.raises(ValueError, match="scale"):
+    optax_dls.from_config({"kind": "static"})
+
+
+def test_static_and_none_kinds():
+  assert float(optax_dls.from_config({"kind": "static", "scale": 128}).init()[0]) == 128
+  tx = optax_dls.from_config({"kind": "none"}, optax.sgd(1.0))
+  updates, _ = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+  assert np.allclose(updates["w"], -1.0)
+
+
+def test_preset_values_follow_their_rationale():
+  llm, mm, pref, qlora = (optax_dls.preset(n) for n in ("text_llm", "multimodal", "preference", "qlora"))
+  assert 2**15 <= llm["init_scale"] <= 2**16
+  assert 2**12 <= mm["init_scale"] <= 2**14 and mm["warmup_steps"] > 0
+  assert pref["max_scale"] == 65536 and optax_dls.preset("dpo") == pref
+  assert qlora["init_scale"] >= 2**16 and qlora["growth_interval"] == 1000
+  assert optax_dls.presets.qlora() == qlora and optax_dls.presets.text_llm() == llm
+  for p in (llm, mm, pref, qlora):
+    optax_dls.dynamic_loss_scale(optax.sgd(0.1), **p)  # every preset is valid

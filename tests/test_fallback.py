@@ -1,0 +1,98 @@
+"""Float32 fallback: after N consecutive skips the loss runs in float32, then back to float16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+INIT_SCALE = 2.0**10
+
+
+def _loss(params, x, y, dtype):
+  """A linear model whose float16 forward overflows when x is large (x * w > 65504 squared)."""
+  pred = x.astype(dtype) @ params["w"].astype(dtype)
+  return jnp.mean(jnp.square(pred - y.astype(dtype))).astype(jnp.float32)
+
+
+def test_training_continues_through_fallback_and_returns_to_fp16():
+  tx = optax_dls.dynamic_loss_scale(optax.adam(0.05), init_scale=INIT_SCALE, growth_interval=1000,
+                                    fallback_after=10, fallback_steps=15, alerts=False)
+  params = {"w": jnp.zeros((4,), jnp.float32)}
+  opt_state = tx.init(params)
+  traces = []
+
+  def scaled(dtype):
+    return lambda p, s, x, y: optax_dls.scale_loss(_loss(p, x, y, dtype), s)
+
+  vg = optax_dls.fallback_value_and_grad(scaled(jnp.float16), scaled(jnp.float32))
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    traces.append(1)
+    loss, grads = vg(opt_state, params, opt_state, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  target = jnp.array([1.0, -2.0, 0.5, 3.0])
+  flags, skipped, w_at = [], [], {}
+  for i in range(40):
+    x = jnp.full((8, 4), 1000.0 if i < 30 else 1.0) * jnp.linspace(0.5, 1.0, 8)[:, None]
+    flags.append(bool(optax_dls.fallback_active(opt_state)))
+    params, opt_state = step(params, opt_state, x, x @ target)
+    skipped.append(bool(optax_dls.metrics(opt_state)["skipped"]))
+    w_at[i] = np.asarray(params["w"])
+    if i == 24:
+      scale_after_fallback = float(optax_dls.loss_scale(opt_state))
+
+  assert flags == [False] * 10 + [True] * 15 + [False] * 15
+  assert skipped == [True] * 10 + [False] * 15 + [True] * 5 + [False] * 10
+  assert scale_after_fallback == INIT_SCALE
+  assert not np.allclose(w_at[9], w_at[24])          # trained in float32
+  assert not np.allclose(w_at[29], w_at[39])         # and again in float16
+  assert np.isfinite(w_at[39]).all()
+  assert len(traces) == 1 and step._cache_size() == 1
+
+
+def test_fallback_scale_and_flag_end():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, fallback_after=2, fallback_steps=2,
+                                    fallback_scale=8.0, alerts=False)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  seen = []
+  for g in [jnp.inf, jnp.inf, 1.0, 1.0, 1.0]:
+    _, state = update({"w": jnp.full(3, g)}, state, params)
+    seen.append((bool(state.fp32_fallback), int(state.fallback_steps_left), float(state.loss_scale)))
+  assert seen == [(False, 0, 32.0), (True, 2, 16.0), (True, 1, 16.0), (False, 0, 8.0), (False, 0, 8.0)]
+
+
+def test_no_fallback_by_default():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**20, alerts=False)
+  state = tx.init({"w": jnp.ones(2)})
+  for _ in range(12):
+    _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state)
+  assert not bool(state.fp32_fallback) and float(state.loss_scale) == 2.0**8
+
+
+def test_select_precision_promotes_and_checks_structure():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), fallback_after=1, fallback_steps=3, alerts=False)
+  state = tx.init({"w": jnp.ones(2)})
+  f16 = lambda x: (x * 2).astype(jnp.float16)
+  f32 = lambda x: x * 3
+  out = optax_dls.select_precision(state, f16, f32, jnp.ones(2))
+  assert out.dtype == jnp.float32 and np.allclose(out, 2.0)
+  _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state)
+  assert np.allclose(optax_dls.select_precision(state, f16, f32, jnp.ones(2)), 3.0)
+  with pytest.raises(ValueError, match="structure"):
+    optax_dls.select_precision(state, lambda x: (x, x), f32, jnp.ones(2))
+
+
+@pytest.mark.parametrize("kwargs, name", [({"fallback_after": 0}, "fallback_after"),
+                                          ({"fallback_after": 3, "fallback_steps": 0}, "fallback_steps"),
+                                          ({"fallback_after": 3, "fallback_scale": 0.0}, "fallback_scale")])
+def test_bad_fallback_arguments(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    optax_dls.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
