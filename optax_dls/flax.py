@@ -1,0 +1,118 @@
+"""Flax integration: loss-scaled ``value_and_grad`` for linen ``TrainState`` and ``nnx.Optimizer``.
+
+Importing this module imports flax (the ``flax`` extra); ``import optax_dls``
+alone never does. The optimizer itself needs nothing flax-specific: build it
+with :func:`optax_dls.dynamic_loss_scale` and hand it to
+``TrainState.create(tx=...)`` or ``nnx.Optimizer(model, tx, wrt=nnx.Param)``;
+``TrainState.apply_gradients(grads=grads)`` and
+``nnx.Optimizer.update(model, grads)`` then unscale, check, skip and adapt
+with no extra arguments.
+
+Step counts: ``TrainState.step`` and ``nnx.Optimizer.step`` advance on every
+call, skipped steps included (flax knows nothing of skips). The number of
+updates actually applied is :func:`optax_dls.applied_steps` (re-exported
+here), i.e. ``metrics(...)['num_steps'] - metrics(...)['skip_count']``.
+
+Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from optax_dls._access import applied_steps, find_state, scale_loss
+
+__all__ = ["applied_steps", "value_and_grad"]
+
+
+def _differentiates_module(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> bool:
+  nums = (argnums,) if isinstance(argnums, int) else argnums
+  return any(isinstance(args[i], nnx.Module) for i in nums if i < len(args))
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    opt: Any,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+  """Like ``jax.value_and_grad`` / ``nnx.value_and_grad``, with the loss scaled by S.
+
+  ``fun`` returns the plain (unscaled) loss, a floating scalar (any float
+  dtype; fp16 is promoted to float32 before scaling so the scaled loss cannot
+  overflow), or ``(loss, aux)`` with ``has_aux=True``. The returned function
+  differentiates ``S * loss`` with S the current loss scale of ``opt``, and
+  returns the *unscaled* loss (exactly what ``fun`` returned) together with
+  the *scaled* gradients, which the loss-scaled optimizer unscales::
+
+      grad_fn = optax_dls.flax.value_and_grad(loss_fn, state, has_aux=True)
+      (loss, aux), grads = grad_fn(state.params, batch)       # linen
+      state = state.apply_gradients(grads=grads)
+
+      grad_fn = optax_dls.flax.value_and_grad(loss_fn, optimizer)
+      loss, grads = grad_fn(model, batch)                      # nnx
+      optimizer.update(model, grads)
+
+  When a differentiated argument is an ``nnx.Module`` the gradient is taken
+  with ``nnx.value_and_grad`` with respect to ``opt.wrt`` (the variables the
+  ``nnx.Optimizer`` updates; ``nnx.Param`` when ``opt`` is not an
+  ``nnx.Optimizer``); otherwise with ``jax.value_and_grad``. S is read when
+  the returned function is called, so build it inside the jitted step (or
+  call it there) with the current ``opt``.
+
+  Args:
+    fun: the loss function; its arguments are those of the returned function.
+    opt: where to read S: a linen ``TrainState``, an ``nnx.Optimizer``, or any
+      optimizer state holding exactly one :class:`optax_dls.LossScaleState`.
+    argnums: int or tuple of ints, the positional arguments to differentiate.
+      Default 0.
+    has_aux: whether ``fun`` returns ``(loss, aux)``. Default False.
+
+  Returns:
+    A function with ``fun``'s signature returning ``(loss, grads)``, or
+    ``((loss, aux), grads)`` with ``has_aux``; ``grads`` are multiplied by S.
+
+  Raises:
+    TypeError: ``fun`` is not callable, ``has_aux`` is not a bool, or
+      ``argnums`` is not an int or tuple of ints; (when called) the loss is
+      not floating point.
+    ValueError: ``opt`` holds no loss-scale state, or more than one (checked
+      here, before any tracing).
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {fun!r}.")
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"has_aux must be a bool, got {has_aux!r}.")
+  ok = isinstance(argnums, int) or (
+      isinstance(argnums, tuple) and argnums and all(isinstance(i, int) for i in argnums))
+  if not ok or isinstance(argnums, bool):
+    raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}.")
+  is_opt = isinstance(opt, nnx.Optimizer)
+  source = opt.opt_state if is_opt else opt
+  find_state(source)
+  wrt = getattr(opt, "wrt", nnx.Param) if is_opt else nnx.Param
+
+  def grad_fn(*args, **kwargs):
+    state = find_state(source)  # plain arrays, read outside any nnx transform
+
+    def scaled(*a, **k):
+      out = fun(*a, **k)
+      loss, aux = out if has_aux else (out, None)
+      return scale_loss(loss, state), (loss, aux)
+
+    if _differentiates_module(args, argnums):
+      nums = (argnums,) if isinstance(argnums, int) else argnums
+      diff = tuple(nnx.DiffState(i, wrt) for i in nums)
+      vg = nnx.value_and_grad(scaled, argnums=diff[0] if isinstance(argnums, int) else diff,
+                              has_aux=True)
+    else:
+      vg = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+    (_, (loss, aux)), grads = vg(*args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return grad_fn

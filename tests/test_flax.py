@@ -1,0 +1,163 @@
+"""optax_dls.flax: loss-scaled value_and_grad with linen TrainState and nnx.Optimizer."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+
+import optax_dls
+import optax_dls.flax as dls_flax
+
+S0 = 2.0**10
+X = jnp.array([[1.0, -2.0], [0.5, 3.0]], jnp.float32)
+Y = jnp.array([[1.0], [-1.0]], jnp.float32)
+X_BAD = X.at[0, 0].set(jnp.inf)
+
+
+def _tx():
+  return optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=S0)
+
+
+def test_import_optax_dls_does_not_import_flax_or_orbax():
+  code = ("import sys, optax_dls; "
+          "assert not [m for m in sys.modules if m.split('.')[0] in ('flax', 'orbax')]")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- linen ----------------------------------------------------------------------------------
+
+def _linen_setup():
+  model = nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)
+  params = model.init(jax.random.key(0), X)["params"]
+  return model, train_state.TrainState.create(apply_fn=model.apply, params=params, tx=_tx())
+
+
+def _linen_loss(params, apply_fn, x):
+  pred = apply_fn({"params": params}, x).astype(jnp.float32)
+  loss = jnp.mean((pred - Y) ** 2)
+  return loss, pred
+
+
+@jax.jit
+def _linen_step(state, x):
+  grad_fn = dls_flax.value_and_grad(_linen_loss, state, has_aux=True)
+  (loss, pred), grads = grad_fn(state.params, state.apply_fn, x)
+  return state.apply_gradients(grads=grads), loss, pred, grads
+
+
+def test_linen_loss_unscaled_grads_scaled_and_update_matches_plain_sgd():
+  model, state = _linen_setup()
+  new, loss, pred, grads = _linen_step(state, X)
+  (ref_loss, ref_pred), ref_grads = jax.jit(jax.value_and_grad(_linen_loss, has_aux=True),
+                                            static_argnums=1)(state.params, model.apply, X)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  np.testing.assert_allclose(pred, ref_pred, rtol=1e-6)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=2e-3, atol=1e-6), grads, ref_grads)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g / S0, state.params, grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new.params, expected)
+  assert int(new.step) == 1 and int(optax_dls.applied_steps(new.opt_state)) == 1
+
+
+def test_linen_skipped_step_counts_in_step_not_in_applied_steps():
+  _, state = _linen_setup()
+  state, *_ = _linen_step(state, X)
+  skipped, loss, _, _ = _linen_step(state, X_BAD)
+  assert not np.isfinite(loss)
+  jax.tree.map(np.testing.assert_array_equal, skipped.params, state.params)
+  m = optax_dls.metrics(skipped)
+  assert bool(m["skipped"]) and float(m["loss_scale"]) == S0 / 2
+  assert int(skipped.step) == 2
+  assert int(optax_dls.applied_steps(skipped)) == 1 == int(m["num_steps"] - m["skip_count"])
+
+
+# --- nnx ------------------------------------------------------------------------------------
+
+class _Net(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(2, 1, dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
+    self.calls = nnx.BatchStat(jnp.zeros([], jnp.int32))  # not differentiated
+
+  def __call__(self, x):
+    return self.dense(x).astype(jnp.float32)
+
+
+def _nnx_loss(model, x):
+  return jnp.mean((model(x) - Y) ** 2)
+
+
+@nnx.jit
+def _nnx_step(model, optimizer, x):
+  loss, grads = dls_flax.value_and_grad(_nnx_loss, optimizer)(model, x)
+  optimizer.update(model, grads)
+  return loss, grads
+
+
+def test_nnx_optimizer_update_unscales_and_skips():
+  model = _Net(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+  before = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  loss, grads = _nnx_step(model, optimizer, X)
+  ref_grads = nnx.grad(_nnx_loss)(_Net(nnx.Rngs(0)), X)
+  assert set(nnx.to_pure_dict(grads)) == {"dense"}  # only nnx.Param (optimizer.wrt)
+  np.testing.assert_allclose(loss, _nnx_loss(_Net(nnx.Rngs(0)), X), rtol=1e-6)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=2e-3, atol=1e-6),
+               nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads))
+  after = nnx.state(model, nnx.Param)
+  jax.tree.map(lambda a, b, g: np.testing.assert_allclose(a, b - 0.1 * g / S0, rtol=1e-6),
+               nnx.to_pure_dict(after), before, nnx.to_pure_dict(grads))
+
+  kept = jax.tree.map(jnp.copy, nnx.to_pure_dict(after))
+  loss, _ = _nnx_step(model, optimizer, X_BAD)
+  assert not np.isfinite(loss)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, nnx.Param)), kept)
+  assert int(optimizer.step[...]) == 2
+  assert int(optax_dls.applied_steps(optimizer)) == 1
+  m = optax_dls.metrics(optimizer.opt_state)
+  assert bool(m["skipped"]) and float(m["loss_scale"]) == S0 / 2
+  assert isinstance(m["loss_scale"], jax.Array)
+
+
+def test_nnx_reset_scale_keeps_variables():
+  model = _Net(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+  optimizer.opt_state = optax_dls.reset_scale(optimizer.opt_state, 8.0)
+  assert float(optax_dls.loss_scale(optimizer)) == 8.0
+  _nnx_step(model, optimizer, X)
+  assert int(optax_dls.applied_steps(optimizer)) == 1
+
+
+def test_value_and_grad_argument_errors():
+  _, state = _linen_setup()
+  with pytest.raises(ValueError, match="LossScaleState"):
+    dls_flax.value_and_grad(_linen_loss, optax.sgd(0.1).init(state.params))
+  with pytest.raises(TypeError, match="has_aux"):
+    dls_flax.value_and_grad(_linen_loss, state, has_aux=1)
+  with pytest.raises(TypeError, match="argnums"):
+    dls_flax.value_and_grad(_linen_loss, state, argnums="0")
+  with pytest.raises(TypeError, match="fun"):
+    dls_flax.value_and_grad(None, state)
+
+
+# --- examples -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["flax_linen", "flax_nnx"])
+def test_example_smoke(name, capsys, monkeypatch):
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, module)  # linen modules are dataclasses
+  spec.loader.exec_module(module)
+  out = module.main(["--steps", "4", "--log-every", "2"])
+  assert out["steps"] == 4 and np.isfinite(out["loss"])
+  assert out["skip_count"] >= 1 and out["loss_scale"] < 2.0**24  # 2**24 overflows fp16 first
+  assert "loss scale" in capsys.readouterr().out
