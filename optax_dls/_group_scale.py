@@ -1,0 +1,137 @@
+"""Per-group gradient scaling: a second, fixed scale for one sub-network's gradients.
+
+One global loss scale S is limited by the largest gradients in the network
+(they must stay below the float16 maximum), which can leave the gradients of a
+small sub-network, a LoRA adapter for instance, below the float16 underflow
+threshold (2**-24). Multiplying the cotangent that flows into that sub-network
+by a factor k at its output, and by 1/k at its input, scales only that
+sub-network's gradients; :func:`group_unscale` divides them by k again before
+the optimizer. It is loss scaling (Micikevicius et al. 2018, *Mixed Precision
+Training*) applied to part of the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_dls import _numerics
+from optax_dls import _validation as v
+from optax_dls._policy import SCALE_MAX, SCALE_MIN
+
+
+def _factor(value: Any) -> float:
+  value = v.real("factor", value)
+  v.check(SCALE_MIN <= value <= SCALE_MAX, "factor", value, "2**-126 <= value <= 2**126")
+  return value
+
+
+def _times(ct: Any, factor: float) -> Any:
+  if ct is None or jnp.result_type(ct) == jax.dtypes.float0:
+    return ct
+  if not jnp.issubdtype(jnp.result_type(ct), jnp.inexact):
+    return ct
+  wide = jnp.promote_types(ct.dtype, jnp.float32)
+  return (ct.astype(wide) * jnp.asarray(factor, wide)).astype(ct.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scale_gradient(x: Any, factor: float) -> Any:
+  return x
+
+
+def _fwd(x, factor):
+  return x, None
+
+
+def _bwd(factor, _, ct):
+  return (jax.tree.map(lambda c: _times(c, factor), ct),)
+
+
+_scale_gradient.defvjp(_fwd, _bwd)
+
+
+def scale_gradient(x: Any, factor: float) -> Any:
+  """Identity in the forward pass; multiplies the cotangent by ``factor`` in the backward pass.
+
+  Args:
+    x: any pytree of arrays.
+    factor: float in [2**-126, 2**126], static. A power of two keeps the
+      product exact; other values are applied in float32 and rounded once to
+      the cotangent's dtype.
+
+  Returns:
+    ``x`` unchanged.
+
+  Raises:
+    ValueError: ``factor`` out of range. TypeError: not a static number.
+  """
+  return _scale_gradient(x, _factor(factor))
+
+
+def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
+  """Wraps a sub-network ``fn(params, *inputs)`` so that its gradients come out ``factor`` times larger.
+
+  The cotangent of the output is multiplied by ``factor`` (so every cotangent
+  and parameter gradient inside the sub-network is scaled), and the
+  cotangents of ``inputs`` by ``1 / factor`` on the way out, so the rest of the
+  network receives exactly what it would without the wrapper (up to float16
+  rounding of the scaled values). The gradients of ``params`` stay scaled:
+  divide them by ``factor`` with :func:`group_unscale` inside the loss-scaled
+  optimizer, so that an overflow inside the group is caught by the same
+  all-finite check and the step is skipped.
+
+  Args:
+    fn: callable ``fn(params, *inputs) -> outputs`` (pytrees).
+    factor: float in [2**-126, 2**126], static; a power of two is exact.
+
+  Returns:
+    The wrapped callable, same signature.
+
+  Raises:
+    ValueError / TypeError: as :func:`scale_gradient`.
+  """
+  factor = _factor(factor)
+  inverse = _factor(1.0 / factor)
+
+  @functools.wraps(fn)
+  def wrapped(params, *inputs):
+    return _scale_gradient(fn(params, *_scale_gradient(inputs, inverse)), factor)
+
+  return wrapped
+
+
+def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
+  """Divides the gradients selected by ``mask`` by ``factor`` (the inverse of :func:`group_scaled`).
+
+  Use it first inside the loss-scaled optimizer, e.g.
+  ``dynamic_loss_scale(optax.chain(group_unscale(2.0**12, is_adapter), optax.adam(1e-3)))``,
+  so the loss-scale unscale (by S) and the group unscale (by k) both run
+  before the inner optimizer, and a non-finite group gradient skips the step.
+  The product is formed in float32 (or wider) and cast back to each leaf's
+  dtype; non-floating leaves pass through. Stateless.
+
+  Args:
+    factor: float in [2**-126, 2**126], the factor given to :func:`group_scaled`.
+    mask: a pytree of bools with the structure of the gradients (or a prefix
+      of it), or a callable ``params -> such a pytree``; True marks the
+      group. As in ``optax.masked``.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Raises:
+    ValueError / TypeError: as :func:`scale_gradient`.
+  """
+  inverse = jnp.float32(1.0 / _factor(factor))
+
+  def update_fn(updates, state, params=None):
+    del params
+    return _numerics.unscale(updates, inverse), state
+
+  return optax.masked(optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn), mask)
