@@ -1,0 +1,134 @@
+"""Finding and reading the loss-scale state inside any optimizer state; all_finite."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+from optax_dls import DynamicScaleState, LossScaleState
+
+P = {"w": jnp.ones(3, jnp.float32)}
+DLS = dict(init_scale=2.0**8, growth_interval=3, alerts=False)
+
+OWN_FIELDS = [f for f in LossScaleState._fields if f not in ("policy_state", "inner_state", "underflow")] \
+    + list(DynamicScaleState._fields)
+
+
+def _holders():
+  """(name, optimizer, wrap) where wrap puts the optimizer state where a user might keep it."""
+  dls = optax_dls.dynamic_loss_scale
+  return [
+      ("chain", optax.chain(dls(optax.adam(1e-3), **DLS), optax.clip_by_global_norm(1e3)), lambda s: s),
+      ("multisteps", dls(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), **DLS), lambda s: s),
+      ("dict", dls(optax.adam(1e-3), **DLS), lambda s: {"opt": s, "step": jnp.zeros([], jnp.int32)}),
+  ]
+
+
+@pytest.mark.parametrize("holder", range(3), ids=["chain", "multisteps", "dict"])
+def test_access_finds_state_and_reads_it(holder):
+  _, tx, wrap = _holders()[holder]
+  step = jax.jit(lambda g, s: tx.update(g, s, P))
+  state = tx.init(P)
+  for g in (1.0, 2.0, jnp.inf, 3.0):
+    _, state = step({"w": jnp.full(3, g, jnp.float32) * optax_dls.loss_scale(state)}, state)
+  held = wrap(state)
+  ours = optax_dls.find_state(held)
+  assert isinstance(ours, LossScaleState)
+  assert float(optax_dls.loss_scale(held)) == 2.0**7  # one backoff, tracker 1 after it
+  loss = optax_dls.scale_loss(jnp.float16(1.5), held)
+  assert loss.dtype == jnp.float32 and float(loss) == 1.5 * 2.0**7
+  m = optax_dls.metrics(held)
+  assert {"loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio",
+          "grad_norm"} <= set(m)
+  assert all(isinstance(v, jax.Array) and v.shape == () for v in m.values())  # no host transfer
+  assert float(m["loss_scale"]) == 2.0**7 and not bool(m["skipped"])
+  assert int(m["skip_count"]) == 1 and int(m["consecutive_skips"]) == 0 and int(m["num_steps"]) == 4
+  assert float(m["update_ratio"]) == 0.75
+  np.testing.assert_allclose(float(m["grad_norm"]), 3.0 * np.sqrt(3.0), rtol=1e-6)
+
+  reset = optax_dls.reset_scale(held, 2.0**12)
+  assert jax.tree.structure(reset) == jax.tree.structure(held)
+  r = optax_dls.find_state(reset)
+  assert r.loss_scale.dtype == jnp.float32 and float(r.loss_scale) == 2.0**12
+  assert int(r.policy_state.growth_tracker) == 0 and int(ours.policy_state.growth_tracker) == 1
+  for f in ("num_steps", "num_skipped", "consecutive_skips", "grad_norm", "inner_state"):
+    for a, b in zip(jax.tree.leaves(getattr(r, f)), jax.tree.leaves(getattr(ours, f))):
+      np.testing.assert_array_equal(a, b)
+  # A traced value is allowed (e.g. inside a jitted training step).
+  traced = jax.jit(optax_dls.reset_scale)(held, jnp.float32(4.0))
+  assert float(optax_dls.loss_scale(traced)) == 4.0
+
+
+def test_reset_scale_then_grows_after_a_full_interval():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), **DLS)
+  step = jax.jit(lambda g, s: tx.update(g, s, P)[1])
+  state = step(P, step(P, tx.init(P)))  # tracker 2 of 3
+  state = optax_dls.reset_scale(state, 16.0)
+  scales = []
+  for _ in range(3):
+    state = step(P, state)
+    scales.append(float(state.loss_scale))
+  assert scales == [16.0, 16.0, 32.0]
+
+
+def test_none_or_several_states_raise_clear_errors():
+  adam_state = optax.adam(1e-3).init(P)
+  for fn in (optax_dls.find_state, optax_dls.loss_scale, optax_dls.metrics):
+    with pytest.raises(ValueError, match="no LossScaleState"):
+      fn(adam_state)
+  with pytest.raises(ValueError, match="no LossScaleState"):
+    optax_dls.scale_loss(jnp.float32(1.0), {"a": adam_state})
+  two = optax.chain(optax_dls.dynamic_loss_scale(optax.adam(1e-3)),
+                    optax_dls.static_loss_scale(optax.sgd(1.0), 4.0)).init(P)
+  for fn in (optax_dls.find_state, optax_dls.loss_scale, optax_dls.metrics,
+             lambda s: optax_dls.reset_scale(s, 2.0), lambda s: optax_dls.scale_loss(1.0, s)):
+    with pytest.raises(ValueError, match="2 LossScaleStates.*ambiguous"):
+      fn(two)
+  nested = optax_dls.dynamic_loss_scale(optax_dls.dynamic_loss_scale(optax.adam(1e-3))).init(P)
+  with pytest.raises(ValueError, match="ambiguous"):
+    optax_dls.loss_scale(nested)
+
+
+def test_multisteps_outside_the_loss_scaler_is_refused_with_advice():
+  # MultiSteps(dynamic_loss_scale(...)) would accumulate a NaN micro-batch before the
+  # check; the supported order is dynamic_loss_scale(MultiSteps(...)), found above.
+  state = optax.MultiSteps(optax_dls.dynamic_loss_scale(optax.adam(1e-3)), 2).init(P)
+  with pytest.raises(ValueError, match="MultiSteps"):
+    optax_dls.loss_scale(state)
+
+
+def test_scale_loss_rejects_integer_loss():
+  state = optax_dls.dynamic_loss_scale(optax.sgd(1.0)).init(P)
+  with pytest.raises(TypeError, match="loss"):
+    optax_dls.scale_loss(jnp.int32(3), state)
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_tree_get_finds_each_field_unambiguously(chained):
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=2.0**9, hysteresis=3)
+  if chained:
+    tx = optax.chain(tx, optax.add_decayed_weights(1e-4), optax.scale_by_adam())
+  state = tx.init(P)
+  ours = optax_dls.find_state(state)
+  for f in OWN_FIELDS:
+    expected = getattr(ours.policy_state if f in DynamicScaleState._fields else ours, f)
+    got = optax.tree_utils.tree_get(state, f)  # raises if the key is ambiguous
+    np.testing.assert_array_equal(got, expected)
+  assert float(optax.tree_utils.tree_get(state, "loss_scale")) == 2.0**9
+  assert int(optax.tree_utils.tree_get(state, "hysteresis_left")) == 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_all_finite_is_exact(dtype):
+  big = {"f32": 1e38, "float16": 65504.0, "bfloat16": 3e38, "float32": 3.4e38}[dtype]
+  f = jax.jit(optax_dls.all_finite)
+  ok = {"x": jnp.array([big, -big, 0.0, 1e-8], dtype), "big32": jnp.array([1e38], jnp.float32),
+        "i": jnp.array([2**31 - 1], jnp.int32), "n": None}
+  assert bool(f(ok))
+  for bad in (np.inf, -np.inf, np.nan):
+    assert not bool(f(dict(ok, x=ok["x"].at[2].set(bad)))), bad
+  assert bool(optax_dls.all_finite({})) and bool(optax_dls.all_finite([]))
+  assert bool(optax_dls.all_finite({"i": jnp.arange(3), "b": jnp.array([True]), "n": None}))
+  assert bool(optax_dls.all_finite({"empty": jnp.zeros((0, 3), dtype)}))
