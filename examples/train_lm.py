@@ -24,6 +24,7 @@ TensorBoard events under ``tb/<run>``, ``train_lm.png``, ``summary.json`` and
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import sys
@@ -78,8 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
   if args.d_model % args.heads:
     p.error(f"argument --heads: must divide --d-model {args.d_model}, got {args.heads}")
-  if not args.lr > 0:
-    p.error(f"argument --lr: must be > 0, got {args.lr}")
+  if not 0 < args.lr < math.inf:
+    p.error(f"argument --lr: must be finite and > 0, got {args.lr}")
+  if not 0 <= args.seed <= 2**32 - 1:
+    p.error(f"argument --seed: must be in [0, 2**32 - 1], got {args.seed}")
+  if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+    p.error(f"argument --out: must be a folder, got the existing file {args.out!r}")
   try:
     text = data.read_text(args.text) if args.text else data.default_text()
     args.train, args.val = data.split_bytes(text, args.seq_len + 1)

@@ -7,8 +7,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from optax_dls import _numerics
 from optax_dls import _validation as v
 from optax_dls._policy import SCALE_MAX, SCALE_MIN
 from optax_dls._monitoring import flatten_underflow
@@ -119,7 +121,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     ``loss * S`` with dtype ``promote_types(loss.dtype, float32)``.
 
   Raises:
-    TypeError: ``loss`` is not floating point.
+    TypeError: ``loss`` is not a floating-point array (e.g. an int, a str or None).
     ValueError: none or more than one loss-scale state in ``opt_state``.
 
   Example:
@@ -130,7 +132,13 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     Array(512., dtype=float32)
   """
   scale = loss_scale(opt_state)
-  loss = jnp.asarray(loss)
+  if loss is None or isinstance(loss, (str, bytes)):
+    raise TypeError(f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}.")
+  try:
+    loss = jnp.asarray(loss)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"loss must be a floating-point array, got {loss!r} of type "
+                    f"{type(loss).__name__}: {e}") from None
   if not jnp.issubdtype(loss.dtype, jnp.floating):
     raise TypeError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
   dtype = jnp.promote_types(loss.dtype, jnp.float32)
@@ -211,11 +219,13 @@ def reset_scale(opt_state: Any, value: float) -> Any:
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
     value: the new loss scale, a number or float32 ``()`` array in
-      [2**-126, 2**126]. A traced array is allowed (no range check then).
+      [2**-126, 2**126]. A traced array is allowed (shape ``()`` required;
+      no range check then).
 
   Raises:
-    ValueError: ``value`` out of range, or none or more than one loss-scale
-      state in ``opt_state``.
+    ValueError: ``value`` out of range, a traced ``value`` not of shape ``()``,
+      or none or more than one loss-scale state in ``opt_state``.
+    TypeError: ``value`` not a real number.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -224,6 +234,9 @@ def reset_scale(opt_state: Any, value: float) -> Any:
     Array(4096., dtype=float32)
   """
   find_state(opt_state)
+  if isinstance(value, jax.core.Tracer) and value.shape != ():
+    raise ValueError(f"value must be a scalar of shape (), got a traced value {value!r} "
+                     f"of shape {value.shape}.")
   if not isinstance(value, jax.core.Tracer):
     value = v.real("value", value)
     v.check(SCALE_MIN <= value <= SCALE_MAX, "value", value, "2**-126 <= value <= 2**126")
@@ -237,3 +250,22 @@ def reset_scale(opt_state: Any, value: float) -> Any:
     return x._replace(loss_scale=_like(x.loss_scale, value), policy_state=ps)
 
   return jax.tree.map(reset, opt_state, is_leaf=_is_ours)
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+  """Checked front of :func:`optax_dls._numerics.all_finite` (docstring copied below)."""
+  if not (axis_name is None or isinstance(axis_name, str) or (
+      isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name))):
+    raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
+  for leaf in jax.tree.leaves(tree):
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+      raise TypeError(f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
+                      f"in tree={tree!r}.")
+  return _numerics.all_finite(tree, axis_name)
+
+
+all_finite.__doc__ = _numerics.all_finite.__doc__.replace(
+    "  Returns:\n    A bool array of shape ``()``.\n",
+    "  Returns:\n    A bool array of shape ``()``.\n\n  Raises:\n    TypeError: a leaf of ``tree`` "
+    "that is not an array or number (e.g. a string), or an ``axis_name`` that is\n      not None, "
+    "a string or a tuple of strings.\n")

@@ -12,10 +12,12 @@ history).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dls import _validation as v
@@ -99,8 +101,9 @@ def amax_policy(
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
     max_scale: float in [2**-126, 2**126], ceiling of the scale. Default
       ``2**24``.
-    max_value: float > 0, finite, the largest finite value of the compute
-      dtype. Default 65504 (float16).
+    max_value: float, the largest finite value of the compute dtype; it and
+      ``max_value * 2**-margin`` must be normal finite float32 numbers
+      (``2**-126 <= value < 3.4e38``). Default 65504 (float16).
     statistic: ``"amax"`` (default; asks the wrapper for the amax) or
       ``"grad_norm"``.
 
@@ -118,10 +121,8 @@ def amax_policy(
   v.check(1 <= history_len <= 4096, "history_len", history_len, "1 <= value <= 4096")
   growth_interval = v.integer("growth_interval", growth_interval)
   v.check(1 <= growth_interval <= v.INT32_MAX, "growth_interval", growth_interval, "1 <= value <= 2**31 - 1")
-  growth_factor = v.real("growth_factor", growth_factor)
-  v.check(1.0 < growth_factor < float("inf"), "growth_factor", growth_factor, "1 < value < inf")
-  backoff_factor = v.real("backoff_factor", backoff_factor)
-  v.check(0.0 < backoff_factor < 1.0, "backoff_factor", backoff_factor, "0 < value < 1")
+  growth_factor = v.growth_factor("growth_factor", growth_factor)
+  backoff_factor = v.backoff_factor("backoff_factor", backoff_factor)
   for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
     value = v.real(name, value)
     v.check(SCALE_MIN <= value <= SCALE_MAX, name, value, "2**-126 <= value <= 2**126")
@@ -131,6 +132,14 @@ def amax_policy(
           f"min_scale={min_scale!r} <= init_scale <= max_scale={max_scale!r}")
   max_value = v.real("max_value", max_value)
   v.check(0.0 < max_value < float("inf"), "max_value", max_value, "0 < value < inf")
+  tiny = float(np.finfo(np.float32).tiny)
+  v.float32("max_value", max_value, lambda r: tiny <= r < math.inf,
+            "2**-126 <= value < inf (a normal number)")
+  v.float32("max_value * 2**-margin", max_value * 2.0**-margin, lambda r: tiny <= r < math.inf,
+            "2**-126 <= value < inf (a normal number)")
+  if not isinstance(statistic, str):
+    raise TypeError(f"statistic must be a string, one of {_STATISTICS}, got {statistic!r} "
+                    f"of type {type(statistic).__name__}.")
   if statistic not in _STATISTICS:
     raise ValueError(f"statistic must be one of {_STATISTICS}, got statistic={statistic!r}.")
   headroom = jnp.float32(max_value * 2.0**-margin)

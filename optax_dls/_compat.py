@@ -34,16 +34,8 @@ def _scale(name: str, value: Any) -> float:
   return value
 
 
-def _growth(name: str, value: Any) -> float:
-  value = v.real(name, value)
-  v.check(1.0 < value < float("inf"), name, value, "1 < value < inf")
-  return value
-
-
-def _backoff(name: str, value: Any) -> float:
-  value = v.real(name, value)
-  v.check(0.0 < value < 1.0, name, value, "0 < value < 1")
-  return value
+_growth = v.growth_factor
+_backoff = v.backoff_factor
 
 
 def _count(name: str, value: Any, low: int = 1) -> int:
@@ -52,10 +44,7 @@ def _count(name: str, value: Any, low: int = 1) -> int:
   return value
 
 
-def _flag(name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, jnp.bool_)):
-    raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}.")
-  return bool(value)
+_flag = v.boolean
 
 
 def _rule(*, init_scale: float, growth_factor: float, growth_after: int,
@@ -175,8 +164,9 @@ def jmp_policy(loss_scale: float, period: int = 2000, factor: float = 2,
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  return _rule(init_scale=_scale("loss_scale", loss_scale), growth_factor=_growth("factor", factor),
-               backoff_divisor=float(factor), growth_after=_count("period", period),
+  factor = _growth("factor", factor)
+  return _rule(init_scale=_scale("loss_scale", loss_scale), growth_factor=factor,
+               backoff_divisor=factor, growth_after=_count("period", period),
                min_scale=_scale("min_loss_scale", min_loss_scale), names=("loss_scale", "min_loss_scale"))
 
 

@@ -31,6 +31,9 @@ _WRAPPER_KEYS = frozenset({
     "axis_name", "alerts", "alert_after", "underflow_stats", "fallback_after",
     "fallback_steps", "fallback_scale"})
 _KINDS = ("dynamic", "static", "none")
+_NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - {
+    "consecutive_hysteresis", "axis_name", "alerts", "underflow_stats"}
+_ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
 
 # Each preset: the dynamic_loss_scale arguments, and why (shown in the docs).
 _PRESETS: dict[str, tuple[dict[str, Any], str]] = {
@@ -103,19 +106,47 @@ presets = types.SimpleNamespace(
 presets.__doc__ = "Named presets: ``optax_dls.presets.qlora()`` == ``optax_dls.preset('qlora')``."
 
 
+def _unique_key_loader(yaml: Any) -> Any:
+  """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
+
+  class UniqueKeyLoader(yaml.SafeLoader):
+    pass
+
+  def mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+    seen = set()
+    for key_node, _ in node.value:
+      key = loader.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate key {key!r}", key_node.start_mark)
+      seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+  UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+  return UniqueKeyLoader
+
+
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
   """Reads a YAML file into a dict (needs PyYAML).
 
   Raises:
-    ValueError: the file does not hold a mapping.
+    ValueError: the file is not UTF-8 YAML, holds a key twice in one mapping,
+      or does not hold a mapping (each message names the file).
+    OSError: the file cannot be read.
     ImportError: PyYAML is not installed.
   """
   try:
     import yaml
   except ImportError as e:
     raise ImportError("reading a YAML configuration needs PyYAML: pip install pyyaml") from e
-  with open(path) as f:
-    data = yaml.safe_load(f)
+  name = os.fspath(path)
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = yaml.load(f, Loader=_unique_key_loader(yaml))  # noqa: S506 (a SafeLoader subclass)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"the configuration file {name!r} is not UTF-8 text (a binary file?): {e}") from None
+  except yaml.YAMLError as e:
+    raise ValueError(f"the configuration file {name!r} is not valid YAML: {e}") from None
   if not isinstance(data, Mapping):
     raise ValueError(f"the configuration file {os.fspath(path)!r} must hold a mapping, got {type(data).__name__}.")
   return dict(data)
@@ -127,6 +158,12 @@ def _section(config: Any) -> dict[str, Any]:
   if not isinstance(config, Mapping):
     raise TypeError(f"config must be a mapping or a path to a YAML file, got {config!r}.")
   section = config["loss_scale"] if "loss_scale" in config else config
+  if "loss_scale" in config:
+    stray = sorted(k for k in config if k in _ALL_KEYS)
+    if stray:
+      raise ValueError(
+          f"the configuration has a 'loss_scale' section and also loss-scale keys at the top level, "
+          f"{stray}, which would be ignored: move them into the 'loss_scale' section.")
   if section is None:
     section = {}
   if not isinstance(section, Mapping):
@@ -169,10 +206,18 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
 
   Raises:
     ValueError: an unknown key (named in the message), an unknown kind or
-      preset, a wrapper option without ``inner``, or a value out of range.
-    TypeError: a value of the wrong type.
+      preset, a wrapper option without ``inner``, a value out of range, a
+      ``loss_scale`` section together with loss-scale keys at the top level,
+      or a YAML file that does not parse or repeats a key.
+    TypeError: a value of the wrong type (a number written ``1e4`` that YAML
+      reads as a string gets a hint to write ``1.0e4``).
   """
   section = _section(config)
+  for key, value in section.items():
+    if key in _NUMBER_KEYS and isinstance(value, str):
+      raise TypeError(
+          f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
+          "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000.")
   kind = section.pop("kind", "dynamic")
   if kind not in _KINDS:
     raise ValueError(f"loss_scale kind must be one of {_KINDS}, got kind={kind!r}.")

@@ -18,8 +18,10 @@ class FallbackConfig:
   """Checked fallback settings (static; closed over by the transformation)."""
 
   def __init__(self, after: Any, steps: Any, scale: Any):
-    self.after = v.integer("fallback_after", after)
-    v.check(1 <= self.after <= v.INT32_MAX, "fallback_after", self.after, "1 <= value <= 2**31 - 1")
+    # ``after=None`` (fallback off) still checks ``steps`` and ``scale``.
+    self.after = None if after is None else v.integer("fallback_after", after)
+    if self.after is not None:
+      v.check(1 <= self.after <= v.INT32_MAX, "fallback_after", self.after, "1 <= value <= 2**31 - 1")
     self.steps = v.integer("fallback_steps", steps)
     v.check(1 <= self.steps <= v.INT32_MAX, "fallback_steps", self.steps, "1 <= value <= 2**31 - 1")
     self.scale = None
@@ -85,9 +87,12 @@ def select_precision(opt_state: Any, fp16_fn: Callable, fp32_fn: Callable, *args
     **kwargs: passed to the chosen function.
 
   Raises:
+    TypeError: ``fp16_fn`` or ``fp32_fn`` is not callable.
     ValueError: the outputs differ in structure or shape, or ``opt_state``
       holds none or several loss-scale states.
   """
+  v.function("fp16_fn", fp16_fn)
+  v.function("fp32_fn", fp32_fn)
   flag = fallback_active(opt_state)
   dtypes = _common_dtypes(fp16_fn, fp32_fn, args, kwargs)
 
@@ -113,9 +118,19 @@ def fallback_value_and_grad(fp16_fn: Callable, fp32_fn: Callable, *, argnums: in
   Args:
     fp16_fn: the loss in float16 compute.
     fp32_fn: the loss in float32 compute, with ``fp16_fn``'s signature.
-    argnums: as in ``jax.value_and_grad``. Default 0.
-    has_aux: as in ``jax.value_and_grad``. Default False.
+    argnums: int >= 0 or non-empty tuple of them, as in
+      ``jax.value_and_grad``. Default 0.
+    has_aux: bool, as in ``jax.value_and_grad``. Default False.
+
+  Raises:
+    TypeError: ``fp16_fn`` / ``fp32_fn`` not callable, ``argnums`` not an int
+      or tuple of ints, ``has_aux`` not a bool.
+    ValueError: a negative ``argnums``.
   """
+  v.function("fp16_fn", fp16_fn)
+  v.function("fp32_fn", fp32_fn)
+  argnums = v.argnums(argnums)
+  has_aux = v.boolean("has_aux", has_aux)
   vg16 = jax.value_and_grad(fp16_fn, argnums=argnums, has_aux=has_aux)
   vg32 = jax.value_and_grad(fp32_fn, argnums=argnums, has_aux=has_aux)
 

@@ -41,7 +41,10 @@ def check_underflow_option(option: Any) -> Any:
 
 
 def _check_label(label: Any) -> str:
-  if not isinstance(label, str) or not label or "/" in label or label in _RESERVED:
+  if not isinstance(label, str):
+    raise TypeError(f"underflow_stats labels must be strings, got label {label!r} of type "
+                    f"{type(label).__name__}.")
+  if not label or "/" in label or label in _RESERVED:
     raise ValueError(
         f"underflow_stats labels must be non-empty strings without '/' and other than "
         f"{_RESERVED}, got label {label!r}.")

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dls import _validation as v
@@ -58,14 +59,22 @@ class LossScalePolicy(NamedTuple):
   :class:`GradStats`. Both functions are traced under ``jit``: no Python
   control flow on array values. The returned scale must be finite and > 0.
 
+  :func:`loss_scaled` checks a policy when it is built: it calls ``init()``
+  once (tiny arrays, nothing compiled) and requires a float32-castable ``()``
+  loss scale that is finite and > 0 (ValueError) and a state that is a pytree
+  of arrays (TypeError); at trace time ``update`` must return a
+  ``(loss_scale, policy_state)`` pair with a floating ``()`` scale and a state
+  of ``init``'s tree structure, shapes and dtypes (TypeError).
+
   Attributes:
     init: builds the initial ``(loss_scale, policy_state)``.
     update: moves the scale after one step, given that step's statistics.
     stats: optional statistics the policy needs beyond ``finite`` and
-      ``grad_norm``: a tuple drawn from ``("amax",)``. Default ``()``.
-    passthrough: when True the wrapper neither unscales nor checks nor skips:
-      gradients go to the inner optimizer unchanged. Only sound when the scale
-      is always 1 (the no-op policy). Default False.
+      ``grad_norm``: a tuple of strings drawn from ``("amax",)``. Default ``()``.
+    passthrough: bool (a NumPy bool is accepted). When True the wrapper
+      neither unscales nor checks nor skips: gradients go to the inner
+      optimizer unchanged. Only sound when the scale is always 1 (the no-op
+      policy), so ``init()`` must return a scale of exactly 1. Default False.
   """
 
   init: Callable[[], tuple[jax.Array, Any]]
@@ -122,8 +131,10 @@ def dynamic_policy(
   Args:
     init_scale: float, initial loss scale S. Default ``2**15``. Must satisfy
       ``min_scale <= init_scale <= max_scale``.
-    growth_factor: float > 1, finite. Default 2.
-    backoff_factor: float in (0, 1). Default 0.5.
+    growth_factor: float > 1, finite, also once rounded to float32 (so not
+      within ~6e-8 of 1). Default 2.
+    backoff_factor: float in (0, 1), also once rounded to float32 (so not
+      within ~3e-8 of 1, nor below ~1e-45). Default 0.5.
     growth_interval: int in [1, 2**31 - 1], consecutive finite steps before a
       growth. Default 2000.
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
@@ -157,10 +168,8 @@ def dynamic_policy(
     16.0
     8.0
   """
-  growth_factor = v.real("growth_factor", growth_factor)
-  v.check(1.0 < growth_factor < float("inf"), "growth_factor", growth_factor, "1 < value < inf")
-  backoff_factor = v.real("backoff_factor", backoff_factor)
-  v.check(0.0 < backoff_factor < 1.0, "backoff_factor", backoff_factor, "0 < value < 1")
+  growth_factor = v.growth_factor("growth_factor", growth_factor)
+  backoff_factor = v.backoff_factor("backoff_factor", backoff_factor)
   growth_interval = v.integer("growth_interval", growth_interval)
   v.check(1 <= growth_interval <= v.INT32_MAX, "growth_interval", growth_interval, "1 <= value <= 2**31 - 1")
   min_scale = _scale_value("min_scale", min_scale)
@@ -171,8 +180,7 @@ def dynamic_policy(
           f"min_scale={min_scale!r} <= init_scale <= max_scale={max_scale!r}")
   hysteresis = v.integer("hysteresis", hysteresis)
   v.check(1 <= hysteresis <= v.INT32_MAX, "hysteresis", hysteresis, "1 <= value <= 2**31 - 1")
-  if not isinstance(consecutive_hysteresis, (bool, jnp.bool_)):
-    raise TypeError(f"consecutive_hysteresis must be a bool, got {consecutive_hysteresis!r}.")
+  consecutive_hysteresis = v.boolean("consecutive_hysteresis", consecutive_hysteresis)
   warmup_steps = v.integer("warmup_steps", warmup_steps)
   v.check(0 <= warmup_steps <= v.INT32_MAX, "warmup_steps", warmup_steps, "0 <= value <= 2**31 - 1")
 
@@ -234,13 +242,106 @@ def noop_policy() -> LossScalePolicy:
   return LossScalePolicy(init, lambda s, state, stats: (s, state), passthrough=True)
 
 
+def _name(policy: LossScalePolicy) -> str:
+  return getattr(policy.update, "__qualname__", None) or repr(policy.update)
+
+
+def _leaf_spec(x: Any) -> tuple[tuple[int, ...], Any]:
+  return tuple(np.shape(x)), jnp.result_type(x)
+
+
+def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
+  """Runs ``policy.init()`` once (tiny arrays, no compilation) and checks what it returns.
+
+  Returns the tree structure and the (shape, dtype) of each leaf of the policy state.
+  """
+  out = policy.init()
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(f"policy.init() must return a (loss_scale, policy_state) pair, got {out!r}.")
+  scale, state = out
+  what = f"the loss scale returned by policy.init() ({policy.init!r})"
+  try:
+    dtype = jnp.result_type(scale)
+  except (TypeError, ValueError):
+    dtype = None
+  if dtype is None or isinstance(scale, bool) or not (
+      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(f"{what} must be a real number castable to float32, got {scale!r}.")
+  if np.shape(scale) != ():
+    raise ValueError(f"{what} must have shape (), got shape {np.shape(scale)} ({scale!r}).")
+  if not isinstance(scale, jax.core.Tracer):
+    with np.errstate(over="ignore"):
+      value = float(np.float32(np.asarray(scale)))
+    if not 0.0 < value < float("inf"):
+      raise ValueError(f"{what} must be finite and > 0 in float32, got {scale!r}.")
+    if policy.passthrough and value != 1.0:
+      raise ValueError(
+          f"a policy with passthrough=True must start at loss scale 1 (gradients are not "
+          f"unscaled), got {what} = {scale!r}.")
+  leaves, treedef = jax.tree.flatten(state)
+  for leaf in leaves:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+      raise TypeError(
+          f"the policy state returned by policy.init() ({policy.init!r}) must be a pytree of "
+          f"arrays, got a leaf {leaf!r} of type {type(leaf).__name__}.")
+  return treedef, [_leaf_spec(x) for x in leaves]
+
+
+def _checked_update(policy: LossScalePolicy, treedef: Any, specs: list) -> Callable:
+  """``policy.update`` with trace-time checks of its output (pure Python, no runtime cost)."""
+  update = policy.update
+
+  def checked(scale, state, stats):
+    out = update(scale, state, stats)
+    name = _name(policy)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}.")
+    new_scale, new_state = out
+    if np.shape(new_scale) != () or not jnp.issubdtype(jnp.result_type(new_scale), jnp.floating):
+      raise TypeError(
+          f"policy.update ({name}) must return a floating loss scale of shape (), got "
+          f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}.")
+    leaves, new_def = jax.tree.flatten(new_state)
+    if new_def != treedef:
+      raise TypeError(
+          f"policy.update ({name}) must return a policy state with the tree structure of "
+          f"policy.init()'s, {treedef}, got {new_def}.")
+    got = [_leaf_spec(x) for x in leaves]
+    if got != specs:
+      raise TypeError(
+          f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
+          f"policy.init()'s, {specs}, got {got}.")
+    return new_scale, new_state
+
+  return checked
+
+
 def check_policy(policy: Any) -> LossScalePolicy:
-  """Raises TypeError / ValueError unless ``policy`` is a usable LossScalePolicy."""
+  """Returns ``policy`` checked, its ``update`` wrapped with trace-time output checks.
+
+  Runs ``policy.init()`` once, eagerly (tiny arrays; nothing is compiled).
+
+  Raises:
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`; ``init`` / ``update`` not
+      callable; ``stats`` not a tuple of strings; ``passthrough`` not a bool;
+      ``init()`` not a ``(loss_scale, policy_state)`` pair or a state leaf that is not
+      an array. At trace time: ``update`` returns something other than a
+      ``(loss_scale, policy_state)`` pair with a floating ``()`` scale and a state
+      of ``init``'s tree structure, shapes and dtypes.
+    ValueError: unknown ``stats``; ``init``'s loss scale not a finite float32 ``()``
+      value > 0; ``passthrough=True`` with an initial scale other than 1.
+  """
   if not isinstance(policy, LossScalePolicy):
     raise TypeError(f"policy must be a LossScalePolicy, got {policy!r} of type {type(policy).__name__}.")
   if not (callable(policy.init) and callable(policy.update)):
     raise TypeError(f"policy.init and policy.update must be callable, got {policy!r}.")
+  if not isinstance(policy.stats, (tuple, list)) or not all(isinstance(x, str) for x in policy.stats):
+    raise TypeError(f"policy.stats must be a tuple of strings drawn from {sorted(_STATS)}, "
+                    f"got {policy.stats!r} of type {type(policy.stats).__name__}.")
   unknown = set(policy.stats) - _STATS
-  if unknown or isinstance(policy.stats, str):
+  if unknown:
     raise ValueError(f"policy.stats must be a tuple drawn from {sorted(_STATS)}, got {policy.stats!r}.")
-  return policy
+  policy = policy._replace(stats=tuple(policy.stats),
+                           passthrough=v.boolean("policy.passthrough", policy.passthrough))
+  treedef, specs = _check_init(policy)
+  return policy._replace(update=_checked_update(policy, treedef, specs))

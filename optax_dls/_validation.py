@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,9 +27,41 @@ def real(name: str, value: Any) -> float:
   value = _concrete(name, value)
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}.")
-  value = float(value)
+  try:
+    value = float(value)
+  except OverflowError:
+    raise ValueError(f"{name} is too large to be a float, got {name}={value!r}.") from None
   if math.isnan(value):
     raise ValueError(f"{name} must not be NaN, got {value!r}.")
+  return value
+
+
+def boolean(name: str, value: Any) -> bool:
+  """Returns ``value`` as a bool; accepts ``bool`` and ``numpy.bool_``.
+
+  TypeError for other types (ints included) and for traced values.
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"{name} must be a static bool, got a traced value {value!r}. It is fixed when the "
+        "transformation is built: build it outside jax.jit / vmap / grad, or pass a Python bool.")
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}.")
+  return bool(value)
+
+
+def float32(name: str, value: float, ok: Callable[[float], bool], rule: str) -> float:
+  """Checks ``rule`` on ``value`` rounded to float32 (the dtype it is used in); returns ``value``.
+
+  Catches values valid as Python floats that stop being valid once rounded,
+  e.g. a backoff factor of ``1 - 1e-9`` (rounds to 1) or ``1e-50`` (rounds to 0).
+  """
+  with np.errstate(over="ignore", under="ignore"):
+    rounded = float(np.float32(value))
+  if not ok(rounded):
+    raise ValueError(
+        f"{name} must satisfy {rule} in float32, got {name}={value!r}, which rounds to "
+        f"{rounded!r} in float32.")
   return value
 
 
@@ -47,3 +80,38 @@ def check(ok: bool, name: str, value: Any, rule: str) -> None:
 
 
 INT32_MAX = 2**31 - 1
+
+
+def growth_factor(name: str, value: Any) -> float:
+  """A growth factor: a finite number > 1, also after rounding to float32."""
+  value = real(name, value)
+  check(1.0 < value < math.inf, name, value, "1 < value < inf")
+  return float32(name, value, lambda r: 1.0 < r < math.inf, "1 < value < inf")
+
+
+def backoff_factor(name: str, value: Any) -> float:
+  """A backoff factor: a number in (0, 1), also after rounding to float32."""
+  value = real(name, value)
+  check(0.0 < value < 1.0, name, value, "0 < value < 1")
+  return float32(name, value, lambda r: 0.0 < r < 1.0, "0 < value < 1")
+
+
+def argnums(value: Any) -> int | tuple[int, ...]:
+  """``argnums`` as in ``jax.grad``: an int >= 0 or a non-empty tuple of them; TypeError otherwise."""
+  ok = isinstance(value, (int, np.integer)) or (
+      isinstance(value, tuple) and value and all(isinstance(i, (int, np.integer)) for i in value))
+  bools = value if isinstance(value, tuple) else (value,)
+  if not ok or any(isinstance(i, (bool, np.bool_)) for i in bools):
+    raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {value!r} "
+                    f"of type {type(value).__name__}.")
+  nums = tuple(int(i) for i in bools)
+  if any(i < 0 for i in nums):
+    raise ValueError(f"argnums must be >= 0, got argnums={value!r}.")
+  return nums[0] if not isinstance(value, tuple) else nums
+
+
+def function(name: str, value: Any) -> Any:
+  """``value`` if callable; TypeError naming ``name`` otherwise."""
+  if not callable(value):
+    raise TypeError(f"{name} must be callable, got {value!r} of type {type(value).__name__}.")
+  return value

@@ -7,7 +7,11 @@ update ratio, longest skip streak, loss scale min / median / max, logged steps a
 the minimum and maximum scale, then a diagnosis of the usual symptoms with what
 to do about each. ``--plot out.png`` draws the loss scale and the skips.
 
-Exit codes: 0 success, 2 no logs found (or a bad argument).
+Malformed rows (a ``step`` that is not a whole number, lines that are not JSON)
+and unreadable files are skipped with a warning on stderr.
+
+Exit codes: 0 success, 2 no logs found, only unreadable logs, or a bad
+argument (e.g. ``--plot`` into a missing folder or with an unknown extension).
 """
 
 from __future__ import annotations
@@ -56,12 +60,47 @@ def _train_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return kept or rows
 
 
+def _step(value: Any) -> int | None:
+  """A row's step as an int, or None when it is not a whole finite number (a malformed row)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+    return None
+  return int(value) if abs(value) < 2**63 else None
+
+
+def _read(path: str, reader: Any) -> tuple[list[dict[str, Any]], int]:
+  """The well-formed rows of one log file and the count of malformed ones (never raises on content)."""
+  try:
+    raw = reader(path)
+  except Exception as e:  # noqa: BLE001  (OSError, or e.g. a protobuf DecodeError on a corrupt event file)
+    _warn(path, f"unreadable ({type(e).__name__}: {e})")
+    return [], 1
+  rows, bad = [], 0
+  for row in raw:
+    step = _step(row.get("step"))
+    if step is None:
+      bad += 1
+      continue
+    rows.append({**row, "step": step})
+  if bad:
+    _warn(path, f"skipped {bad} row(s) whose 'step' is not a whole number")
+  return rows, bad
+
+
+def _warn(path: str, what: str) -> None:
+  print(f"optax-dls inspect: warning: {path}: {what}", file=sys.stderr)
+
+
 def load_runs(run_dir: str) -> dict[str, list[dict[str, Any]]]:
   """``{run name: rows sorted by step}`` from the JSONL files under ``run_dir``, or,
   where there are none, from its TensorBoard event files.
 
+  Malformed rows (a ``step`` that is not a whole number) and unreadable files
+  are skipped with a warning on stderr.
+
   Raises:
-    NoLogsError: ``run_dir`` is missing or holds neither.
+    NoLogsError: ``run_dir`` is missing, holds no logs, or only unreadable ones.
   """
   if not os.path.isdir(run_dir):
     raise NoLogsError(f"{run_dir!r} is not a folder.")
@@ -73,14 +112,20 @@ def load_runs(run_dir: str) -> dict[str, list[dict[str, Any]]]:
       elif name.startswith("events.out.tfevents"):
         events.append(os.path.join(root, name))
   runs: dict[str, list[dict[str, Any]]] = {}
-  for path, reader in ([(p, writers.read_jsonl) for p in sorted(jsonl)] or
-                       [(p, writers.read_tensorboard) for p in sorted(events)]):
+  files = ([(p, writers.read_jsonl) for p in sorted(jsonl)] or
+           [(p, writers.read_tensorboard) for p in sorted(events)])
+  for path, reader in files:
     default = os.path.relpath(os.path.dirname(path), run_dir)
-    for row in reader(path):
+    for row in _read(path, reader)[0]:
       row = {_canonical(k): v for k, v in row.items()}
       name = str(row.get("run", default if default != "." else os.path.basename(os.path.abspath(run_dir))))
       runs.setdefault(name, []).append(row)
   runs = {k: sorted(_train_rows(v), key=lambda r: r["step"]) for k, v in runs.items() if v}
+  if not runs and files:
+    raise NoLogsError(
+        f"the logs under {run_dir!r} exist but are unreadable: none of {len(files)} file(s) "
+        f"({', '.join(p for p, _ in files[:3])}{', ...' if len(files) > 3 else ''}) holds a row "
+        "with a whole-number 'step'.")
   if not runs:
     raise NoLogsError(
         f"no metrics logs under {run_dir!r}: expected *.jsonl files with a 'step' key "
@@ -88,8 +133,17 @@ def load_runs(run_dir: str) -> dict[str, list[dict[str, Any]]]:
   return runs
 
 
+def _number(value: Any) -> float:
+  if not isinstance(value, (int, float)):
+    return np.nan  # a string, list, null, ...: malformed, ignored
+  try:
+    return float(value)
+  except OverflowError:  # an integer beyond float range
+    return np.nan
+
+
 def _column(rows: list[dict[str, Any]], key: str) -> np.ndarray:
-  return np.array([float(r[key]) if isinstance(r.get(key), (int, float)) else np.nan for r in rows])
+  return np.array([_number(r.get(key)) for r in rows], dtype=np.float64)
 
 
 def _longest_true_run(flags: np.ndarray) -> int:
@@ -100,6 +154,12 @@ def _longest_true_run(flags: np.ndarray) -> int:
   return best
 
 
+def _finite_max(x: np.ndarray, default: Any) -> Any:
+  """Largest finite entry of ``x`` (non-finite counters are malformed), else ``default``."""
+  x = x[np.isfinite(x) & (np.abs(x) < 2.0**63)]
+  return x.max() if x.size else default
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
   """Summary numbers of one run's rows (see the module docstring)."""
   steps = _column(rows, "step")
@@ -107,10 +167,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
   skipped = _column(rows, "skipped") > 0
   num_steps = _column(rows, "num_steps")
   skip_count = _column(rows, "skip_count")
-  updates = int(np.nanmax(num_steps)) if np.isfinite(num_steps).any() else len(rows)
-  skips = int(np.nanmax(skip_count)) if np.isfinite(skip_count).any() else int(skipped.sum())
+  updates = int(_finite_max(num_steps, len(rows)))
+  skips = int(_finite_max(skip_count, skipped.sum()))
   consec = _column(rows, "consecutive_skips")
-  streak = int(np.nanmax(consec)) if np.isfinite(consec).any() else _longest_true_run(skipped)
+  streak = int(_finite_max(consec, _longest_true_run(skipped)))
   s = scale[np.isfinite(scale)]
   out = {
       "logged_steps": len(rows), "first_step": int(steps[0]), "last_step": int(steps[-1]),
@@ -268,6 +328,20 @@ def inspect(run_dir: str, plot_path: str | None = None, as_json: bool = False) -
   return "\n".join(lines)
 
 
+def _check_plot_path(parser: argparse.ArgumentParser, path: str) -> None:
+  """Exits 2 (argparse error) unless ``path`` is in an existing folder with an image extension."""
+  from matplotlib.backend_bases import FigureCanvasBase
+
+  folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    parser.error(f"argument --plot: the folder {os.path.dirname(path) or folder!r} does not exist")
+  ext = os.path.splitext(path)[1].lstrip(".").lower()
+  kinds = FigureCanvasBase.get_supported_filetypes()
+  if ext not in kinds:
+    parser.error(f"argument --plot: unsupported image extension {ext or '(none)'!r} in {path!r}; "
+                 f"use one of {', '.join(sorted(kinds))}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of the ``optax-dls`` command; returns the exit code."""
   parser = argparse.ArgumentParser(prog="optax-dls", description="Tools for optax_dls loss-scaled training runs.")
@@ -277,10 +351,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image")
   p.add_argument("--json", action="store_true", help="print the summary and diagnosis as JSON")
   args = parser.parse_args(argv)
+  if args.plot:
+    _check_plot_path(p, args.plot)
   try:
     text = inspect(args.run_dir, args.plot, args.json)
   except NoLogsError as e:
     print(f"optax-dls inspect: error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:
+    print(f"optax-dls inspect: error: cannot write the plot {args.plot!r}: {e}", file=sys.stderr)
     return 2
   print(text)
   return 0

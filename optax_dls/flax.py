@@ -24,6 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from optax_dls import _validation
 from optax_dls._access import applied_steps, find_state, scale_loss
 
 __all__ = ["applied_steps", "value_and_grad"]
@@ -80,14 +81,14 @@ def value_and_grad(
   Raises:
     TypeError: ``fun`` is not callable, ``has_aux`` is not a bool, or
       ``argnums`` is not an int or tuple of ints; (when called) the loss is
-      not floating point.
+      not floating point, or ``fun`` does not return a ``(loss, aux)`` pair
+      with ``has_aux=True``.
     ValueError: ``opt`` holds no loss-scale state, or more than one (checked
       here, before any tracing).
   """
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r}.")
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"has_aux must be a bool, got {has_aux!r}.")
+  has_aux = _validation.boolean("has_aux", has_aux)
   ok = isinstance(argnums, int) or (
       isinstance(argnums, tuple) and argnums and all(isinstance(i, int) for i in argnums))
   if not ok or isinstance(argnums, bool):
@@ -102,6 +103,11 @@ def value_and_grad(
 
     def scaled(*a, **k):
       out = fun(*a, **k)
+      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"with has_aux=True, fun ({getattr(fun, '__qualname__', fun)!r}) must return a "
+            "(loss, aux) pair, got "
+            f"{f'an array of shape {out.shape}' if hasattr(out, 'shape') else f'a {type(out).__name__}'}.")
       loss, aux = out if has_aux else (out, None)
       return scale_loss(loss, state), (loss, aux)
 

@@ -27,13 +27,20 @@ import numpy as np
 JSONL_NAME = "metrics.jsonl"
 
 
-def _to_python(value: Any) -> Any:
+_RESERVED = ("step", "run")
+
+
+def _to_python(name: str, value: Any) -> Any:
   """A host scalar as a JSON-friendly Python value (bool, int, float, str)."""
   if isinstance(value, (str, bool)) or value is None:
     return value
   arr = np.asarray(value)
   if arr.ndim:
-    raise ValueError(f"metric values must be scalars, got an array of shape {arr.shape}.")
+    raise ValueError(f"metric {name!r} must be a scalar, got an array of shape {arr.shape}.")
+  if not (np.issubdtype(arr.dtype, np.bool_) or np.issubdtype(arr.dtype, np.integer)
+          or np.issubdtype(arr.dtype, np.floating)):
+    raise TypeError(f"metric {name!r} must be a real number or bool, got {value!r} of type "
+                    f"{type(value).__name__}.")
   item = arr.item()
   if isinstance(item, (bool, np.bool_)):
     return bool(item)
@@ -61,7 +68,8 @@ class MetricsWriter:
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
-    TypeError: ``every`` not an int.
+    TypeError: ``every`` not an int, ``tensorboard`` / ``jsonl`` not a bool,
+      ``run_name`` neither a str nor None.
     ImportError: ``tensorboard=True`` without ``tensorboardX`` installed.
   """
 
@@ -71,6 +79,11 @@ class MetricsWriter:
       raise TypeError(f"every must be an int, got {every!r}.")
     if every < 1:
       raise ValueError(f"every must be >= 1, got every={every!r}.")
+    for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl)):
+      if not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {flag!r} of type {type(flag).__name__}.")
+    if run_name is not None and not isinstance(run_name, str):
+      raise TypeError(f"run_name must be a str or None, got {run_name!r} of type {type(run_name).__name__}.")
     if not (tensorboard or jsonl):
       raise ValueError("MetricsWriter needs tensorboard=True or jsonl=True, got both False.")
     self.logdir = os.fspath(logdir)
@@ -102,19 +115,32 @@ class MetricsWriter:
       True when the step was written.
 
     Raises:
-      TypeError: ``step`` is not a Python / NumPy integer.
-      ValueError: a value is not a scalar.
+      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a
+        mapping, a metric name is not a str, or a value is not a real number,
+        bool or str.
+      ValueError: a value is not a scalar, or a metric is named ``"step"`` or
+        ``"run"`` (reserved columns of every row).
     """
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
       raise TypeError(f"step must be a Python int, got {step!r} of type {type(step).__name__}.")
     step = int(step)
     if step % self.every:
       return False
-    values = jax.device_get({**metrics, **extra})
+    if not isinstance(metrics, Mapping):
+      raise TypeError(f"metrics must be a mapping of metric names to scalars, got {metrics!r} "
+                      f"of type {type(metrics).__name__}.")
+    values = {**metrics, **extra}
+    for key in values:
+      if not isinstance(key, str):
+        raise TypeError(f"metric names must be strings, got {key!r} of type {type(key).__name__}.")
+      if key in _RESERVED:
+        raise ValueError(f"metric name {key!r} is reserved ({_RESERVED} are columns of every "
+                         "logged row); rename the metric.")
+    values = jax.device_get(values)
     row = {"step": step}
     if self.run_name is not None:
       row["run"] = self.run_name
-    row.update({k: _to_python(v) for k, v in values.items()})
+    row.update({k: _to_python(k, v) for k, v in values.items()})
     if self._jsonl is not None:
       self._jsonl.write(json.dumps(row) + "\n")
       self._jsonl.flush()
@@ -148,7 +174,7 @@ class MetricsWriter:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
   """The rows of a ``metrics.jsonl`` file (blank and malformed lines skipped)."""
   rows = []
-  with open(path) as f:
+  with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes: a malformed line
     for line in f:
       line = line.strip()
       if not line:

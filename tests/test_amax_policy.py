@@ -168,3 +168,16 @@ def test_state_has_fixed_dtypes_and_survives_jit_and_flattening():
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kw", [{"max_value": 1e39}, {"max_value": 1e-46}, {"max_value": 1e-30, "margin": 64}])
+def test_amax_max_value_must_be_a_normal_float32(kw):
+  with pytest.raises(ValueError, match="max_value"):
+    optax_dls.amax_policy(**kw)
+
+
+def test_statistic_of_wrong_type_raises_type_error():
+  with pytest.raises(TypeError, match="statistic"):
+    optax_dls.amax_policy(statistic=None)
+  with pytest.raises(TypeError, match="statistic"):
+    optax_dls.amax_policy(statistic=["amax"])

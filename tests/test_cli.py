@@ -146,3 +146,43 @@ def test_inspect_logs_of_the_main_example(tmp_path, capsys):
   assert s["updates"] == 4 == len(rows)
   assert s["skips"] == max(r["skip_count"] for r in rows)
   assert s["scale_max"] == max(r["loss_scale"] for r in rows)
+
+
+def _write_log(path, text, mode="w"):
+  path.mkdir(parents=True, exist_ok=True)
+  with open(path / "metrics.jsonl", mode) as f:
+    f.write(text)
+
+
+@pytest.mark.parametrize("bad", ['"abc"', "null", "NaN", "1.5", "1e400", "Infinity", "true", str(10**30)])
+def test_rows_with_a_malformed_step_are_skipped_with_a_warning(bad, tmp_path, capsys):
+  _write_log(tmp_path, '{"step": 0, "loss_scale": 1024}\n{"step": %s, "loss_scale": 2}\n'
+             '{"step": 1, "loss_scale": 512, "num_steps": Infinity, "skip_count": %s}\n' % (bad, 10**400))
+  assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+  captured = capsys.readouterr()
+  (summary,) = [r["summary"] for r in json.loads(captured.out).values()]
+  assert (summary["logged_steps"], summary["scale_min"], summary["scale_max"]) == (2, 512, 1024)
+  assert "skipped 1 row(s)" in captured.err
+
+
+@pytest.mark.parametrize("content", [b'{"step": "a"}\n{"step": null}\n', bytes(range(256)) * 2,
+                                     b'{"step": 0, "loss_scale": 1024\n{garbage\n'])
+def test_all_corrupt_logs_exit_2_saying_they_are_unreadable(content, tmp_path, capsys):
+  tmp_path.joinpath("metrics.jsonl").write_bytes(content)
+  assert cli.main(["inspect", str(tmp_path)]) == 2
+  assert "exist but are unreadable" in capsys.readouterr().err
+
+
+def test_corrupt_event_file_exits_2(tmp_path, capsys):
+  tmp_path.joinpath("events.out.tfevents.1").write_bytes(b"\x05" + bytes(range(256)) * 2)
+  assert cli.main(["inspect", str(tmp_path)]) == 2
+  assert "exist but are unreadable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plot, message", [("missing/out.png", "does not exist"), ("out.xyz", "extension")])
+def test_bad_plot_path_is_an_argument_error(plot, message, tmp_path, capsys):
+  _write_log(tmp_path / "run", '{"step": 0, "loss_scale": 1}\n')
+  with pytest.raises(SystemExit) as e:
+    cli.main(["inspect", str(tmp_path / "run"), "--plot", str(tmp_path / plot)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "--plot" in err and message in err

@@ -91,3 +91,37 @@ def test_preset_values_follow_their_rationale():
   assert optax_dls.presets.qlora() == qlora and optax_dls.presets.text_llm() == llm
   for p in (llm, mm, pref, qlora):
     optax_dls.dynamic_loss_scale(optax.sgd(0.1), **p)  # every preset is valid
+
+
+def test_loss_scale_keys_beside_a_loss_scale_section_are_refused():
+  with pytest.raises(ValueError, match=r"top level.*\['growth_interval', 'init_scale'\]"):
+    optax_dls.from_config({"loss_scale": {}, "init_scale": 8.0, "growth_interval": 3, "model": {}})
+  # Other sections are still left alone.
+  policy = optax_dls.from_config({"loss_scale": {"init_scale": 8.0}, "model": {"d": 1}})
+  assert float(policy.init()[0]) == 8.0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("loss_scale:\n  init_scale: 8.0\n  init_scale: 16.0\n", "duplicate key 'init_scale'"),
+    ("loss_scale: {init_scale: [1, 2\n", "not valid YAML"),
+])
+def test_bad_yaml_files_raise_value_error_naming_the_file(tmp_path, text, match):
+  path = tmp_path / "bad.yaml"
+  path.write_text(text)
+  with pytest.raises(ValueError, match=match) as e:
+    optax_dls.from_config(str(path))
+  assert "bad.yaml" in str(e.value)
+
+
+def test_binary_yaml_file_raises_value_error(tmp_path):
+  path = tmp_path / "bin.yaml"
+  path.write_bytes(bytes(range(128, 256)))
+  with pytest.raises(ValueError, match="bin.yaml.*UTF-8"):
+    optax_dls.from_config(path)
+
+
+def test_scientific_number_read_as_string_gets_a_hint(tmp_path):
+  path = tmp_path / "sci.yaml"
+  path.write_text("loss_scale:\n  init_scale: 1e4\n")
+  with pytest.raises(TypeError, match=r"init_scale.*'1e4'.*1\.0e4"):
+    optax_dls.from_config(path)

@@ -96,3 +96,23 @@ def test_select_precision_promotes_and_checks_structure():
 def test_bad_fallback_arguments(kwargs, name):
   with pytest.raises(ValueError, match=name):
     optax_dls.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(has_aux="no"), "has_aux"), (dict(has_aux=1), "has_aux"),
+    (dict(argnums="a"), "argnums"), (dict(argnums=[0]), "argnums"), (dict(argnums=(0, 1.0)), "argnums"),
+    (dict(argnums=True), "argnums"),
+])
+def test_fallback_value_and_grad_checks_its_options_at_construction(kw, match):
+  with pytest.raises(TypeError, match=match):
+    optax_dls.fallback_value_and_grad(lambda x: x, lambda x: x, **kw)
+
+
+def test_fallback_functions_must_be_callable():
+  with pytest.raises(TypeError, match="fp16_fn"):
+    optax_dls.fallback_value_and_grad(None, lambda x: x)
+  with pytest.raises(TypeError, match="fp32_fn"):
+    optax_dls.fallback_value_and_grad(lambda x: x, 3.0)
+  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1), fallback_after=2).init({"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match="fp16_fn"):
+    optax_dls.select_precision(state, None, lambda x: x, jnp.ones(2))

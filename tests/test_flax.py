@@ -161,3 +161,10 @@ def test_example_smoke(name, capsys, monkeypatch):
   assert out["steps"] == 4 and np.isfinite(out["loss"])
   assert out["skip_count"] >= 1 and out["loss_scale"] < 2.0**24  # 2**24 overflows fp16 first
   assert "loss scale" in capsys.readouterr().out
+
+
+def test_has_aux_with_a_scalar_loss_names_the_problem():
+  opt_state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+  grad_fn = dls_flax.value_and_grad(lambda p: jnp.sum(p["w"]), opt_state, has_aux=True)
+  with pytest.raises(TypeError, match=r"has_aux=True.*\(loss, aux\)"):
+    grad_fn({"w": jnp.ones(2)})

@@ -108,8 +108,9 @@ def test_new_field_names_are_unambiguous_in_an_optax_chain():
     optax.tree_utils.tree_get(state, name)  # raises KeyError if absent or ambiguous
 
 
-@pytest.mark.parametrize("bad", [{"base": {"w": 3}, "lora": {"a": "lora"}}, {"base": {"w": "a/b"}, "lora": {"a": "x"}},
-                                 {"base": {"w": "zero_frac"}, "lora": {"a": "x"}}])
-def test_bad_labels_raise_naming_the_label(bad):
-  with pytest.raises(ValueError, match="label"):
+@pytest.mark.parametrize("bad, error", [({"base": {"w": 3}, "lora": {"a": "lora"}}, TypeError),
+                                        ({"base": {"w": "a/b"}, "lora": {"a": "x"}}, ValueError),
+                                        ({"base": {"w": "zero_frac"}, "lora": {"a": "x"}}, ValueError)])
+def test_bad_labels_raise_naming_the_label(bad, error):
+  with pytest.raises(error, match="label"):
     optax_dls.dynamic_loss_scale(optax.sgd(0.1), underflow_stats=bad)

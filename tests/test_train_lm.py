@@ -99,11 +99,23 @@ def test_text_errors_exit_2_with_a_message(tmp_path, capsys, content, message):
     (["--runs", "fp32,bf16"], "--runs"),
     (["--heads", "3"], "--heads"),
     (["--steps", "0"], "--steps"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**32)], "--seed"),
 ])
 def test_bad_flags_exit_2(tmp_path, capsys, flags, message):
   with pytest.raises(SystemExit) as e:
     train_lm.main(flags + ["--out", str(tmp_path / "out")])
   assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_out_an_existing_file_exits_2(tmp_path, capsys):
+  path = tmp_path / "afile"
+  path.write_text("keep me")
+  with pytest.raises(SystemExit) as e:
+    train_lm.parse_args(["--out", str(path)])
+  assert e.value.code == 2 and "--out" in capsys.readouterr().err and path.read_text() == "keep me"
 
 
 def test_text_file_is_split_90_10(tmp_path):

@@ -118,3 +118,149 @@ def test_monitoring_options_checked_in_both_presets(kw, error):
     with pytest.raises(error, match=name) as e:
       build()
     assert repr(value) in str(e.value)
+
+
+# --- Values valid as Python floats but not once rounded to float32 ------------------
+
+F32_BAD = [("growth_factor", 1 + 1e-9), ("growth_factor", 1e300),
+           ("backoff_factor", 1 - 1e-9), ("backoff_factor", 1e-50)]
+
+
+@pytest.mark.parametrize("name,value", F32_BAD)
+@pytest.mark.parametrize("factory", ["dynamic_policy", "torch_policy", "amax_policy", "megatron_policy"])
+def test_factors_that_round_to_one_or_zero_in_float32_are_refused(factory, name, value):
+  with pytest.raises(ValueError, match=f"{name}.*float32") as e:
+    getattr(optax_dls, factory)(**{name: value})
+  assert repr(value) in str(e.value) and "rounds to" in str(e.value)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: optax_dls.jmp_policy(1024.0, factor=1 + 1e-9),
+    lambda: optax_dls.flax_policy(growth_factor=1 + 1e-9),
+    lambda: optax_dls.flax_policy(backoff_factor=1 - 1e-9),
+    lambda: optax_dls.dynamic_loss_scale(INNER, backoff_factor=1 - 1e-9),
+])
+def test_presets_check_factors_in_float32(build):
+  with pytest.raises(ValueError, match="rounds to"):
+    build()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: optax_dls.dynamic_loss_scale(INNER, init_scale=10**400),
+    lambda: optax_dls.static_loss_scale(INNER, 10**400),
+    lambda: optax_dls.torch_policy(growth_factor=10**400),
+    lambda: optax_dls.reset_scale(optax_dls.dynamic_loss_scale(INNER).init({"w": jnp.zeros(1)}), 10**400),
+])
+def test_huge_python_ints_raise_value_error_not_overflow(build):
+  with pytest.raises(ValueError, match="too large"):
+    build()
+
+
+@pytest.mark.parametrize("kw", [{"fallback_steps": 0}, {"fallback_steps": "x"}, {"fallback_scale": 0.0},
+                                {"fallback_scale": math.nan}])
+def test_fallback_options_are_checked_without_fallback_after(kw):
+  (name, value), = kw.items()
+  with pytest.raises((ValueError, TypeError), match=name):
+    optax_dls.dynamic_loss_scale(INNER, **kw)
+  if name == "fallback_steps":
+    with pytest.raises((ValueError, TypeError), match=name):
+      optax_dls.static_loss_scale(INNER, 2.0, **kw)
+  with pytest.raises((ValueError, TypeError), match=name):
+    optax_dls.from_config(kw, INNER)
+
+
+# --- Bools: Python and NumPy bools accepted, others and traced ones refused ----------
+
+
+def test_numpy_bools_are_accepted_everywhere_a_bool_is():
+  optax_dls.dynamic_loss_scale(INNER, alerts=np.bool_(False), consecutive_hysteresis=np.bool_(True))
+  optax_dls.deepspeed_policy(consecutive_hysteresis=np.bool_(True))
+  optax_dls.fallback_value_and_grad(lambda x: x, lambda x: x, has_aux=np.bool_(False))
+
+
+def test_traced_and_non_bool_flags_are_refused():
+  with pytest.raises(TypeError, match="consecutive_hysteresis.*traced"):
+    jax.jit(lambda b: optax_dls.dynamic_policy(consecutive_hysteresis=b) and b)(True)
+  with pytest.raises(TypeError, match="alerts"):
+    optax_dls.dynamic_loss_scale(INNER, alerts=1)
+  with pytest.raises(TypeError, match="consecutive_hysteresis"):
+    optax_dls.deepspeed_policy(consecutive_hysteresis="yes")
+
+
+# --- What a custom policy returns ------------------------------------------------------
+
+DSS = optax_dls.DynamicScaleState
+
+
+def _policy(scale=8.0, update=None, **kw):
+  init = lambda: (scale() if callable(scale) else jnp.asarray(scale, jnp.float32),
+                  DSS(jnp.zeros([], jnp.int32), jnp.ones([], jnp.int32)))
+  return optax_dls.LossScalePolicy(init, update or (lambda s, st, stats: (s, st)), **kw)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(stats=None), TypeError, "stats"),
+    (dict(passthrough="no"), TypeError, "passthrough"),
+    (dict(passthrough=1), TypeError, "passthrough"),
+    (dict(scale=1024.0, passthrough=True), ValueError, "passthrough=True.*1"),
+    (dict(scale=0.0), ValueError, "finite and > 0"),
+    (dict(scale=-4.0), ValueError, "finite and > 0"),
+    (dict(scale=math.inf), ValueError, "finite and > 0"),
+    (dict(scale=math.nan), ValueError, "finite and > 0"),
+    (dict(scale=jnp.ones(2)), ValueError, r"shape \(\)"),
+    (dict(scale=lambda: "x"), ValueError, "float32"),
+])
+def test_policy_init_and_fields_checked_at_construction(kw, error, match):
+  with pytest.raises(error, match=match):
+    optax_dls.loss_scaled(INNER, _policy(**kw))
+
+
+def test_policy_state_must_be_arrays():
+  policy = optax_dls.LossScalePolicy(lambda: (jnp.float32(2.0), {"n": 0}), lambda s, st, stats: (s, st))
+  with pytest.raises(TypeError, match="pytree of arrays"):
+    optax_dls.loss_scaled(INNER, policy)
+
+
+@pytest.mark.parametrize("update, match", [
+    (lambda s, st, stats: s, "pair"),
+    (lambda s, st, stats: (jnp.full(3, s), st), r"shape \(\)"),
+    (lambda s, st, stats: (jnp.int32(4), st), "floating"),
+    (lambda s, st, stats: (s, None), "tree structure"),
+    (lambda s, st, stats: (s, jax.tree.map(lambda x: x.astype(jnp.float32), st)), "dtypes"),
+])
+def test_policy_update_output_checked_at_trace_time(update, match):
+  tx = optax_dls.loss_scaled(INNER, _policy(update=update), alerts=False)
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match=f"policy.update.*{match}"):
+    jax.eval_shape(tx.update, params, tx.init(params), params)
+
+
+# --- Access helpers -------------------------------------------------------------------
+
+
+def test_reset_scale_traced_value_must_be_a_scalar():
+  state = optax_dls.dynamic_loss_scale(INNER).init({"w": jnp.zeros(1)})
+  with pytest.raises(ValueError, match=r"value.*shape \(3,\)"):
+    jax.jit(optax_dls.reset_scale)(state, jnp.ones(3))
+
+
+@pytest.mark.parametrize("loss", ["1.0", None, b"1"])
+def test_scale_loss_non_numeric_loss_raises_type_error(loss):
+  state = optax_dls.dynamic_loss_scale(INNER).init({"w": jnp.zeros(1)})
+  with pytest.raises(TypeError, match="loss"):
+    optax_dls.scale_loss(loss, state)
+
+
+def test_underflow_labels_and_amax_statistic_of_wrong_type_raise_type_error():
+  with pytest.raises(TypeError, match="statistic"):
+    optax_dls.amax_policy(statistic=None)
+  with pytest.raises(TypeError, match="label"):
+    optax_dls.dynamic_loss_scale(INNER, underflow_stats={"w": 1})
+
+
+def test_all_finite_checks_its_arguments():
+  with pytest.raises(TypeError, match="axis_name"):
+    optax_dls.all_finite(jnp.ones(2), axis_name=5)
+  with pytest.raises(TypeError, match="tree.*'abc'"):
+    optax_dls.all_finite("abc")
+  assert bool(optax_dls.all_finite({"a": jnp.ones(2), "n": None, "i": 3}))

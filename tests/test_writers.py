@@ -75,3 +75,37 @@ def test_bad_arguments(tmp_path):
       w.log(jnp.int32(0), {})
     with pytest.raises(ValueError, match="scalar"):
       w.log(0, {"x": jnp.ones(2)})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tensorboard="no"), "tensorboard"),
+    (dict(tensorboard=False, jsonl=1), "jsonl"),
+    (dict(tensorboard=False, run_name=5), "run_name"),
+])
+def test_constructor_flags_must_have_their_types(tmp_path, kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    writers.MetricsWriter(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("metrics, error, match", [
+    ({"step": 99}, ValueError, "'step'"),
+    ({"run": "other"}, ValueError, "'run'"),
+    ({"a": {"b": 1}}, TypeError, "'a'"),
+    ({"c": 1 + 2j}, TypeError, "'c'"),
+    ({"v": jnp.ones(3)}, ValueError, "'v'.*shape"),
+    ({1: 2.0}, TypeError, "names must be strings"),
+    (None, TypeError, "metrics must be a mapping"),
+])
+def test_reserved_names_and_non_scalar_values_are_refused(tmp_path, metrics, error, match):
+  with writers.MetricsWriter(tmp_path, tensorboard=False, run_name="r") as w:
+    with pytest.raises(error, match=match):
+      w.log(0, metrics)
+    assert w.log(0, {"ok": 1.0})
+  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert row == {"step": 0, "run": "r", "ok": 1.0}
+
+
+def test_binary_jsonl_is_read_as_malformed_lines(tmp_path):
+  path = tmp_path / writers.JSONL_NAME
+  path.write_bytes(bytes(range(256)) + b'\n{"step": 3}\n')
+  assert writers.read_jsonl(path) == [{"step": 3}]
