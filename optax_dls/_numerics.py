@@ -36,13 +36,21 @@ def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
 def nonfinite_sum(tree: Any) -> jax.Array:
   """float32 ``()``: 0 when every floating leaf is finite, NaN otherwise.
 
-  Uses ``x * 0``, which is 0 for every finite ``x`` however large and NaN for
+  Uses ``x - x``, which is 0 for every finite ``x`` however large and NaN for
   inf, -inf and NaN: one fused read of each leaf, exact in every dtype.
   """
   total = jnp.zeros([], jnp.float32)
   for x in _float_leaves(tree):
-    total = total + jnp.sum(x * jnp.zeros([], x.dtype)).astype(jnp.float32)
+    total = total + _nan_if_nonfinite(x)
   return total
+
+
+def _nan_if_nonfinite(x: jax.Array) -> jax.Array:
+  """float32 ``()``: sum of ``x - x`` (real and imaginary parts): 0 or NaN."""
+  d = x - x
+  if jnp.issubdtype(d.dtype, jnp.complexfloating):
+    d = jnp.real(d) + jnp.imag(d)
+  return jnp.sum(d).astype(jnp.float32)
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -89,15 +97,6 @@ def unscale(tree: Any, inv_scale: jax.Array) -> Any:
     return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
 
   return jax.tree.map(one, tree)
-
-
-def global_norm(tree: Any) -> jax.Array:
-  """float32 ``()``: L2 norm over every floating leaf, accumulated in float32."""
-  sq = jnp.zeros([], jnp.float32)
-  for x in _float_leaves(tree):
-    x32 = x.astype(_compute_dtype(x.dtype))
-    sq = sq + jnp.sum(jnp.real(x32 * jnp.conj(x32))).astype(jnp.float32)
-  return jnp.sqrt(sq)
 
 
 def global_amax(tree: Any) -> jax.Array:
@@ -167,36 +166,77 @@ def _axis_sizes(axis_name: AxisName) -> dict[str, int]:
         "mapped axes.") from e
 
 
-def finite_and_norm(tree: Any, axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
-  """``(all_finite(tree, axis_name), global L2 norm)`` with one collective.
+def sum_squares(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """float32 ``()``: sum of squares over every floating leaf, and NaN if any entry
+  is not finite; one fused read of each leaf, accumulated in float32 (float64
+  for float64 leaves).
 
-  Without ``axis_name`` the norm is local: ``global_norm(tree)``. With it,
-  the norm is that of the whole gradient as the devices hold it together:
-  a leaf that varies over a named axis (``shard_map(check_vma=True)`` types
-  say so) is taken to be sharded along it, so its squared norms are summed
-  over that axis; over a named axis along which it does not vary it is
-  replicated and counted once. Where JAX does not track variance (``pmap``,
-  ``check_vma=False``) every leaf is taken to be replicated and the squared
-  norm is averaged over the named axes: exact for data-parallel (all-reduced)
-  gradients, and the same value on every device in every case.
+  Each leaf contributes ``sum(|x|**2 + (x - x))``: ``x - x`` is 0 for every
+  finite ``x`` and NaN for inf, -inf and NaN. So the result is NaN exactly
+  when some entry is not finite; otherwise it is the sum of squares, which
+  may be +inf when finite entries are large (beyond about 1.8e19) but is
+  then never NaN.
+
+  With ``axis_name`` the sum is ``psum``-ed over those axes; a leaf replicated
+  over a named axis (it does not vary over it) is divided by that axis' size
+  first, so it is counted once (see :func:`finite_and_norm`).
+  """
+  names = _axis_names(axis_name)
+  sizes = _axis_sizes(axis_name) if names else {}
+  sq = jnp.zeros([], jnp.float32)
+  for leaf in _float_leaves(tree):
+    x = leaf.astype(_compute_dtype(leaf.dtype))
+    d = x - x
+    if jnp.issubdtype(d.dtype, jnp.complexfloating):
+      d = jnp.real(d) + jnp.imag(d)
+    part = jnp.sum(jnp.real(x * jnp.conj(x)) + d).astype(jnp.float32)
+    copies = 1
+    for n in set(names) - varying_axes(leaf):
+      copies *= sizes[n]
+    sq = sq + (part / copies if copies > 1 else part)
+  return lax.psum(sq, names) if names else sq
+
+
+def finite_and_norm(grads: Any, inv_scale: jax.Array, axis_name: AxisName = None,
+                    scale_below_one: bool = True) -> tuple[jax.Array, jax.Array]:
+  """``(all_finite(u, axis_name), global L2 norm of u)`` for ``u = unscale(grads, inv_scale)``.
+
+  One fused read of each gradient leaf, and ``u`` is never materialised.
+  :func:`sum_squares` of the *scaled* gradients is NaN exactly when some entry
+  is not finite. When the loss scale is at least 1 (``inv_scale <= 1``),
+  ``|u| <= |grads|`` entry by entry (rounding is monotone), so ``u`` is finite
+  exactly when ``grads`` is. Only a scale below 1 can make unscaling overflow
+  a finite gradient (e.g. a float16 leaf past 65504); if the policy allows
+  such scales (``scale_below_one=True``), the exact check of
+  :func:`all_finite` on ``u`` runs in a ``lax.cond``, only when
+  ``inv_scale > 1``. The flag is exact in every case.
+
+  The norm is ``sqrt(sum_squares(grads)) * inv_scale`` (inf when the squares
+  of the scaled gradients overflow float32). Without ``axis_name`` it is
+  local. With it, the norm is that of the whole gradient as the devices hold
+  it together: a leaf that varies over a named axis
+  (``shard_map(check_vma=True)`` types say so) is taken to be sharded along
+  it, so its squared norms are summed over that axis; over a named axis along
+  which it does not vary it is replicated and counted once. Where JAX does
+  not track variance (``pmap``, ``check_vma=False``) every leaf is taken to
+  be replicated and the squared norm is averaged over the named axes: exact
+  for data-parallel (all-reduced) gradients, and the same value on every
+  device in every case.
 
   Returns:
     A bool ``()`` and a float32 ``()``, both identical on every device of the
     named axes.
   """
-  names = _axis_names(axis_name)
-  if not names:
-    return jnp.isfinite(nonfinite_sum(tree)), global_norm(tree)
-  sizes = _axis_sizes(axis_name)
-  sq = jnp.zeros([], jnp.float32)
-  for x in _float_leaves(tree):
-    copies = 1
-    for n in set(names) - varying_axes(x):  # replicated over these: counted once
-      copies *= sizes[n]
-    x32 = x.astype(_compute_dtype(x.dtype))
-    sq = sq + jnp.sum(jnp.real(x32 * jnp.conj(x32))).astype(jnp.float32) / copies
-  total = lax.psum(jnp.stack([nonfinite_sum(tree), sq]), names)
-  return jnp.isfinite(total[0]), jnp.sqrt(total[1])
+  inv_scale = jnp.asarray(inv_scale, jnp.float32)
+  sq = sum_squares(grads, axis_name)
+  finite = ~jnp.isnan(sq)
+  if scale_below_one:
+    finite = finite & lax.cond(
+        inv_scale > 1,
+        lambda g, i: all_finite(unscale(g, i), axis_name),
+        lambda g, i: jnp.bool_(True),
+        grads, inv_scale)
+  return finite, jnp.sqrt(sq) * inv_scale
 
 
 def reduced_amax(tree: Any, axis_name: AxisName = None) -> jax.Array:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_dls import _fallback, _monitoring, _numerics, _policy
+from optax_dls import _fallback, _monitoring, _numerics, _policy, _validation
 from optax_dls._state import init_state
 
 
@@ -77,9 +77,13 @@ def loss_scaled(
       ``lax.cond`` that runs only then. With False no callback is compiled.
       Alerts are off under ``vmap``.
     alert_after: int in [1, 2**31 - 1], default 3.
-    min_scale: float or None (default). The policy's floor; only used to
-      detect a scale stuck at the minimum (``skips_at_min_scale`` and its
-      alert). :func:`dynamic_loss_scale` passes its own.
+    min_scale: float or None (default). The policy's floor, which the
+      policy must never go below. Used to detect a scale stuck at the
+      minimum (``skips_at_min_scale`` and its alert), and, when it is at
+      least 1, to know that unscaling cannot overflow a finite gradient, so
+      the finite check needs a single read of the gradients (otherwise an
+      extra exact check runs whenever the scale is below 1).
+      :func:`dynamic_loss_scale` and :func:`static_loss_scale` pass their own.
     underflow_stats: None (default, off: nothing computed), True, a pytree
       of string labels matching the gradients, or a callable
       ``grads -> labels`` as in ``optax.multi_transform``. When on, every
@@ -94,7 +98,9 @@ def loss_scaled(
       ``fallback_scale`` (default: the policy's initial scale) and the
       policy state to its initial value. 10 is a common choice.
     fallback_steps: int >= 1, updates the fallback lasts. Default 100.
-    fallback_scale: float in [2**-126, 2**126] or None (default).
+      Checked even when ``fallback_after`` is None.
+    fallback_scale: float in [2**-126, 2**126] or None (default). Checked
+      even when ``fallback_after`` is None.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -102,8 +108,14 @@ def loss_scaled(
 
   Raises:
     TypeError: ``inner`` is not an optax transformation, ``policy`` is not a
-      :class:`LossScalePolicy`, or ``axis_name`` is not a string or tuple of
-      strings.
+      usable :class:`LossScalePolicy` (``stats`` a tuple of strings,
+      ``passthrough`` a bool, ``init()`` a ``(loss_scale, policy_state)`` pair
+      whose state is a pytree of arrays; at trace time, ``update`` returning a
+      floating ``()`` scale and a state of ``init``'s structure and dtypes), ``axis_name``
+      is not a string or tuple of strings, or ``alerts`` is not a bool.
+    ValueError: a hyperparameter out of range, or ``policy.init()`` returns a
+      loss scale that is not a finite float32 ``()`` value > 0 (or not 1 with
+      ``passthrough=True``).
     ValueError: at trace time, from ``update`` under ``shard_map`` (with
       ``check_vma=True``, the default) when the gradients vary over a mesh
       axis that ``axis_name`` leaves out while the loss-scale state is
@@ -117,14 +129,13 @@ def loss_scaled(
     raise TypeError(f"inner must be an optax.GradientTransformation, got {inner!r} of type {type(inner).__name__}.")
   policy = _policy.check_policy(policy)
   axis_name = _check_axis_name(axis_name)
-  if not isinstance(alerts, bool):
-    raise TypeError(f"alerts must be a bool, got {alerts!r}.")
+  alerts = _validation.boolean("alerts", alerts)
   alert_after = _monitoring.check_alert_after(alert_after)
   if min_scale is not None:
     min_scale = _policy._scale_value("min_scale", min_scale)
   uopt = _monitoring.check_underflow_option(underflow_stats)
-  fallback = None if fallback_after is None else _fallback.FallbackConfig(
-      fallback_after, fallback_steps, fallback_scale)
+  fallback = _fallback.FallbackConfig(fallback_after, fallback_steps, fallback_scale)
+  fallback = None if fallback.after is None else fallback
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -132,11 +143,11 @@ def loss_scaled(
     return init_state(scale, policy_state, inner.init(params),
                       underflow=_monitoring.underflow_init(uopt, params))
 
-  def observe(new, old, scale, finite, unscaled):
+  def observe(new, old, scale, finite, unscaled_fn):
     """Underflow statistics, stuck-at-minimum count, fallback and alerts (each only when on)."""
     changes = {}
     if uopt is not None:
-      changes["underflow"] = _monitoring.underflow_fractions(uopt, unscaled, axis_name)
+      changes["underflow"] = _monitoring.underflow_fractions(uopt, unscaled_fn(), axis_name)
     if min_scale is not None:
       changes["skips_at_min_scale"] = jnp.where(
           ~finite & (scale <= min_scale), optax.safe_increment(old.skips_at_min_scale), 0).astype(jnp.int32)
@@ -165,25 +176,28 @@ def loss_scaled(
       return updates, state._replace(
           underflow=state.underflow if uopt is None else _monitoring.underflow_fractions(uopt, grads, axis_name),
           num_steps=optax.safe_increment(state.num_steps),
-          grad_norm=_numerics.finite_and_norm(grads, axis_name)[1],
+          grad_norm=jnp.sqrt(_numerics.sum_squares(grads, axis_name)),
           inner_state=inner_state)
 
     scale = state.loss_scale
     inv_scale = (1.0 / scale).astype(jnp.float32)
-    unscaled = _numerics.unscale(grads, inv_scale)
-    finite, grad_norm = _numerics.finite_and_norm(unscaled, axis_name)
+    # The unscaled gradients are never materialised: the check reduces them in
+    # one fused read, and the inner update unscales again inside the cond, fused
+    # into its own elementwise work. Gradients: one read to check, one to step.
+    finite, grad_norm = _numerics.finite_and_norm(
+        grads, inv_scale, axis_name, scale_below_one=min_scale is None or min_scale < 1)
 
     def apply(operands):
-      u, inner_state = operands
-      return inner.update(u, inner_state, params, **extra_args)
+      g, inner_state = operands
+      return inner.update(_numerics.unscale(g, inv_scale), inner_state, params, **extra_args)
 
     def skip(operands):
-      u, inner_state = operands
+      _, inner_state = operands
       shapes = jax.eval_shape(apply, operands)[0]
       zeros = jax.tree.map(_numerics.zeros_of, shapes)
       return zeros, inner_state
 
-    updates, inner_state = lax.cond(finite, apply, skip, (unscaled, state.inner_state))
+    updates, inner_state = lax.cond(finite, apply, skip, (grads, state.inner_state))
 
     stats = _policy.GradStats(
         finite=finite,
@@ -200,7 +214,7 @@ def loss_scaled(
         grad_norm=stats.grad_norm,
         policy_state=policy_state,
         inner_state=inner_state)
-    return updates, observe(new_state, state, scale, finite, unscaled)
+    return updates, observe(new_state, state, scale, finite, lambda: _numerics.unscale(grads, inv_scale))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -313,7 +327,7 @@ def static_loss_scale(
   """
   return loss_scaled(
       inner, _policy.static_policy(scale), axis_name=axis_name, alerts=alerts,
-      alert_after=alert_after, underflow_stats=underflow_stats,
+      alert_after=alert_after, min_scale=scale, underflow_stats=underflow_stats,
       fallback_after=fallback_after, fallback_steps=fallback_steps)
 
 
