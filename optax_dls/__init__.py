@@ -35,6 +35,7 @@ from optax_dls._policy import (
 )
 from optax_dls._state import LossScaleState
 from optax_dls._transform import (
+    apply_step,
     dynamic_loss_scale,
     loss_scaled,
     no_loss_scale,
@@ -46,6 +47,7 @@ from optax_dls import writers
 __version__ = "0.1.0"
 
 __all__ = [
+    "apply_step",
     "AmaxScaleState",
     "amax_policy",
     "deepspeed_policy",

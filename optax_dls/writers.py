@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 from collections.abc import Mapping
@@ -53,10 +54,11 @@ class MetricsWriter:
   One JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step":
   int, "run": run_name (if given), <metric>: value, ...}``, with bools as
   ``true``/``false`` and non-finite floats as ``NaN`` / ``Infinity``. With
-  ``tensorboard=True`` every numeric value is also written as a TensorBoard
-  scalar (tag = the metric key, e.g. ``loss_scale``,
+  ``tensorboard=True`` every finite numeric value is also written as a
+  TensorBoard scalar (tag = the metric key, e.g. ``loss_scale``,
   ``underflow/zero_frac``) with a ``tensorboardX.SummaryWriter`` on
-  ``logdir``.
+  ``logdir``; non-finite values (``grad_norm`` on a skipped step) are kept in
+  the JSON lines only.
 
   Args:
     logdir: folder to write into (created if missing).
@@ -146,7 +148,8 @@ class MetricsWriter:
       self._jsonl.flush()
     if self._tb is not None:
       for key, value in row.items():
-        if key != "step" and isinstance(value, (bool, int, float)):
+        # Non-finite values (grad_norm on a skipped step) stay in the JSONL only.
+        if key != "step" and isinstance(value, (bool, int, float)) and math.isfinite(value):
           self._tb.add_scalar(key, float(value), step)
     return True
 

@@ -35,7 +35,7 @@ def _run(tx, kinds, update=None, put=lambda x: x):
 
 
 def test_one_warning_per_episode_with_step_scale_and_count(caplog):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10, alert_after=3)
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10, alert_after=3, alerts=True)
   _run(tx, [F, I, I, I, I, I, F, I, I, I])
   recs = _warnings(caplog)
   assert len(recs) == 2, [r.getMessage() for r in recs]
@@ -45,13 +45,13 @@ def test_one_warning_per_episode_with_step_scale_and_count(caplog):
 
 
 def test_no_warning_below_threshold(caplog):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), alert_after=4)
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), alert_after=4, alerts=True)
   _run(tx, [I, I, I, F, I, I, I, F])
   assert _warnings(caplog) == []
 
 
 def test_stuck_at_min_scale_warns_once(caplog):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, min_scale=1.0, alert_after=100)
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, min_scale=1.0, alert_after=100, alerts=True)
   _run(tx, [I, I, I, I])  # 2 -> 1 (not stuck yet), then skips at the minimum
   recs = _warnings(caplog)
   assert len(recs) == 1 and "stuck at its minimum 1" in recs[0].getMessage() and "step 1" in recs[0].getMessage()
@@ -59,7 +59,7 @@ def test_stuck_at_min_scale_warns_once(caplog):
 
 def test_alerts_only_from_process_zero(caplog, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda *a, **k: 1)
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), alerts=True)
   _run(tx, [I, I, I])
   assert _warnings(caplog) == []
 
@@ -67,7 +67,7 @@ def test_alerts_only_from_process_zero(caplog, monkeypatch):
 def test_one_warning_under_jit_with_8_device_named_sharding(caplog):
   mesh = jax.make_mesh((8,), ("data",))
   put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t)
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), alerts=True)
   state = _run(tx, [I, I, I, I], put=put)
   assert len(_warnings(caplog)) == 1
   assert int(state.consecutive_skips) == 4
@@ -76,7 +76,7 @@ def test_one_warning_under_jit_with_8_device_named_sharding(caplog):
 def test_one_warning_under_shard_map(caplog):
   mesh = jax.make_mesh((8,), ("data",))
   put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t)
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="data", alerts=True)
   state_spec = jax.tree.map(lambda _: P(), tx.init(PARAMS))
   update = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(P("data"), state_spec, P("data")),
                                  out_specs=(P("data"), state_spec)))
@@ -85,7 +85,7 @@ def test_one_warning_under_shard_map(caplog):
 
 
 def test_one_warning_under_pmap(caplog):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="d")
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="d", alerts=True)
   n = jax.local_device_count()
   rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), t)
   update = jax.pmap(tx.update, axis_name="d")
@@ -96,7 +96,7 @@ def test_one_warning_under_pmap(caplog):
 
 
 def test_vmap_runs_with_alerts_on(caplog):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), alerts=True)
   states = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
   grads = jax.tree.map(lambda x: jnp.stack([x, x]), _grads(I))
   _, states = jax.jit(jax.vmap(tx.update, in_axes=(0, 0, None)))(grads, states, PARAMS)
@@ -113,7 +113,8 @@ def _hlo(tx):
     functools.partial(optax_dls.static_loss_scale, optax.adam(1e-3), 128.0),
 ], ids=["dynamic", "static"])
 def test_alerts_off_compile_no_callback(make):
-  on, off = _hlo(make()), _hlo(make(alerts=False))
+  on, off = _hlo(make(alerts=True)), _hlo(make(alerts=False))
+  assert _hlo(make()) == off  # off by default
   assert "custom_call" in on and "callback" in on  # the check below can fail
   assert "custom_call" not in off and "callback" not in off
 

@@ -107,7 +107,7 @@ def _healthy(i):
 
 
 SYMPTOMS = {
-    "frequent overflow": lambda i: _row(i, 2.0 ** (10 + i % 10 // 9), i % 10 == 0, i // 10 + 1, 2 - i / 400),
+    "frequent overflow": lambda i: _row(i, 2.0**10, i % 5 == 0, i // 5 + 1, 2 - i / 400),
     "scale never grows": lambda i: _row(i, 2.0**12, loss=2 - i / 2000),
     "gradients too small": lambda i: _healthy(i) | {"underflow/subnormal_frac": 0.2, "underflow/zero_frac": 0.1},
     "stuck at the minimum": lambda i: _row(i, 1.0 if i > 100 else 2.0**12, i > 100, max(i - 100, 0),
@@ -123,6 +123,13 @@ def test_diagnoses_each_symptom_and_only_it(symptom, tmp_path, capsys):
   found = [d["symptom"] for d in _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"]]
   assert any(f.startswith(symptom) for f in found), found
   assert len(found) == 1, found
+
+
+def test_one_overflow_per_growth_is_probing_not_frequent_overflow(tmp_path, capsys):
+  # Grow every 10 steps, overflow right after, back off: dynamic scaling's steady state.
+  _write(tmp_path, [_row(i, 2.0 ** (10 + (i % 10 == 9)), i % 10 == 0, i // 10 + 1, 2 - i / 400)
+                    for i in range(200)])
+  assert _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"] == []
 
 
 def test_healthy_run_has_no_diagnosis(tmp_path, capsys):

@@ -40,8 +40,8 @@ class MetricsLog:
     self._jsonl.write(json.dumps(rec) + "\n")
     if run not in self._tb:
       self._tb[run] = SummaryWriter(os.path.join(self.out_dir, "tb", run))
-    for k, v in values.items():
-      if k != "wall_s":
+    for k, v in values.items():  # non-finite values (grad_norm when skipped): JSONL only
+      if k != "wall_s" and math.isfinite(float(v)):
         self._tb[run].add_scalar(f"{kind}/{k}", float(v), step)
 
   def close(self):

@@ -1,0 +1,202 @@
+"""Cost of one optimizer step with loss scaling, as a ratio to a bare ``optax.adam`` step.
+
+Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
+state. Prints one JSON object. Usage::
+
+    python benchmarks/step_overhead.py [--steps 30] [--rounds 5] [--trees big,many] [--params 8000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_dls
+
+
+def make_tree(kind: str, total: int) -> dict:
+  rng = np.random.default_rng(0)
+  if kind == "big":  # 8 equal leaves
+    sizes = [total // 8] * 8
+  else:  # 200 leaves of mixed sizes summing to about `total`
+    raw = rng.lognormal(0.0, 1.5, 200)
+    sizes = np.maximum(1, (raw / raw.sum() * total).astype(int)).tolist()
+  return {f"p{i:03d}": jnp.asarray(rng.standard_normal(n, dtype=np.float32)) for i, n in enumerate(sizes)}
+
+
+def inner():
+  return optax.adam(1e-3)
+
+
+def bare_step():
+  tx = inner()
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+def ours_step(fused=False, **options):
+  tx = optax_dls.dynamic_loss_scale(inner(), init_scale=1.0, min_scale=1.0, **options)
+
+  def step(params, state, grads):
+    if fused:  # updates applied inside the skip branch
+      return optax_dls.apply_step(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+def jmp_step():
+  import jmp
+
+  tx = inner()
+
+  def init(params):  # jmp's scale as plain arrays: its pytree does not survive jit's lowering
+    return tx.init(params), (jnp.float32(1.0), jnp.int32(0))
+
+  def step(params, state, grads):
+    opt_state, (scale, counter) = state
+    ls = jmp.DynamicLossScale(scale, counter)
+    grads = ls.unscale(grads)
+    finite = jmp.all_finite(grads)
+    ls = ls.adjust(finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params = jmp.select_tree(finite, new_params, params)
+    opt_state = jmp.select_tree(finite, new_opt_state, opt_state)
+    return params, (opt_state, (ls.loss_scale, ls.counter))
+
+  return init, step
+
+
+def flax_step():
+  """flax ``DynamicScale``'s documented pattern: ``jnp.where`` over params and opt state."""
+  tx = inner()
+
+  def init(params):
+    return tx.init(params), jnp.float32(1.0)
+
+  def step(params, state, grads):
+    opt_state, scale = state
+    grads = jax.tree.map(lambda g: g / scale, grads)
+    is_fin = jnp.array(True)
+    for g in jax.tree.leaves(grads):
+      is_fin &= jnp.all(jnp.isfinite(g))
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    sel = lambda new, old: jnp.where(is_fin, new, old)
+    params = jax.tree.map(sel, new_params, params)
+    opt_state = jax.tree.map(sel, new_opt_state, opt_state)
+    scale = jnp.where(is_fin, scale, scale / 2)
+    return params, (opt_state, scale)
+
+  return init, step
+
+
+def apply_if_finite_step():
+  tx = optax.apply_if_finite(inner(), max_consecutive_errors=10**9)
+
+  def init(params):
+    return tx.init(params), jnp.float32(1.0)
+
+  def step(params, state, grads):
+    opt_state, scale = state
+    grads = jax.tree.map(lambda g: g * (1.0 / scale), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), (opt_state, scale)
+
+  return init, step
+
+
+VARIANTS = {
+    "bare_adam": (bare_step, False),
+    "optax_dls_finite": (ours_step, False),
+    "optax_dls_nonfinite": (ours_step, True),
+    "optax_dls_finite_alerts_off": (lambda: ours_step(alerts=False), False),
+    "optax_dls_nonfinite_alerts_off": (lambda: ours_step(alerts=False), True),
+    "optax_dls_apply_step_finite": (lambda: ours_step(fused=True), False),
+    "optax_dls_apply_step_nonfinite": (lambda: ours_step(fused=True), True),
+    "optax_dls_apply_step_finite_alerts_off": (lambda: ours_step(fused=True, alerts=False), False),
+    "jmp_pattern": (jmp_step, False),
+    "flax_where_pattern": (flax_step, False),
+    "apply_if_finite_pattern": (apply_if_finite_step, False),
+}
+
+
+def prepare(factory, params, grads) -> dict:
+  """Compiles one variant and warms it up; returns its runner."""
+  init, step = factory()
+  state = init(params)
+  params = jax.tree.map(jnp.copy, params)
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  compiled = jitted.lower(params, state, grads).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+  for _ in range(3):  # warm-up
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready(params)
+  return {"compiled": compiled, "carry": (params, state), "grads": grads, "times": [],
+          "compile_s": compile_s, "temp_bytes": temp}
+
+
+def time_round(run: dict, steps: int) -> None:
+  params, state = run["carry"]
+  for _ in range(steps):
+    t = time.perf_counter()
+    params, state = run["compiled"](params, state, run["grads"])
+    jax.block_until_ready((params, state))
+    run["times"].append(time.perf_counter() - t)
+  run["carry"] = (params, state)
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--steps", type=int, default=30, help="timed steps per variant (>= 20 recommended)")
+  ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
+  ap.add_argument("--params", type=int, default=8_000_000, help="parameters per tree")
+  ap.add_argument("--trees", default="big,many", help="comma list of: big (8 leaves), many (200 leaves)")
+  ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
+  args = ap.parse_args(argv)
+  out = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "params": args.params,
+         "steps": args.steps, "results": {}}
+  for kind in args.trees.split(","):
+    params = make_tree(kind, args.params)
+    finite_grads = jax.tree.map(lambda p: p * 1e-3, params)
+    bad_grads = dict(finite_grads)
+    first = sorted(bad_grads)[0]
+    bad_grads[first] = bad_grads[first].at[0].set(jnp.inf)
+    runs = {}
+    for name in args.variants.split(","):
+      factory, nonfinite = VARIANTS[name]
+      runs[name] = prepare(factory, params, bad_grads if nonfinite else finite_grads)
+      print(f"compiled {kind}/{name} in {runs[name]['compile_s']:.1f} s", file=sys.stderr, flush=True)
+    for _ in range(args.rounds):  # interleaved, so that load drift hits every variant alike
+      for run in runs.values():
+        time_round(run, max(1, args.steps // args.rounds))
+    rows = {name: {"median_s": statistics.median(r["times"]), "compile_s": r["compile_s"],
+                   "temp_bytes": r["temp_bytes"]} for name, r in runs.items()}
+    del runs
+    base = rows["bare_adam"]["median_s"] if "bare_adam" in rows else None
+    for r in rows.values():
+      r["ratio_to_bare"] = r["median_s"] / base if base else None
+    out["results"][kind] = {"leaves": len(params), **rows}
+  print(json.dumps(out, indent=2))
+  return out
+
+
+if __name__ == "__main__":
+  main()

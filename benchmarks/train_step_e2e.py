@@ -1,0 +1,109 @@
+"""The main example's fp16 train step with dynamic loss scaling vs the no-op wrapper.
+
+Same model (examples/lm, fp16 compute), same batch, same AdamW + clipping; only the
+wrapper differs. Variants are timed in interleaved rounds so that drift in machine
+load hits them alike. Prints one JSON object. Usage::
+
+    python benchmarks/train_step_e2e.py [--rounds 7] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_dls
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from lm.model import Transformer, loss_fn  # noqa: E402
+from lm.precision import FP16  # noqa: E402
+
+
+def inner():
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+
+
+VARIANTS = {
+    "no_loss_scale": lambda: optax_dls.no_loss_scale(inner()),
+    "dynamic_loss_scale": lambda: optax_dls.dynamic_loss_scale(inner(), growth_interval=50),
+    "dynamic_loss_scale_alerts_off": lambda: optax_dls.dynamic_loss_scale(
+        inner(), growth_interval=50, alerts=False),
+}
+FUSED = ("dynamic_loss_scale", "no_loss_scale")  # also timed with optax_dls.apply_step
+
+
+def make_step(model, tx, fused=False):
+  def step(params, opt_state, batch):
+    def scaled_loss(p):
+      loss = loss_fn(model, p, batch)
+      return optax_dls.scale_loss(loss, opt_state), loss
+
+    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    if fused:
+      params, opt_state = optax_dls.apply_step(tx, grads, opt_state, params)
+      return params, opt_state, loss
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per variant")
+  ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
+  ap.add_argument("--batch-size", type=int, default=16)
+  ap.add_argument("--seq-len", type=int, default=64)
+  ap.add_argument("--d-model", type=int, default=128)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--heads", type=int, default=4)
+  args = ap.parse_args(argv)
+
+  model = Transformer(args.d_model, args.layers, args.heads, args.seq_len, FP16)
+  params0 = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32)
+  runs = {}
+  variants = [(name, make, False) for name, make in VARIANTS.items()]
+  variants += [(name + "+apply_step", VARIANTS[name], True) for name in FUSED]
+  for name, make, fused in variants:
+    tx = make()
+    step = make_step(model, tx, fused)
+    params = jax.tree.map(jnp.copy, params0)
+    state = tx.init(params)
+    for _ in range(3):  # compile and warm up
+      params, state, loss = step(params, state, batch)
+    jax.block_until_ready(loss)
+    runs[name] = {"step": step, "carry": (params, state), "times": []}
+  for _ in range(args.rounds):
+    for run in runs.values():
+      params, state = run["carry"]
+      for _ in range(args.steps):
+        t = time.perf_counter()
+        params, state, loss = run["step"](params, state, batch)
+        jax.block_until_ready((params, state, loss))
+        run["times"].append(time.perf_counter() - t)
+      run["carry"] = (params, state)
+  base = statistics.median(runs["no_loss_scale"]["times"])
+  out = {"backend": jax.default_backend(), "params": int(sum(x.size for x in jax.tree.leaves(params0))),
+         "batch": [args.batch_size, args.seq_len], "steps_timed": args.rounds * args.steps, "results": {}}
+  for name, run in runs.items():
+    med = statistics.median(run["times"])
+    out["results"][name] = {"median_ms": med * 1e3, "ratio_to_no_loss_scale": med / base}
+  fused_base = statistics.median(runs["no_loss_scale+apply_step"]["times"])
+  out["results"]["dynamic_loss_scale+apply_step"]["ratio_to_no_loss_scale+apply_step"] = (
+      statistics.median(runs["dynamic_loss_scale+apply_step"]["times"]) / fused_base)
+  print(json.dumps(out, indent=2))
+  return out
+
+
+if __name__ == "__main__":
+  main()
