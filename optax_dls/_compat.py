@@ -249,9 +249,7 @@ def deepspeed_policy(init_scale: float = 2.0**16, scale_window: int = 1000, min_
   ``init_scale`` / ``min_scale`` are float32-representable (DeepSpeed keeps a
   Python float). Where DeepSpeed raises an error (an overflow at
   ``min_scale`` with ``raise_error_at_min_scale``), the scale here stays at
-  ``min_scale``. Older DeepSpeed releases grew one step earlier (on the
-  ``scale_window``-th finite step); use :func:`megatron_policy` with
-  ``hysteresis=delayed_shift`` for those.
+  ``min_scale``. The growth timing reproduced is that of DeepSpeed 0.19.8.
 
   Args:
     init_scale: float in [min_scale, 2**126]. Default ``2**16``.
