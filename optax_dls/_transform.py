@@ -198,9 +198,10 @@ def loss_scaled(
         grads, inv_scale, axis_name, scale_below_one=min_scale is None or min_scale < 1)
 
     def apply(operands):
-      g, inner_state, _ = operands
-      updates, inner_state = inner.update(_numerics.unscale(g, inv_scale), inner_state, params, **extra_args)
-      return post(updates), inner_state
+      g, inner_state, kept = operands
+      p = kept if into_params else params  # one operand for params, so XLA can update them in place
+      updates, inner_state = inner.update(_numerics.unscale(g, inv_scale), inner_state, p, **extra_args)
+      return (optax.apply_updates(p, updates) if into_params else updates), inner_state
 
     def skip(operands):
       _, inner_state, kept = operands
