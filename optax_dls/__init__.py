@@ -24,7 +24,7 @@ from optax_dls._group_scale import group_scaled, group_unscale, scale_gradient
 from optax_dls._amax_policy import AmaxScaleState, amax_policy
 from optax_dls._config import from_config, load_config, preset, presets
 from optax_dls._fallback import fallback_active, fallback_value_and_grad, select_precision
-from optax_dls._access import all_finite
+from optax_dls._numerics import all_finite
 from optax_dls._policy import (
     DynamicScaleState,
     GradStats,

@@ -7,10 +7,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_dls import _numerics
 from optax_dls import _validation as v
 from optax_dls._policy import SCALE_MAX, SCALE_MIN
 from optax_dls._monitoring import flatten_underflow
@@ -250,22 +248,3 @@ def reset_scale(opt_state: Any, value: float) -> Any:
     return x._replace(loss_scale=_like(x.loss_scale, value), policy_state=ps)
 
   return jax.tree.map(reset, opt_state, is_leaf=_is_ours)
-
-
-def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
-  """Checked front of :func:`optax_dls._numerics.all_finite` (docstring copied below)."""
-  if not (axis_name is None or isinstance(axis_name, str) or (
-      isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name))):
-    raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
-  for leaf in jax.tree.leaves(tree):
-    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-      raise TypeError(f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
-                      f"in tree={tree!r}.")
-  return _numerics.all_finite(tree, axis_name)
-
-
-all_finite.__doc__ = _numerics.all_finite.__doc__.replace(
-    "  Returns:\n    A bool array of shape ``()``.\n",
-    "  Returns:\n    A bool array of shape ``()``.\n\n  Raises:\n    TypeError: a leaf of ``tree`` "
-    "that is not an array or number (e.g. a string), or an ``axis_name`` that is\n      not None, "
-    "a string or a tuple of strings.\n")

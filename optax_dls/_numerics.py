@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 AxisName = str | Sequence[str] | None
@@ -25,6 +26,15 @@ def _compute_dtype(dtype: Any) -> Any:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
+  """Returns ``axis_name`` as None, a string or a tuple; TypeError for anything else."""
+  if axis_name is None or isinstance(axis_name, str):
+    return axis_name
+  if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+    return tuple(axis_name)
+  raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
+
+
 def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
   if axis_name is None:
     return ()
@@ -41,16 +51,16 @@ def nonfinite_sum(tree: Any) -> jax.Array:
   """
   total = jnp.zeros([], jnp.float32)
   for x in _float_leaves(tree):
-    total = total + _nan_if_nonfinite(x)
+    total = total + jnp.sum(_nan_if_nonfinite(x)).astype(jnp.float32)
   return total
 
 
 def _nan_if_nonfinite(x: jax.Array) -> jax.Array:
-  """float32 ``()``: sum of ``x - x`` (real and imaginary parts): 0 or NaN."""
+  """Elementwise, real: ``x - x`` (real plus imaginary part), 0 where ``x`` is finite, else NaN."""
   d = x - x
   if jnp.issubdtype(d.dtype, jnp.complexfloating):
     d = jnp.real(d) + jnp.imag(d)
-  return jnp.sum(d).astype(jnp.float32)
+  return d
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -71,6 +81,11 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   Returns:
     A bool array of shape ``()``.
 
+  Raises:
+    TypeError: a leaf of ``tree`` that is not an array or number (e.g. a
+      string), or an ``axis_name`` that is not None, a string or a tuple of
+      strings.
+
   Example:
     >>> import jax.numpy as jnp
     >>> import optax_dls
@@ -79,8 +94,12 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     >>> bool(optax_dls.all_finite({'w': jnp.array([1.0, jnp.inf], jnp.float16)}))
     False
   """
+  names = _axis_names(check_axis_name(axis_name))
+  for leaf in jax.tree.leaves(tree):
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+      raise TypeError(f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
+                      f"in tree={tree!r}.")
   total = nonfinite_sum(tree)
-  names = _axis_names(axis_name)
   if names:
     total = lax.psum(total, names)
   return jnp.isfinite(total)
@@ -186,10 +205,7 @@ def sum_squares(tree: Any, axis_name: AxisName = None) -> jax.Array:
   sq = jnp.zeros([], jnp.float32)
   for leaf in _float_leaves(tree):
     x = leaf.astype(_compute_dtype(leaf.dtype))
-    d = x - x
-    if jnp.issubdtype(d.dtype, jnp.complexfloating):
-      d = jnp.real(d) + jnp.imag(d)
-    part = jnp.sum(jnp.real(x * jnp.conj(x)) + d).astype(jnp.float32)
+    part = jnp.sum(jnp.real(x * jnp.conj(x)) + _nan_if_nonfinite(x)).astype(jnp.float32)
     copies = 1
     for n in set(names) - varying_axes(leaf):
       copies *= sizes[n]

@@ -17,14 +17,6 @@ from optax_dls._state import init_state
 _STEPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-def _check_axis_name(axis_name: Any) -> Any:
-  if axis_name is None or isinstance(axis_name, str):
-    return axis_name
-  if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
-    return tuple(axis_name)
-  raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
-
-
 def loss_scaled(
     inner: optax.GradientTransformation,
     policy: _policy.LossScalePolicy,
@@ -135,7 +127,7 @@ def loss_scaled(
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation, got {inner!r} of type {type(inner).__name__}.")
   policy = _policy.check_policy(policy)
-  axis_name = _check_axis_name(axis_name)
+  axis_name = _numerics.check_axis_name(axis_name)
   alerts = _validation.boolean("alerts", alerts)
   alert_after = _monitoring.check_alert_after(alert_after)
   if min_scale is not None:
