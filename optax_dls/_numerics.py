@@ -69,7 +69,10 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   The check is exact: finite values of any size count as finite, and a single
   inf, -inf or NaN in any leaf of dtype bfloat16, float16, float32 or float64
   (or complex) makes the result False. Integer, bool and ``None`` leaves are
-  ignored. No host synchronisation: the result stays on the device.
+  ignored. No host synchronisation: the result stays on the device. Cost:
+  one read of each leaf (a float32 sum of squares, which is finite only when
+  every entry is); only when that sum is not finite, a second, entry-by-entry
+  read in a ``lax.cond`` tells a non-finite entry from squares that overflow.
 
   Args:
     tree: a pytree of arrays of any shapes and dtypes.
@@ -99,10 +102,18 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
       raise TypeError(f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
                       f"in tree={tree!r}.")
+  # One plain read of each leaf decides the common case (a finite sum of
+  # squares proves every entry finite); only a sum that is not finite pays
+  # for the entry-by-entry check, in a cond.
+  sq = sum_squares(tree, names)
+  return lax.cond(jnp.isfinite(sq), lambda t: jnp.bool_(True), lambda t: exact_all_finite(t, names), tree)
+
+
+def exact_all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """bool ``()``: :func:`all_finite` always entry by entry (one read, no cond)."""
   total = nonfinite_sum(tree)
-  if names:
-    total = lax.psum(total, names)
-  return jnp.isfinite(total)
+  names = _axis_names(axis_name)
+  return jnp.isfinite(lax.psum(total, names) if names else total)
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:
@@ -116,6 +127,21 @@ def unscale(tree: Any, inv_scale: jax.Array) -> Any:
     return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
 
   return jax.tree.map(one, tree)
+
+
+def _leaf_amax(tree: Any) -> list[jax.Array]:
+  """Each floating leaf's largest real or imaginary magnitude, a ``()`` of the
+  leaf's real dtype (0 for an empty leaf)."""
+  out = []
+  for x in _float_leaves(tree):
+    part = jnp.real(x).dtype
+    if not x.size:
+      out.append(jnp.zeros([], part))
+    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+      out.append(jnp.maximum(jnp.max(jnp.abs(jnp.real(x))), jnp.max(jnp.abs(jnp.imag(x)))))
+    else:
+      out.append(jnp.max(jnp.abs(x)))
+  return out
 
 
 def global_amax(tree: Any) -> jax.Array:
@@ -186,15 +212,14 @@ def _axis_sizes(axis_name: AxisName) -> dict[str, int]:
 
 
 def sum_squares(tree: Any, axis_name: AxisName = None) -> jax.Array:
-  """float32 ``()``: sum of squares over every floating leaf, and NaN if any entry
-  is not finite; one fused read of each leaf, accumulated in float32 (float64
-  for float64 leaves).
+  """float32 ``()``: sum of ``|x|**2`` over every floating entry of ``tree``.
 
-  Each leaf contributes ``sum(|x|**2 + (x - x))``: ``x - x`` is 0 for every
-  finite ``x`` and NaN for inf, -inf and NaN. So the result is NaN exactly
-  when some entry is not finite; otherwise it is the sum of squares, which
-  may be +inf when finite entries are large (beyond about 1.8e19) but is
-  then never NaN.
+  One fused read of each leaf, squared and accumulated in float32 (float64
+  for float64 leaves). The sum is inf or NaN when some entry is inf or
+  NaN (squares are never negative, so nothing cancels), and +inf also when
+  finite entries are large enough for their squares to overflow (beyond
+  about 1.8e19 in float32). So a finite sum proves every entry finite;
+  :func:`finite_and_norm` settles the rare non-finite sums exactly.
 
   With ``axis_name`` the sum is ``psum``-ed over those axes; a leaf replicated
   over a named axis (it does not vary over it) is divided by that axis' size
@@ -205,30 +230,74 @@ def sum_squares(tree: Any, axis_name: AxisName = None) -> jax.Array:
   sq = jnp.zeros([], jnp.float32)
   for leaf in _float_leaves(tree):
     x = leaf.astype(_compute_dtype(leaf.dtype))
-    part = jnp.sum(jnp.real(x * jnp.conj(x)) + _nan_if_nonfinite(x)).astype(jnp.float32)
-    copies = 1
-    for n in set(names) - varying_axes(leaf):
-      copies *= sizes[n]
+    part = jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32)
+    copies = _replicas(leaf, names, sizes)
     sq = sq + (part / copies if copies > 1 else part)
   return lax.psum(sq, names) if names else sq
+
+
+def _replicas(leaf: jax.Array, names: tuple[str, ...], sizes: dict[str, int]) -> int:
+  """How many devices of the named axes hold the same copy of ``leaf``."""
+  copies = 1
+  for n in set(names) - varying_axes(leaf):
+    copies *= sizes[n]
+  return copies
+
+
+def robust_norm(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """float32 ``()``: global L2 norm of a finite ``tree`` without overflow in
+  the squares (two reads of each leaf; :func:`sum_squares` is one).
+
+  Each leaf is divided by its own largest magnitude ``m`` before squaring,
+  and the per-leaf sums are combined relative to the largest ``m``, so the
+  result is inf only when the norm itself is past the float32 range. Axes
+  as in :func:`sum_squares`.
+  """
+  names = _axis_names(axis_name)
+  sizes = _axis_sizes(axis_name) if names else {}
+  parts = []
+  for leaf in _float_leaves(tree):
+    if not leaf.size:
+      continue
+    x = leaf.astype(_compute_dtype(leaf.dtype))
+    m = jnp.max(jnp.abs(x))
+    m = jnp.where(m > 0, m, jnp.ones_like(m))
+    y = x / m  # each read fuses on its own: nothing of the leaf's size is written
+    q = jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32)
+    parts.append((m.astype(jnp.float32), q / _replicas(leaf, names, sizes)))
+  if not parts:
+    return jnp.zeros([], jnp.float32)
+  top = jnp.max(jnp.stack([m for m, _ in parts]))
+  if names:
+    top = lax.pmax(top, names)
+  total = sum(q * jnp.square(m / top) for m, q in parts)
+  return top * jnp.sqrt(lax.psum(total, names) if names else total)
 
 
 def finite_and_norm(grads: Any, inv_scale: jax.Array, axis_name: AxisName = None,
                     scale_below_one: bool = True) -> tuple[jax.Array, jax.Array]:
   """``(all_finite(u, axis_name), global L2 norm of u)`` for ``u = unscale(grads, inv_scale)``.
 
-  One fused read of each gradient leaf, and ``u`` is never materialised.
-  :func:`sum_squares` of the *scaled* gradients is NaN exactly when some entry
-  is not finite. When the loss scale is at least 1 (``inv_scale <= 1``),
-  ``|u| <= |grads|`` entry by entry (rounding is monotone), so ``u`` is finite
-  exactly when ``grads`` is. Only a scale below 1 can make unscaling overflow
-  a finite gradient (e.g. a float16 leaf past 65504); if the policy allows
-  such scales (``scale_below_one=True``), the exact check of
-  :func:`all_finite` on ``u`` runs in a ``lax.cond``, only when
-  ``inv_scale > 1``. The flag is exact in every case.
+  On a normal step this is one fused read of each gradient leaf, and ``u``
+  is never materialised: :func:`sum_squares` of the *scaled* gradients is
+  finite only when every entry is. When the loss scale is at least 1
+  (``inv_scale <= 1``), ``|u| <= |grads|`` entry by entry (rounding is
+  monotone), so ``u`` is then finite too. Everything else goes to an exact
+  path in a ``lax.cond`` that runs only then: a sum of squares that is not
+  finite (a non-finite entry, or finite entries whose squares overflow), or
+  a loss scale below 1 where the policy allows one (``scale_below_one``),
+  since unscaling can then overflow a finite gradient (e.g. a float16 leaf
+  past 65504). The exact path checks every entry of ``grads`` (``x - x`` is
+  0 for finite ``x`` of any size, NaN otherwise) and, for a scale below 1,
+  each leaf's largest magnitude once unscaled: rounding is monotone, so that
+  entry is the first to overflow. It then computes the norm without
+  overflow. The flag is exact in every case, and neither path writes an
+  array of a leaf's size.
 
-  The norm is ``sqrt(sum_squares(grads)) * inv_scale`` (inf when the squares
-  of the scaled gradients overflow float32). Without ``axis_name`` it is
+  The norm is ``sqrt(sum_squares(grads)) * inv_scale``, or, when the squares
+  overflow float32, the same norm taken relative to each leaf's largest
+  entry (see :func:`robust_norm`), times ``inv_scale``;
+  inf or NaN when some entry is not finite. Without ``axis_name`` it is
   local. With it, the norm is that of the whole gradient as the devices hold
   it together: a leaf that varies over a named axis
   (``shard_map(check_vma=True)`` types say so) is taken to be sharded along
@@ -245,14 +314,24 @@ def finite_and_norm(grads: Any, inv_scale: jax.Array, axis_name: AxisName = None
   """
   inv_scale = jnp.asarray(inv_scale, jnp.float32)
   sq = sum_squares(grads, axis_name)
-  finite = ~jnp.isnan(sq)
+  fast = jnp.isfinite(sq)
   if scale_below_one:
-    finite = finite & lax.cond(
-        inv_scale > 1,
-        lambda g, i: all_finite(unscale(g, i), axis_name),
-        lambda g, i: jnp.bool_(True),
-        grads, inv_scale)
-  return finite, jnp.sqrt(sq) * inv_scale
+    fast = fast & (inv_scale <= 1)
+
+  def quick(g, i, s):
+    return jnp.bool_(True), jnp.sqrt(s) * i
+
+  def exact(g, i, s):
+    finite = exact_all_finite(g, axis_name)
+    if scale_below_one:
+      # Rounding is monotone, so a leaf's largest magnitude is the first entry
+      # to overflow when unscaled: checking it is exact, and no array of the
+      # leaf's size is written.
+      finite = finite & exact_all_finite(unscale(_leaf_amax(g), i), axis_name)
+    norm = lax.cond(finite & ~jnp.isfinite(s), lambda: robust_norm(g, axis_name), lambda: jnp.sqrt(s)) * i
+    return finite, norm
+
+  return lax.cond(fast, quick, exact, grads, inv_scale, sq)
 
 
 def reduced_amax(tree: Any, axis_name: AxisName = None) -> jax.Array:

@@ -5,8 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import optax_dls
+from optax_dls import _numerics
 
 
 def _step(tx, grads):
@@ -21,7 +24,17 @@ def test_huge_finite_gradients_are_finite_and_applied():
   updates, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, alerts=False), grads)
   assert bool(state.last_step_finite)
   np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(grads["w"]))
-  assert float(state.grad_norm) == np.inf  # the squares overflow float32; the step is still applied
+  # The squares overflow float32; the norm is still right (taken relative to the largest entry).
+  expected = np.linalg.norm(np.concatenate([np.asarray(g, np.float64) for g in grads.values()]))
+  np.testing.assert_allclose(float(state.grad_norm), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_past_the_float32_range_is_inf_but_the_step_is_finite(dtype):
+  grads = {"w": jnp.array([3e38, 3e38], dtype)}
+  updates, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, alerts=False), grads)
+  assert bool(state.last_step_finite) and float(state.grad_norm) == np.inf
+  np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(grads["w"]))
 
 
 @pytest.mark.parametrize("make", [
@@ -44,3 +57,29 @@ def test_one_bad_entry_among_huge_ones_is_caught(bad, dtype):
   grads = {"a": jnp.full((5,), big, dtype), "b": jnp.array([1.0, bad], dtype)}
   _, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, alerts=False), grads)
   assert not bool(state.last_step_finite)
+
+
+_BOUNDARY_TX = {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(["float16", "bfloat16", "float32", "complex64"]),
+       scale=st.floats(2.0**-20, 0.75, width=32),
+       spread=st.lists(st.floats(0.5, 1.5, width=32), min_size=1, max_size=6))
+def test_scale_below_one_flag_matches_elementwise_unscale(dtype, scale, spread):
+  # Entries straddle the value that unscaling carries to the dtype's largest finite
+  # number, so the flag is decided by rounding at the very edge of the range.
+  edge = float(jnp.finfo(jnp.real(jnp.zeros([], dtype)).dtype).max) * scale
+  values = np.minimum(np.asarray(spread, np.float64) * edge, np.finfo(np.float32).max)
+  grads = {"g": jnp.asarray(values.astype(np.float32)).astype(dtype)}
+  if dtype == "complex64":
+    grads = {"g": jnp.asarray(values[::-1].astype(np.float32)).astype(dtype) * 1j + 0.5}
+  if dtype not in _BOUNDARY_TX:  # one transformation per dtype: the scale is state, not a constant
+    _BOUNDARY_TX[dtype] = optax_dls.static_loss_scale(optax.sgd(1.0), 0.5, alerts=False)
+  tx = _BOUNDARY_TX[dtype]
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
+  state = optax_dls.reset_scale(tx.init(params), scale)
+  _, state = jax.jit(tx.update)(grads, state, params)
+  inv = (1.0 / jnp.float32(scale)).astype(jnp.float32)
+  expected = bool(jnp.all(jnp.isfinite(_numerics.unscale(grads, inv)["g"])))
+  assert bool(state.last_step_finite) is expected

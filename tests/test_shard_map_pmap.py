@@ -106,6 +106,20 @@ def test_shard_map_clean_steps_match_single_device_and_norm_is_global(mesh):
   assert float(state.loss_scale) == float(ref_state.loss_scale) == 2.0**11
 
 
+def test_shard_map_norm_of_huge_finite_gradients_is_global_without_overflow(mesh):
+  # Scaled gradients near 1e20: their squares overflow float32, their norm does not.
+  tx = _tx(AXES)
+  params = _params()
+  grads = _grads(1e20)
+  _, state, per_device = _sharded_update(tx, mesh)(grads, tx.init(params), params)
+  per_device = np.asarray(per_device)
+  assert per_device[:, 1].all() and not per_device[:, 2].any()  # every device applies the step
+  expected = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values())) / 2.0**10
+  np.testing.assert_allclose(per_device[:, 3], expected, rtol=1e-5)
+  single = jax.jit(_tx(None).update)(grads, _tx(None).init(params), params)[1]
+  np.testing.assert_allclose(float(single.grad_norm), expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize("axis_name", [None, "data", ("model",)])
 def test_shard_map_missing_axis_name_raises_at_trace_time(mesh, axis_name):
   tx = _tx(axis_name)
