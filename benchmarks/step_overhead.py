@@ -46,6 +46,23 @@ def bare_step():
   return tx.init, step
 
 
+def bare_unscaled_step():
+  """The bare step on gradients multiplied by a run-time ``1 / loss_scale``: the
+  unscale every loss scaler needs, with no check and no skip."""
+  tx = inner()
+
+  def init(params):
+    return tx.init(params), jnp.float32(1.0)
+
+  def step(params, state, grads):
+    opt_state, scale = state
+    inv = 1.0 / scale
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g * inv, grads), opt_state, params)
+    return optax.apply_updates(params, updates), (opt_state, scale)
+
+  return init, step
+
+
 def ours_step(fused=False, **options):
   tx = optax_dls.dynamic_loss_scale(inner(), init_scale=1.0, min_scale=1.0, **options)
 
@@ -122,17 +139,17 @@ def apply_if_finite_step():
 
 VARIANTS = {
     "bare_adam": (bare_step, False),
-    "optax_dls_finite": (ours_step, False),
-    "optax_dls_nonfinite": (ours_step, True),
-    "optax_dls_finite_alerts_off": (lambda: ours_step(alerts=False), False),
-    "optax_dls_nonfinite_alerts_off": (lambda: ours_step(alerts=False), True),
+    "bare_adam_unscaled": (bare_unscaled_step, False),
     "optax_dls_apply_step_finite": (lambda: ours_step(fused=True), False),
     "optax_dls_apply_step_nonfinite": (lambda: ours_step(fused=True), True),
-    "optax_dls_apply_step_finite_alerts_off": (lambda: ours_step(fused=True, alerts=False), False),
+    "optax_dls_update_finite": (ours_step, False),
+    "optax_dls_update_nonfinite": (ours_step, True),
+    "optax_dls_apply_step_alerts_on": (lambda: ours_step(fused=True, alerts=True), False),
     "jmp_pattern": (jmp_step, False),
     "flax_where_pattern": (flax_step, False),
     "apply_if_finite_pattern": (apply_if_finite_step, False),
 }
+PATTERNS = ("jmp_pattern", "flax_where_pattern", "apply_if_finite_pattern")
 
 
 def prepare(factory, params, grads) -> dict:
@@ -193,6 +210,10 @@ def main(argv=None) -> dict:
     base = rows["bare_adam"]["median_s"] if "bare_adam" in rows else None
     for r in rows.values():
       r["ratio_to_bare"] = r["median_s"] / base if base else None
+    ours = rows.get("optax_dls_apply_step_finite", {}).get("median_s")
+    for name in PATTERNS:
+      if name in rows and ours:
+        rows[name]["ratio_to_optax_dls_apply_step"] = rows[name]["median_s"] / ours
     out["results"][kind] = {"leaves": len(params), **rows}
   print(json.dumps(out, indent=2))
   return out
