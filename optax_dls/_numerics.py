@@ -18,12 +18,16 @@ def _is_float(x: Any) -> bool:
 
 
 def _float_leaves(tree: Any) -> list[jax.Array]:
-  return [x for x in jax.tree.leaves(tree) if _is_float(x)]
+  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
 
 
 def _compute_dtype(dtype: Any) -> Any:
-  """float32, or the leaf's own dtype where that is wider (float64 under x64)."""
-  return jnp.promote_types(dtype, jnp.float32)
+  """float32 (complex64), or the leaf's own dtype where that is wider
+  (float64 / complex128 under x64); float8 and other narrow floats too."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype
+  return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
 def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
@@ -73,6 +77,9 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   one read of each leaf (a float32 sum of squares, which is finite only when
   every entry is); only when that sum is not finite, a second, entry-by-entry
   read in a ``lax.cond`` tells a non-finite entry from squares that overflow.
+  NumPy float64 input is converted as JAX converts it: without
+  ``jax_enable_x64`` it becomes float32 first, where values beyond about
+  3.4e38 are inf.
 
   Args:
     tree: a pytree of arrays of any shapes and dtypes.
@@ -244,38 +251,43 @@ def _replicas(leaf: jax.Array, names: tuple[str, ...], sizes: dict[str, int]) ->
   return copies
 
 
-def robust_norm(tree: Any, axis_name: AxisName = None) -> jax.Array:
-  """float32 ``()``: global L2 norm of a finite ``tree`` without overflow in
-  the squares (two reads of each leaf; :func:`sum_squares` is one).
+def robust_norm(tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: AxisName = None) -> jax.Array:
+  """float32 ``()``: global L2 norm of a finite ``tree`` times ``inv_scale``,
+  without overflow in the squares (two reads of each leaf; :func:`sum_squares`
+  is one).
 
-  Each leaf is divided by its own largest magnitude ``m`` before squaring,
-  and the per-leaf sums are combined relative to the largest ``m``, so the
-  result is inf only when the norm itself is past the float32 range. Axes
-  as in :func:`sum_squares`.
+  Each leaf is divided by its own largest real or imaginary magnitude ``m``
+  before squaring; the per-leaf sums are combined relative to the largest
+  ``m * inv_scale`` (taken in the leaf's compute dtype), so the result is inf
+  only when the norm itself is past the float32 range. Axes as in
+  :func:`sum_squares`.
   """
   names = _axis_names(axis_name)
   sizes = _axis_sizes(axis_name) if names else {}
+  leaves = _float_leaves(tree)
   parts = []
-  for leaf in _float_leaves(tree):
+  for leaf, m in zip(leaves, _leaf_amax(leaves)):
     if not leaf.size:
       continue
     x = leaf.astype(_compute_dtype(leaf.dtype))
-    m = jnp.max(jnp.abs(x))
+    m = m.astype(x.real.dtype)
     m = jnp.where(m > 0, m, jnp.ones_like(m))
     y = x / m  # each read fuses on its own: nothing of the leaf's size is written
     q = jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32)
-    parts.append((m.astype(jnp.float32), q / _replicas(leaf, names, sizes)))
+    unscaled_m = (m * jnp.asarray(inv_scale, m.dtype)).astype(jnp.float32)
+    parts.append((unscaled_m, q / _replicas(leaf, names, sizes)))
   if not parts:
     return jnp.zeros([], jnp.float32)
   top = jnp.max(jnp.stack([m for m, _ in parts]))
   if names:
     top = lax.pmax(top, names)
-  total = sum(q * jnp.square(m / top) for m, q in parts)
+  # m == top covers top == inf (a leaf past float32 range: the norm is inf too).
+  total = sum(q * jnp.square(jnp.where(m == top, 1.0, m / top)) for m, q in parts)
   return top * jnp.sqrt(lax.psum(total, names) if names else total)
 
 
-def finite_and_norm(grads: Any, inv_scale: jax.Array, axis_name: AxisName = None,
-                    scale_below_one: bool = True) -> tuple[jax.Array, jax.Array]:
+def finite_and_norm(grads: Any, inv_scale: jax.Array,
+                    axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
   """``(all_finite(u, axis_name), global L2 norm of u)`` for ``u = unscale(grads, inv_scale)``.
 
   On a normal step this is one fused read of each gradient leaf, and ``u``
@@ -285,8 +297,8 @@ def finite_and_norm(grads: Any, inv_scale: jax.Array, axis_name: AxisName = None
   monotone), so ``u`` is then finite too. Everything else goes to an exact
   path in a ``lax.cond`` that runs only then: a sum of squares that is not
   finite (a non-finite entry, or finite entries whose squares overflow), or
-  a loss scale below 1 where the policy allows one (``scale_below_one``),
-  since unscaling can then overflow a finite gradient (e.g. a float16 leaf
+  a loss scale below 1 (whatever set it: the policy, ``reset_scale`` or a
+  fallback), since unscaling can then overflow a finite gradient (e.g. a float16 leaf
   past 65504). The exact path checks every entry of ``grads`` (``x - x`` is
   0 for finite ``x`` of any size, NaN otherwise) and, for a scale below 1,
   each leaf's largest magnitude once unscaled: rounding is monotone, so that
@@ -314,21 +326,18 @@ def finite_and_norm(grads: Any, inv_scale: jax.Array, axis_name: AxisName = None
   """
   inv_scale = jnp.asarray(inv_scale, jnp.float32)
   sq = sum_squares(grads, axis_name)
-  fast = jnp.isfinite(sq)
-  if scale_below_one:
-    fast = fast & (inv_scale <= 1)
+  fast = jnp.isfinite(sq) & (inv_scale <= 1)
 
   def quick(g, i, s):
     return jnp.bool_(True), jnp.sqrt(s) * i
 
   def exact(g, i, s):
-    finite = exact_all_finite(g, axis_name)
-    if scale_below_one:
-      # Rounding is monotone, so a leaf's largest magnitude is the first entry
-      # to overflow when unscaled: checking it is exact, and no array of the
-      # leaf's size is written.
-      finite = finite & exact_all_finite(unscale(_leaf_amax(g), i), axis_name)
-    norm = lax.cond(finite & ~jnp.isfinite(s), lambda: robust_norm(g, axis_name), lambda: jnp.sqrt(s)) * i
+    # Rounding is monotone, so with a scale below 1 a leaf's largest magnitude
+    # is the first entry to overflow when unscaled: checking it is exact, and
+    # no array of the leaf's size is written.
+    finite = exact_all_finite(g, axis_name) & lax.cond(
+        i > 1, lambda: exact_all_finite(unscale(_leaf_amax(g), i), axis_name), lambda: jnp.bool_(True))
+    norm = lax.cond(finite & ~jnp.isfinite(s), lambda: robust_norm(g, i, axis_name), lambda: jnp.sqrt(s) * i)
     return finite, norm
 
   return lax.cond(fast, quick, exact, grads, inv_scale, sq)

@@ -11,7 +11,7 @@ import optax
 from jax import lax
 
 from optax_dls import _fallback, _monitoring, _numerics, _policy, _validation
-from optax_dls._state import init_state
+from optax_dls._state import LossScaleState, init_state
 
 # update function of each loss-scaled transformation -> its step (see apply_step)
 _STEPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -171,6 +171,12 @@ def loss_scaled(
   def step(grads, state, params, extra_args, into_params):
     """One update; with ``into_params`` it returns new params instead of updates,
     applied inside the skip branch so that XLA fuses them with the optimizer."""
+    if not isinstance(state, LossScaleState):
+      raise TypeError(
+          f"opt_state must be the state this loss-scaled transformation's init returned (a "
+          f"LossScaleState), got a {type(state).__name__}: {repr(state)[:200]}.")
+    if into_params and params is None:
+      raise TypeError("apply_step needs params (the parameters to update), got params=None.")
     _numerics.check_axis_coverage(grads, state.loss_scale, axis_name)
     post = (lambda u: optax.apply_updates(params, u)) if into_params else (lambda u: u)
     if policy.passthrough:
@@ -186,8 +192,7 @@ def loss_scaled(
     # The unscaled gradients are never materialised: the check reduces them in
     # one fused read, and the inner update unscales again inside the cond, fused
     # into its own elementwise work. Gradients: one read to check, one to step.
-    finite, grad_norm = _numerics.finite_and_norm(
-        grads, inv_scale, axis_name, scale_below_one=min_scale is None or min_scale < 1)
+    finite, grad_norm = _numerics.finite_and_norm(grads, inv_scale, axis_name)
 
     def apply(operands):
       g, inner_state, kept = operands
@@ -272,7 +277,7 @@ def dynamic_loss_scale(
       Default False.
     warmup_steps: no growth before this many updates. Default 0.
     axis_name: as in :func:`loss_scaled`. Default None.
-    alerts: as in :func:`loss_scaled`. Default True.
+    alerts: as in :func:`loss_scaled`. Default False.
     alert_after: as in :func:`loss_scaled`. Default 3.
     underflow_stats: as in :func:`loss_scaled`. Default None (off).
     fallback_after: as in :func:`loss_scaled`. Default None (off).

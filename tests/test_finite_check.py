@@ -83,3 +83,34 @@ def test_scale_below_one_flag_matches_elementwise_unscale(dtype, scale, spread):
   inv = (1.0 / jnp.float32(scale)).astype(jnp.float32)
   expected = bool(jnp.all(jnp.isfinite(_numerics.unscale(grads, inv)["g"])))
   assert bool(state.last_step_finite) is expected
+
+
+def test_scale_set_below_one_by_reset_scale_is_still_checked_exactly():
+  # The policy's min_scale is 1, but reset_scale (or a fallback) can still set 0.5:
+  # 40000 / 0.5 overflows float16, so the step must be skipped.
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), alerts=False)
+  params = {"w": jnp.zeros(2, jnp.float16)}
+  state = optax_dls.reset_scale(tx.init(params), 0.5)
+  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
+      {"w": jnp.array([40000.0, 1.0], jnp.float16)}, state, params)
+  assert not bool(state.last_step_finite)
+  np.testing.assert_array_equal(np.asarray(new["w"]), np.zeros(2, np.float16))
+
+
+@pytest.mark.parametrize("grads, scale", [
+    ({"w": jnp.array([3e38, 3e38], jnp.float32)}, 4.0),  # scaled norm overflows, unscaled fits
+    ({"z": jnp.array([3e38 + 3e38j], jnp.complex64)}, 2.0**15),  # |z| overflows, parts finite
+    ({"w": jnp.array([3e38], jnp.float32), "h": jnp.array([60000.0, 1.0], jnp.float16)}, 2.0**10),
+], ids=["float32", "complex64", "mixed"])
+def test_norm_of_huge_scaled_gradients_is_the_unscaled_norm(grads, scale):
+  tx = optax_dls.static_loss_scale(optax.sgd(1.0), scale, alerts=False)
+  _, state = _step(tx, grads)
+  assert bool(state.last_step_finite)
+  flat = np.concatenate([np.abs(np.asarray(g, np.complex128)).ravel() for g in grads.values()])
+  np.testing.assert_allclose(float(state.grad_norm), np.linalg.norm(flat) / scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+def test_all_finite_on_float8(dtype):
+  assert bool(optax_dls.all_finite({"a": jnp.array([1.0, -2.0], dtype)}))
+  assert not bool(optax_dls.all_finite({"a": jnp.array([1.0, jnp.nan], dtype)}))

@@ -264,3 +264,21 @@ def test_all_finite_checks_its_arguments():
   with pytest.raises(TypeError, match="tree.*'abc'"):
     optax_dls.all_finite("abc")
   assert bool(optax_dls.all_finite({"a": jnp.ones(2), "n": None, "i": 3}))
+
+
+def test_apply_step_and_update_name_a_wrong_state_or_missing_params():
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
+  params = {"w": jnp.ones(3)}
+  plain_state = optax.adam(1e-3).init(params)
+  with pytest.raises(TypeError, match="opt_state must be .*LossScaleState.*got a tuple"):
+    optax_dls.apply_step(tx, params, plain_state, params)
+  with pytest.raises(TypeError, match="opt_state must be"):
+    tx.update(params, plain_state, params)
+  with pytest.raises(TypeError, match="params=None"):
+    optax_dls.apply_step(tx, params, tx.init(params), None)
+
+
+def test_all_finite_takes_python_numbers():
+  assert bool(optax_dls.all_finite([1.0, 2])) and bool(optax_dls.all_finite(1e30))
+  assert not bool(optax_dls.all_finite({"a": 2.0, "b": float("inf")}))
+  assert not bool(optax_dls.all_finite(float("nan")))
