@@ -26,8 +26,11 @@ from flax import nnx
 
 from optax_dls import _validation
 from optax_dls._access import applied_steps, find_state, scale_loss
+from optax_dls._transform import apply_step
 
-__all__ = ["applied_steps", "value_and_grad"]
+__all__ = ["applied_steps", "apply_gradients", "value_and_grad"]
+
+_OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # flax's key for gradient-overwritten (fp8) params
 
 
 def _differentiates_module(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> bool:
@@ -122,3 +125,47 @@ def value_and_grad(
     return ((loss, aux) if has_aux else loss), grads
 
   return grad_fn
+
+
+def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
+  """``state.apply_gradients(grads=grads, **kwargs)`` for a linen ``TrainState``,
+  with the updates applied inside the skip branch (:func:`optax_dls.apply_step`).
+
+  Same result as the method (up to the rounding of fused arithmetic, an ulp
+  or so), including flax's ``_overwrite_with_gradient`` collection, but XLA
+  fuses the parameter update with the optimizer instead of writing the
+  updates out and reading them back: the fast path for a loss-scaled
+  ``state.tx`` (see the performance guide). On a skipped step the
+  parameters come back bit for bit. ``step`` advances by one either way, as
+  with the method.
+
+  Args:
+    state: a ``flax.training.train_state.TrainState`` (or subclass) whose
+      ``tx`` is loss-scaled, e.g. by :func:`optax_dls.dynamic_loss_scale`.
+    grads: the *scaled* gradients (from :func:`value_and_grad`), with the
+      structure of ``state.params``.
+    **kwargs: other ``TrainState`` fields to replace, as with the method.
+
+  Returns:
+    The updated ``TrainState``.
+
+  Raises:
+    TypeError: ``state`` has no ``tx``, ``params`` or ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
+    >>> from flax.training.train_state import TrainState
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+    >>> state = TrainState.create(apply_fn=None, params={'w': jnp.ones(2)}, tx=tx)
+    >>> state = optax_dls.flax.apply_gradients(state, grads={'w': jnp.full(2, 4.0)})
+    >>> state.params['w'], int(state.step)
+    (Array([0.5, 0.5], dtype=float32), 1)
+  """
+  if not all(hasattr(state, f) for f in ("tx", "params", "opt_state", "step", "replace")):
+    raise TypeError(f"state must be a flax TrainState, got {type(state).__name__}: {repr(state)[:200]}.")
+  overwrite = isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads
+  params = state.params["params"] if overwrite else state.params
+  params, opt_state = apply_step(state.tx, grads["params"] if overwrite else grads, state.opt_state, params)
+  if overwrite:
+    params = {"params": params, _OVERWRITE_WITH_GRADIENT: grads[_OVERWRITE_WITH_GRADIENT]}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **kwargs)
