@@ -298,8 +298,8 @@ def finite_and_norm(grads: Any, inv_scale: jax.Array,
   path in a ``lax.cond`` that runs only then: a sum of squares that is not
   finite (a non-finite entry, or finite entries whose squares overflow), or
   a loss scale below 1 (whatever set it: the policy, ``reset_scale`` or a
-  fallback), since unscaling can then overflow a finite gradient (e.g. a float16 leaf
-  past 65504). The exact path checks every entry of ``grads`` (``x - x`` is
+  fallback), since unscaling can then overflow a finite gradient (e.g. a
+  float16 leaf past 65504). The exact path checks every entry of ``grads`` (``x - x`` is
   0 for finite ``x`` of any size, NaN otherwise) and, for a scale below 1,
   each leaf's largest magnitude once unscaled: rounding is monotone, so that
   entry is the first to overflow. It then computes the norm without

@@ -59,7 +59,8 @@ def test_one_bad_entry_among_huge_ones_is_caught(bad, dtype):
   assert not bool(state.last_step_finite)
 
 
-_BOUNDARY_TX = {}
+# One transformation for every example, so jit reuses its compilation per dtype; the scale is state.
+_BOUNDARY_TX = optax_dls.static_loss_scale(optax.sgd(1.0), 0.5, alerts=False)
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,9 +75,7 @@ def test_scale_below_one_flag_matches_elementwise_unscale(dtype, scale, spread):
   grads = {"g": jnp.asarray(values.astype(np.float32)).astype(dtype)}
   if dtype == "complex64":
     grads = {"g": jnp.asarray(values[::-1].astype(np.float32)).astype(dtype) * 1j + 0.5}
-  if dtype not in _BOUNDARY_TX:  # one transformation per dtype: the scale is state, not a constant
-    _BOUNDARY_TX[dtype] = optax_dls.static_loss_scale(optax.sgd(1.0), 0.5, alerts=False)
-  tx = _BOUNDARY_TX[dtype]
+  tx = _BOUNDARY_TX
   params = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
   state = optax_dls.reset_scale(tx.init(params), scale)
   _, state = jax.jit(tx.update)(grads, state, params)
