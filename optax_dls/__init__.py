@@ -1,89 +1,62 @@
 """optax_dls: dynamic loss scaling for fp16 mixed-precision training, as an optax transformation.
 
 Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
+
+Public submodules: :mod:`optax_dls.compat` (policies that reproduce other
+frameworks' scale trajectories), :mod:`optax_dls.writers` (JSONL /
+TensorBoard logging), and, imported on use, :mod:`optax_dls.flax` (Flax
+helpers; needs flax).
 """
 
-from optax_dls._access import (
-    applied_steps,
-    find_state,
-    loss_scale,
-    metrics,
-    reset_scale,
-    scale_loss,
-)
-from optax_dls._checkpoint import restore_checkpoint
-from optax_dls._compat import (
-    deepspeed_policy,
-    flax_policy,
-    jmp_policy,
-    keras_policy,
-    megatron_policy,
-    torch_policy,
-)
-from optax_dls._group_scale import group_scaled, group_unscale, scale_gradient
-from optax_dls._amax_policy import AmaxScaleState, amax_policy
-from optax_dls._config import from_config, load_config, preset, presets
-from optax_dls._fallback import fallback_active, fallback_value_and_grad, select_precision
+from optax_dls import compat as compat  # public submodules
+from optax_dls import writers as writers
+from optax_dls._access import find_state, loss_scale, metrics, reset_scale, scale_loss
+from optax_dls._alerts import SkipAlerts
+from optax_dls._config import from_config, preset
+from optax_dls._fallback import fallback_value_and_grad, fp32_fallback, select_precision
 from optax_dls._numerics import all_finite
-from optax_dls._policy import (
-    DynamicScaleState,
+from optax_dls._policies import (
     GradStats,
     LossScalePolicy,
+    amax_policy,
     dynamic_policy,
     noop_policy,
     static_policy,
 )
+from optax_dls._scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
+from optax_dls._skips_at_min_scale import skips_at_min_scale
 from optax_dls._state import LossScaleState
-from optax_dls._transform import (
-    apply_step,
-    dynamic_loss_scale,
-    loss_scaled,
-    no_loss_scale,
-    static_loss_scale,
-)
-
-from optax_dls import writers
+from optax_dls._transform import LossScaledTransformation, apply_step, loss_scaled
+from optax_dls._underflow import underflow_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "apply_step",
-    "AmaxScaleState",
-    "amax_policy",
-    "deepspeed_policy",
-    "flax_policy",
-    "group_scaled",
-    "group_unscale",
-    "jmp_policy",
-    "keras_policy",
-    "megatron_policy",
-    "scale_gradient",
-    "torch_policy",
-    "DynamicScaleState",
     "GradStats",
     "LossScalePolicy",
     "LossScaleState",
+    "LossScaledTransformation",
+    "SkipAlerts",
     "all_finite",
-    "fallback_active",
-    "fallback_value_and_grad",
-    "from_config",
-    "load_config",
-    "preset",
-    "presets",
-    "select_precision",
-    "writers",
-    "applied_steps",
+    "amax_policy",
+    "apply_step",
     "dynamic_loss_scale",
     "dynamic_policy",
+    "fallback_value_and_grad",
     "find_state",
+    "fp32_fallback",
+    "from_config",
     "loss_scale",
     "loss_scaled",
     "metrics",
     "no_loss_scale",
     "noop_policy",
+    "preset",
     "reset_scale",
-    "restore_checkpoint",
     "scale_loss",
+    "select_precision",
+    "skips_at_min_scale",
     "static_loss_scale",
     "static_policy",
+    "underflow_stats",
 ]

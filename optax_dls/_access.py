@@ -7,38 +7,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from optax_dls import _accumulation
 from optax_dls import _validation as v
-from optax_dls._policy import SCALE_MAX, SCALE_MIN
-from optax_dls._monitoring import flatten_underflow
 from optax_dls._state import LossScaleState
 
 
-def _is_ours(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
-_MULTISTEPS_OUTSIDE = (
-    "opt_state is an optax.MultiSteps state wrapping a loss-scaled optimizer, "
-    "MultiSteps(dynamic_loss_scale(...)). This order is not supported: MultiSteps adds every "
-    "micro-batch to its accumulator before the loss scaler can check it, so one non-finite "
-    "micro-batch poisons the accumulator for good (0 * NaN = NaN). Put the loss scaling "
-    "outside: optax_dls.dynamic_loss_scale(optax.MultiSteps(inner, every_k_schedule=k)); "
-    "a non-finite micro-batch is then dropped and the loss scale backs off.")
-
-
 def _is_node(x: Any) -> bool:
-  return _is_ours(x) or isinstance(x, optax.MultiStepsState)
+  return isinstance(x, LossScaleState) or _accumulation.is_multisteps_state(x)
 
 
 def _find_all(tree: Any) -> list[LossScaleState]:
   found = []
   for leaf in jax.tree.leaves(tree, is_leaf=_is_node):
-    if isinstance(leaf, optax.MultiStepsState):
+    if _accumulation.is_multisteps_state(leaf):
       if _find_all(leaf.inner_opt_state):
-        raise ValueError(_MULTISTEPS_OUTSIDE)
-    elif _is_ours(leaf):
+        raise ValueError(_accumulation.MULTISTEPS_OUTSIDE)
+    elif isinstance(leaf, LossScaleState):
       found.append(leaf)
       found.extend(_find_all((leaf.policy_state, leaf.inner_state)))
   return found
@@ -57,12 +42,6 @@ def _unwrap(tree: Any) -> Any:
   return jax.tree.map(lambda x: value(x) if is_var(x) else x, tree, is_leaf=is_var)
 
 
-def _like(old: Any, new: jax.Array) -> Any:
-  """``new`` in ``old``'s place: same dtype, and same wrapper (e.g. an nnx Variable) if any."""
-  dtype = jnp.result_type(jax.tree.leaves(old)[0])
-  return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])
-
-
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
@@ -75,6 +54,12 @@ def find_state(opt_state: Any) -> LossScaleState:
     ValueError: there is no loss-scale state in ``opt_state``, or more than
       one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
       message says what to do instead).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax.chain(optax_dls.dynamic_loss_scale(optax.adam(1e-3)), optax.scale(0.5))
+    >>> float(optax_dls.find_state(tx.init({'w': jnp.ones(2)})).loss_scale)
+    32768.0
   """
   found = _find_all(opt_state)
   if not found:
@@ -87,6 +72,15 @@ def find_state(opt_state: Any) -> LossScaleState:
         f"opt_state holds {len(found)} LossScaleStates, so which scale to use is ambiguous: "
         "wrap the optimizer once, at the outside, or pass the sub-state you mean.")
   return _unwrap(found[0])
+
+
+def find_feature(opt_state: Any, kind: type) -> Any:
+  """The one node of type ``kind`` (a feature's state, e.g. a policy wrapper's)
+  inside the loss-scale state of ``opt_state``, or None when there is none."""
+  state = find_state(opt_state)
+  nodes = [x for x in jax.tree.leaves((state.policy_state, state.inner_state),
+                                      is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)]
+  return nodes[0] if nodes else None
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
@@ -156,12 +150,11 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``grad_norm`` (float32): global L2 norm of the last step's unscaled
       gradients (NaN before the first step).
     ``fp32_fallback`` (bool): whether the float32 fallback is on (always
-      False unless the transformation was built with ``fallback_after``).
-    ``underflow/zero_frac``, ``underflow/subnormal_frac`` (float32), and
-      ``underflow/<label>/zero_frac``, ``underflow/<label>/subnormal_frac``
-      per parameter label: only when built with ``underflow_stats``; the
-      fractions of zero and of fp16-subnormal (0 < |x| < 2**-14) entries of
-      the last step's unscaled gradients (NaN before the first step).
+      False without the :func:`fp32_fallback` policy wrapper).
+    The keys each feature adds: ``skips_at_min_scale`` (int32) with the
+    :func:`skips_at_min_scale` policy wrapper; ``underflow/zero_frac``,
+    ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
+    :func:`underflow_stats` chained inside.
 
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
@@ -179,7 +172,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
   s = find_state(opt_state)
   steps = s.num_steps.astype(jnp.float32)
   applied = steps - s.num_skipped.astype(jnp.float32)
-  return {
+  out = {
       "loss_scale": s.loss_scale,
       "skipped": ~s.last_step_finite,
       "skip_count": s.num_skipped,
@@ -187,42 +180,43 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       "num_steps": s.num_steps,
       "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
       "grad_norm": s.grad_norm,
-      "fp32_fallback": s.fp32_fallback,
-      **flatten_underflow(s.underflow),
+      "fp32_fallback": jnp.zeros_like(s.last_step_finite),
   }
+  return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
 
 
-def applied_steps(opt_state: Any) -> jax.Array:
-  """Number of applied (not skipped) updates: ``num_steps - skip_count``, int32 ``()``.
-
-  Step counters kept outside the optimizer state, such as flax
-  ``TrainState.step`` and ``nnx.Optimizer.step``, count skipped steps too;
-  this is the count of updates that reached the inner optimizer. When the
-  loss scaling wraps ``optax.MultiSteps``, it counts applied micro-batches;
-  the applied windows are the ``MultiStepsState.gradient_step``.
-
-  Raises:
-    ValueError: none or more than one loss-scale state in ``opt_state``.
-  """
-  s = find_state(opt_state)
-  return s.num_steps - s.num_skipped
+def _feature_metrics(tree: Any) -> dict[str, jax.Array]:
+  """The keys each feature's state reports (policy wrappers, chained transformations),
+  nested ones included."""
+  reports = lambda x: hasattr(x, "loss_scale_metrics")
+  out = {}
+  for node in jax.tree.leaves(tree, is_leaf=reports):
+    if reports(node):
+      out.update(_feature_metrics(tuple(node)))
+      out.update(node.loss_scale_metrics())
+  return out
 
 
-def reset_scale(opt_state: Any, value: float) -> Any:
+def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
   The growth tracker of the built-in policies restarts at 0; every other
-  field, the inner state included, is kept.
+  field, the inner state included, is kept. The scale stays within the
+  policy's ``[min_scale, max_scale]`` (``LossScaleState.min_scale`` /
+  ``max_scale``): a static ``value`` outside it raises; a traced one is
+  clamped into it (a traced NaN makes the next step skip and restart from
+  the policy's initial scale).
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
-    value: the new loss scale, a number or float32 ``()`` array in
-      [2**-126, 2**126]. A traced array is allowed (shape ``()`` required;
-      no range check then).
+    value: the new loss scale: a real number, or a float ``()`` array (traced
+      or not), in the policy's range.
 
   Raises:
-    ValueError: ``value`` out of range, a traced ``value`` not of shape ``()``,
-      or none or more than one loss-scale state in ``opt_state``.
+    ValueError: a static ``value`` that is NaN, not finite, not > 0, or
+      outside ``[min_scale, max_scale]`` (checked when ``opt_state`` is not
+      traced; outside ``[2**-126, 2**126]`` always); a traced ``value`` not of
+      shape ``()``; none or more than one loss-scale state in ``opt_state``.
     TypeError: ``value`` not a real number.
 
   Example:
@@ -231,20 +225,38 @@ def reset_scale(opt_state: Any, value: float) -> Any:
     >>> optax_dls.loss_scale(optax_dls.reset_scale(state, 2.0**12))
     Array(4096., dtype=float32)
   """
-  find_state(opt_state)
-  if isinstance(value, jax.core.Tracer) and value.shape != ():
-    raise ValueError(f"value must be a scalar of shape (), got a traced value {value!r} "
-                     f"of shape {value.shape}.")
-  if not isinstance(value, jax.core.Tracer):
-    value = v.real("value", value)
-    v.check(SCALE_MIN <= value <= SCALE_MAX, "value", value, "2**-126 <= value <= 2**126")
+  state = find_state(opt_state)
+  if isinstance(value, jax.core.Tracer):
+    if value.shape != ():
+      raise ValueError(f"value must be a scalar of shape (), got a traced value {value!r} "
+                       f"of shape {value.shape}.")
+  else:
+    value = v.scale("value", value)
+    if not isinstance(state.min_scale, jax.core.Tracer):
+      v.scale("value", value, float(state.min_scale), float(state.max_scale))
 
   def reset(x):
-    if not _is_ours(x):
+    if not isinstance(x, LossScaleState):
       return x
-    ps = x.policy_state
-    if hasattr(ps, "growth_tracker") and hasattr(ps, "_replace"):
-      ps = ps._replace(growth_tracker=_like(ps.growth_tracker, 0))
-    return x._replace(loss_scale=_like(x.loss_scale, value), policy_state=ps)
+    scale = jnp.clip(jnp.asarray(value, jnp.float32), _plain(x.min_scale), _plain(x.max_scale))
+    return x._replace(loss_scale=_like(x.loss_scale, scale), policy_state=jax.tree.map(
+        _restart_growth, x.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")))
 
-  return jax.tree.map(reset, opt_state, is_leaf=_is_ours)
+  return jax.tree.map(reset, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+
+
+def _restart_growth(node: Any) -> Any:
+  if hasattr(node, "growth_tracker") and hasattr(node, "_replace"):
+    return node._replace(growth_tracker=_like(node.growth_tracker, 0))
+  return node
+
+
+def _plain(x: Any) -> Any:
+  """The array inside an ``nnx.Variable``, or ``x``."""
+  return jax.tree.leaves(_unwrap(x))[0]
+
+
+def _like(old: Any, new: Any) -> Any:
+  """``new`` in ``old``'s place: same dtype, and same wrapper (e.g. an nnx Variable) if any."""
+  dtype = jnp.result_type(jax.tree.leaves(old)[0])
+  return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])

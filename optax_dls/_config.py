@@ -16,23 +16,23 @@ naming the key, before anything is built.
 from __future__ import annotations
 
 import os
-import types
 from collections.abc import Mapping
 from typing import Any
 
 import optax
 
-from optax_dls import _policy, _transform
+from optax_dls import _fallback, _policies, _transform, _underflow
 
 _POLICY_KEYS = frozenset({
     "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
     "max_scale", "hysteresis", "consecutive_hysteresis", "warmup_steps"})
 _WRAPPER_KEYS = frozenset({
-    "axis_name", "alerts", "alert_after", "underflow_stats", "fallback_after",
-    "fallback_steps", "fallback_scale"})
+    "axis_name", "skip_lowering", "underflow_stats", "fallback_after", "fallback_steps",
+    "fallback_scale"})
+_HOST_KEYS = frozenset({"alerts", "alert_after"})
 _KINDS = ("dynamic", "static", "none")
 _NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - {
-    "consecutive_hysteresis", "axis_name", "alerts", "underflow_stats"}
+    "consecutive_hysteresis", "axis_name", "skip_lowering", "underflow_stats"}
 _ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
 
 # Each preset: the dynamic_loss_scale arguments, and why (shown in the docs).
@@ -96,14 +96,6 @@ def preset_reason(name: str) -> str:
   return _PRESETS[_ALIASES.get(name, name)][1]
 
 
-presets = types.SimpleNamespace(
-    text_llm=lambda: preset("text_llm"),
-    multimodal=lambda: preset("multimodal"),
-    preference=lambda: preset("preference"),
-    dpo=lambda: preset("preference"),
-    qlora=lambda: preset("qlora"),
-)
-presets.__doc__ = "Named presets: ``optax_dls.presets.qlora()`` == ``optax_dls.preset('qlora')``."
 
 
 def _unique_key_loader(yaml: Any) -> Any:
@@ -192,23 +184,27 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
   * ``preset``: a name for :func:`preset` (dynamic only), overridden by
   * the :func:`dynamic_policy` arguments (``init_scale``, ``growth_interval``,
     ``warmup_steps``, ...) for ``dynamic``, or ``scale`` for ``static``;
-  * with ``inner`` only, the wrapper options of :func:`loss_scaled`:
-    ``axis_name``, ``alerts``, ``alert_after``, ``underflow_stats`` (a bool
-    here), ``fallback_after``, ``fallback_steps``, ``fallback_scale``.
+  * ``fallback_after``, ``fallback_steps``, ``fallback_scale``: wrap the
+    policy in :func:`fp32_fallback` (``after``, ``steps``, ``scale``);
+  * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of
+    :func:`loss_scaled`, and ``underflow_stats`` (a bool: chain
+    :func:`underflow_stats` first inside).
 
   Args:
     config: a mapping, or a ``str`` / ``os.PathLike`` path to a YAML file.
     inner: the optax transformation to wrap, or None.
 
   Returns:
-    A :class:`LossScalePolicy` when ``inner`` is None, otherwise the wrapped
-    ``optax.GradientTransformationExtraArgs``.
+    A :class:`LossScalePolicy` when ``inner`` is None, otherwise the
+    loss-scaled transformation (:func:`loss_scaled`).
 
   Raises:
     ValueError: an unknown key (named in the message), an unknown kind or
-      preset, a wrapper option without ``inner``, a value out of range, a
-      ``loss_scale`` section together with loss-scale keys at the top level,
-      or a YAML file that does not parse or repeats a key.
+      preset, a wrapper option without ``inner``, a fallback option without
+      ``fallback_after``, ``alerts`` (alerts run on the host: see
+      :class:`SkipAlerts`), a value out of range, a ``loss_scale`` section
+      together with loss-scale keys at the top level, or a YAML file that
+      does not parse or repeats a key.
     TypeError: a value of the wrong type (a number written ``1e4`` that YAML
       reads as a string gets a hint to write ``1.0e4``).
   """
@@ -218,34 +214,40 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
       raise TypeError(
           f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
           "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000.")
+  for key in sorted(_HOST_KEYS & set(section)):
+    raise ValueError(f"loss-scale configuration key {key!r}: alerts are raised on the host from "
+                     "optax_dls.metrics by optax_dls.SkipAlerts(alert_after=...), not configured "
+                     "in the transformation; remove the key.")
   kind = section.pop("kind", "dynamic")
   if kind not in _KINDS:
     raise ValueError(f"loss_scale kind must be one of {_KINDS}, got kind={kind!r}.")
-  wrapper_allowed = _WRAPPER_KEYS if inner is not None else frozenset()
   if kind == "dynamic":
     _reject(section, _POLICY_KEYS | {"preset"} | _WRAPPER_KEYS, kind)
     kwargs = preset(section.pop("preset")) if "preset" in section else {}
     kwargs.update({k: section.pop(k) for k in list(section) if k in _POLICY_KEYS})
+    policy = _policies.dynamic_policy(**kwargs)
   elif kind == "static":
     _reject(section, ({"scale"} | _WRAPPER_KEYS) - {"fallback_scale"}, kind)
     if "scale" not in section:
       raise ValueError("loss_scale kind='static' needs a 'scale' key.")
-    kwargs = {"scale": section.pop("scale")}
+    policy = _policies.static_policy(section.pop("scale"))
   else:
-    _reject(section, frozenset({"axis_name"}), kind)
-    kwargs = {}
-  for key in sorted(section):
-    if key not in wrapper_allowed:
-      raise ValueError(f"loss-scale configuration key {key!r} configures the wrapper: pass inner= "
-                       "to from_config to get a transformation, or remove it to get a policy.")
-  if "underflow_stats" in section and not isinstance(section["underflow_stats"], (bool, type(None))):
-    raise TypeError(f"underflow_stats in a configuration must be a bool, got {section['underflow_stats']!r}.")
+    _reject(section, frozenset({"axis_name", "skip_lowering", "underflow_stats"}), kind)
+    policy = _policies.noop_policy()
+  fallback = {k.removeprefix("fallback_"): section.pop(k) for k in sorted(section) if k.startswith("fallback_")}
+  if fallback.get("after") is not None:
+    policy = _fallback.fp32_fallback(policy, **fallback)
+  elif set(fallback) - {"after"}:
+    raise ValueError(f"loss-scale configuration keys {sorted('fallback_' + k for k in fallback)} "
+                     "need fallback_after (the consecutive skips that start the float32 fallback).")
   if inner is None:
-    if kind == "dynamic":
-      return _policy.dynamic_policy(**kwargs)
-    return _policy.static_policy(kwargs["scale"]) if kind == "static" else _policy.noop_policy()
-  if kind == "dynamic":
-    return _transform.dynamic_loss_scale(inner, **kwargs, **section)
-  if kind == "static":
-    return _transform.static_loss_scale(inner, kwargs["scale"], **section)
-  return _transform.no_loss_scale(inner, **section)
+    for key in sorted(section):
+      raise ValueError(f"loss-scale configuration key {key!r} configures the transformation: pass "
+                       "inner= to from_config to get a transformation, or remove it to get a policy.")
+    return policy
+  stats = section.pop("underflow_stats", False)
+  if not isinstance(stats, (bool, type(None))):
+    raise TypeError(f"underflow_stats in a configuration must be a bool, got {stats!r}.")
+  if stats:
+    inner = optax.chain(_underflow.underflow_stats(), inner)
+  return _transform.loss_scaled(inner, policy, **section)

@@ -22,13 +22,10 @@ import optax
 
 from optax_dls import _numerics
 from optax_dls import _validation as v
-from optax_dls._policy import SCALE_MAX, SCALE_MIN
 
 
 def _factor(value: Any) -> float:
-  value = v.real("factor", value)
-  v.check(SCALE_MIN <= value <= SCALE_MAX, "factor", value, "2**-126 <= value <= 2**126")
-  return value
+  return v.scale("factor", value)
 
 
 def _times(ct: Any, factor: float) -> Any:

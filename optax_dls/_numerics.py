@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -10,41 +9,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-AxisName = str | Sequence[str] | None
+from optax_dls import _multi_device as md
 
 
-def _is_float(x: Any) -> bool:
+def is_float(x: Any) -> bool:
+  """Whether ``x`` is a floating or complex array (None and other leaves are not)."""
   return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _float_leaves(tree: Any) -> list[jax.Array]:
-  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+def float_leaves(tree: Any) -> list[jax.Array]:
+  """The floating and complex leaves of ``tree``, as arrays."""
+  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_float(x)]
 
 
-def _compute_dtype(dtype: Any) -> Any:
+def compute_dtype(dtype: Any) -> Any:
   """float32 (complex64), or the leaf's own dtype where that is wider
   (float64 / complex128 under x64); float8 and other narrow floats too."""
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.complexfloating):
     return dtype
   return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-
-
-def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
-  """Returns ``axis_name`` as None, a string or a tuple; TypeError for anything else."""
-  if axis_name is None or isinstance(axis_name, str):
-    return axis_name
-  if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
-    return tuple(axis_name)
-  raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
-
-
-def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
-  if axis_name is None:
-    return ()
-  if isinstance(axis_name, str):
-    return (axis_name,)
-  return tuple(axis_name)
 
 
 def nonfinite_sum(tree: Any) -> jax.Array:
@@ -54,20 +38,15 @@ def nonfinite_sum(tree: Any) -> jax.Array:
   inf, -inf and NaN: one fused read of each leaf, exact in every dtype.
   """
   total = jnp.zeros([], jnp.float32)
-  for x in _float_leaves(tree):
-    total = total + jnp.sum(_nan_if_nonfinite(x)).astype(jnp.float32)
+  for x in float_leaves(tree):
+    d = x - x
+    if jnp.issubdtype(d.dtype, jnp.complexfloating):
+      d = jnp.real(d) + jnp.imag(d)
+    total = total + jnp.sum(d).astype(jnp.float32)
   return total
 
 
-def _nan_if_nonfinite(x: jax.Array) -> jax.Array:
-  """Elementwise, real: ``x - x`` (real plus imaginary part), 0 where ``x`` is finite, else NaN."""
-  d = x - x
-  if jnp.issubdtype(d.dtype, jnp.complexfloating):
-    d = jnp.real(d) + jnp.imag(d)
-  return d
-
-
-def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+def all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   """Returns whether every floating-point entry of ``tree`` is finite.
 
   The check is exact: finite values of any size count as finite, and a single
@@ -104,7 +83,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     >>> bool(optax_dls.all_finite({'w': jnp.array([1.0, jnp.inf], jnp.float16)}))
     False
   """
-  names = _axis_names(check_axis_name(axis_name))
+  names = md.axis_names(md.check_axis_name(axis_name))
   for leaf in jax.tree.leaves(tree):
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
       raise TypeError(f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
@@ -116,11 +95,9 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   return lax.cond(jnp.isfinite(sq), lambda t: jnp.bool_(True), lambda t: exact_all_finite(t, names), tree)
 
 
-def exact_all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+def exact_all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   """bool ``()``: :func:`all_finite` always entry by entry (one read, no cond)."""
-  total = nonfinite_sum(tree)
-  names = _axis_names(axis_name)
-  return jnp.isfinite(lax.psum(total, names) if names else total)
+  return jnp.isfinite(md.psum(nonfinite_sum(tree), axis_name))
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:
@@ -128,19 +105,19 @@ def unscale(tree: Any, inv_scale: jax.Array) -> Any:
   casts back to the leaf's dtype; other leaves pass through unchanged."""
 
   def one(x):
-    if not _is_float(x):
+    if not is_float(x):
       return x
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
 
   return jax.tree.map(one, tree)
 
 
-def _leaf_amax(tree: Any) -> list[jax.Array]:
-  """Each floating leaf's largest real or imaginary magnitude, a ``()`` of the
-  leaf's real dtype (0 for an empty leaf)."""
+def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Each leaf's largest real or imaginary magnitude, a ``()`` of the leaf's
+  real dtype (0 for an empty leaf)."""
   out = []
-  for x in _float_leaves(tree):
+  for x in leaves:
     part = jnp.real(x).dtype
     if not x.size:
       out.append(jnp.zeros([], part))
@@ -151,74 +128,17 @@ def _leaf_amax(tree: Any) -> list[jax.Array]:
   return out
 
 
-def global_amax(tree: Any) -> jax.Array:
-  """float32 ``()``: largest absolute value over every floating leaf (0 if none)."""
+def global_amax(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
+  """float32 ``()``: largest absolute value over every floating leaf (0 if none),
+  maximised over ``axis_name`` when given."""
   amax = jnp.zeros([], jnp.float32)
-  for x in _float_leaves(tree):
+  for x in float_leaves(tree):
     if x.size:
       amax = jnp.maximum(amax, jnp.max(jnp.abs(x)).astype(jnp.float32))
-  return amax
+  return md.pmax(amax, axis_name)
 
 
-# --- Multi-device reductions (pmap / shard_map) ---------------------------------
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-  """Mesh axes over which ``x`` varies, as typed by ``shard_map(check_vma=True)``.
-
-  Empty outside ``shard_map``, under ``shard_map(check_vma=False)`` and under
-  ``pmap``, where JAX does not track it.
-  """
-  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def tree_varying_axes(tree: Any) -> frozenset[str]:
-  """Union of :func:`varying_axes` over the floating leaves of ``tree``."""
-  axes = frozenset()
-  for x in _float_leaves(tree):
-    axes |= varying_axes(x)
-  return axes
-
-
-def check_axis_coverage(grads: Any, state_leaf: Any, axis_name: AxisName) -> None:
-  """Raises ValueError when the gradients vary over a mapped axis that neither
-  ``axis_name`` nor the (replicated) loss-scale state covers.
-
-  Under ``shard_map`` with ``check_vma=True`` each gradient leaf's type says
-  over which mesh axes it varies. If it varies over an axis missing from
-  ``axis_name`` while the loss scale does not, each device would decide alone
-  whether to skip and the replicated loss-scale state would diverge. Runs at
-  trace time; a no-op where JAX does not track variance (``pmap``,
-  ``check_vma=False``).
-  """
-  missing = tree_varying_axes(grads) - varying_axes(state_leaf) - set(_axis_names(axis_name))
-  if missing:
-    raise ValueError(
-        f"axis_name={axis_name!r} does not cover the mapped axes {sorted(missing)} over which "
-        f"the gradients vary (gradient axes found: {sorted(tree_varying_axes(grads))}). "
-        "Without them each device decides alone whether to skip and the loss-scale state "
-        "stops being replicated. Pass axis_name="
-        f"{tuple(sorted(set(_axis_names(axis_name)) | missing))!r} to the loss-scaled "
-        "transformation, or give each device its own state (shard it over those axes).")
-
-
-def _axis_sizes(axis_name: AxisName) -> dict[str, int]:
-  """Size of each named axis; ValueError (at trace time) for a name not mapped here."""
-  try:
-    return {n: lax.axis_size(n) if hasattr(lax, "axis_size") else lax.psum(1, n)
-            for n in _axis_names(axis_name)}
-  except NameError as e:
-    raise ValueError(
-        f"axis_name={axis_name!r} names an axis that is not mapped here ({e}). Under jax.jit with "
-        "NamedSharding leave axis_name=None; under pmap / shard_map / vmap pass the names of the "
-        "mapped axes.") from e
-
-
-def sum_squares(tree: Any, axis_name: AxisName = None) -> jax.Array:
+def sum_squares(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   """float32 ``()``: sum of ``|x|**2`` over every floating entry of ``tree``.
 
   One fused read of each leaf, squared and accumulated in float32 (float64
@@ -232,26 +152,17 @@ def sum_squares(tree: Any, axis_name: AxisName = None) -> jax.Array:
   over a named axis (it does not vary over it) is divided by that axis' size
   first, so it is counted once (see :func:`finite_and_norm`).
   """
-  names = _axis_names(axis_name)
-  sizes = _axis_sizes(axis_name) if names else {}
+  sizes = md.axis_sizes(axis_name)
   sq = jnp.zeros([], jnp.float32)
-  for leaf in _float_leaves(tree):
-    x = leaf.astype(_compute_dtype(leaf.dtype))
+  for leaf in float_leaves(tree):
+    x = leaf.astype(compute_dtype(leaf.dtype))
     part = jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32)
-    copies = _replicas(leaf, names, sizes)
+    copies = md.replicas(leaf, sizes)
     sq = sq + (part / copies if copies > 1 else part)
-  return lax.psum(sq, names) if names else sq
+  return md.psum(sq, axis_name)
 
 
-def _replicas(leaf: jax.Array, names: tuple[str, ...], sizes: dict[str, int]) -> int:
-  """How many devices of the named axes hold the same copy of ``leaf``."""
-  copies = 1
-  for n in set(names) - varying_axes(leaf):
-    copies *= sizes[n]
-  return copies
-
-
-def robust_norm(tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: AxisName = None) -> jax.Array:
+def robust_norm(tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: md.AxisName = None) -> jax.Array:
   """float32 ``()``: global L2 norm of a finite ``tree`` times ``inv_scale``,
   without overflow in the squares (two reads of each leaf; :func:`sum_squares`
   is one).
@@ -262,69 +173,75 @@ def robust_norm(tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: AxisNa
   only when the norm itself is past the float32 range. Axes as in
   :func:`sum_squares`.
   """
-  names = _axis_names(axis_name)
-  sizes = _axis_sizes(axis_name) if names else {}
-  leaves = _float_leaves(tree)
+  sizes = md.axis_sizes(axis_name)
+  leaves = float_leaves(tree)
   parts = []
-  for leaf, m in zip(leaves, _leaf_amax(leaves)):
+  for leaf, m in zip(leaves, leaf_amax(leaves)):
     if not leaf.size:
       continue
-    x = leaf.astype(_compute_dtype(leaf.dtype))
+    x = leaf.astype(compute_dtype(leaf.dtype))
     m = m.astype(x.real.dtype)
     m = jnp.where(m > 0, m, jnp.ones_like(m))
     y = x / m  # each read fuses on its own: nothing of the leaf's size is written
     q = jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32)
     unscaled_m = (m * jnp.asarray(inv_scale, m.dtype)).astype(jnp.float32)
-    parts.append((unscaled_m, q / _replicas(leaf, names, sizes)))
+    parts.append((unscaled_m, q / md.replicas(leaf, sizes)))
   if not parts:
     return jnp.zeros([], jnp.float32)
-  top = jnp.max(jnp.stack([m for m, _ in parts]))
-  if names:
-    top = lax.pmax(top, names)
+  top = md.pmax(jnp.max(jnp.stack([m for m, _ in parts])), axis_name)
   # m == top covers top == inf (a leaf past float32 range: the norm is inf too).
   total = sum(q * jnp.square(jnp.where(m == top, 1.0, m / top)) for m, q in parts)
-  return top * jnp.sqrt(lax.psum(total, names) if names else total)
+  return top * jnp.sqrt(md.psum(total, axis_name))
 
 
-def finite_and_norm(grads: Any, inv_scale: jax.Array,
-                    axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
-  """``(all_finite(u, axis_name), global L2 norm of u)`` for ``u = unscale(grads, inv_scale)``.
+def valid_scale(scale: jax.Array) -> jax.Array:
+  """bool ``()``: whether ``scale`` can unscale, i.e. ``0 < 1/scale < inf``:
+  False for a scale that is NaN, +-inf, 0, negative or so small that its
+  inverse overflows float32."""
+  inv = 1.0 / jnp.asarray(scale, jnp.float32)
+  return (inv > 0) & (inv < jnp.inf)
+
+
+def finite_and_norm(grads: Any, scale: jax.Array,
+                    axis_name: md.AxisName = None) -> tuple[jax.Array, jax.Array]:
+  """``(finite, norm)`` of ``u = unscale(grads, 1/scale)``: whether ``scale`` is a
+  valid loss scale (:func:`valid_scale`) and every entry of ``u`` is finite,
+  reduced over ``axis_name``; and the global L2 norm of ``u``.
 
   On a normal step this is one fused read of each gradient leaf, and ``u``
   is never materialised: :func:`sum_squares` of the *scaled* gradients is
-  finite only when every entry is. When the loss scale is at least 1
-  (``inv_scale <= 1``), ``|u| <= |grads|`` entry by entry (rounding is
-  monotone), so ``u`` is then finite too. Everything else goes to an exact
-  path in a ``lax.cond`` that runs only then: a sum of squares that is not
-  finite (a non-finite entry, or finite entries whose squares overflow), or
-  a loss scale below 1 (whatever set it: the policy, ``reset_scale`` or a
-  fallback), since unscaling can then overflow a finite gradient (e.g. a
-  float16 leaf past 65504). The exact path checks every entry of ``grads`` (``x - x`` is
-  0 for finite ``x`` of any size, NaN otherwise) and, for a scale below 1,
-  each leaf's largest magnitude once unscaled: rounding is monotone, so that
+  finite only when every entry is. When the loss scale is at least 1,
+  ``|u| <= |grads|`` entry by entry (rounding is monotone), so ``u`` is then
+  finite too. Everything else goes to an exact path in a ``lax.cond`` that
+  runs only then: a sum of squares that is not finite (a non-finite entry, or
+  finite entries whose squares overflow), or a loss scale below 1, since
+  unscaling can then overflow a finite gradient (e.g. a float16 leaf past
+  65504). The exact path checks every entry of ``grads`` (``x - x`` is 0 for
+  finite ``x`` of any size, NaN otherwise) and, for a scale below 1, each
+  leaf's largest magnitude once unscaled: rounding is monotone, so that
   entry is the first to overflow. It then computes the norm without
   overflow. The flag is exact in every case, and neither path writes an
   array of a leaf's size.
 
-  The norm is ``sqrt(sum_squares(grads)) * inv_scale``, or, when the squares
+  The norm is ``sqrt(sum_squares(grads)) / scale``, or, when the squares
   overflow float32, the same norm taken relative to each leaf's largest
-  entry (see :func:`robust_norm`), times ``inv_scale``;
-  inf or NaN when some entry is not finite. Without ``axis_name`` it is
-  local. With it, the norm is that of the whole gradient as the devices hold
-  it together: a leaf that varies over a named axis
-  (``shard_map(check_vma=True)`` types say so) is taken to be sharded along
-  it, so its squared norms are summed over that axis; over a named axis along
-  which it does not vary it is replicated and counted once. Where JAX does
-  not track variance (``pmap``, ``check_vma=False``) every leaf is taken to
-  be replicated and the squared norm is averaged over the named axes: exact
-  for data-parallel (all-reduced) gradients, and the same value on every
-  device in every case.
+  entry (see :func:`robust_norm`); inf or NaN when some entry is not finite
+  or the scale is not valid. Without ``axis_name`` it is local. With it, the
+  norm is that of the whole gradient as the devices hold it together: a leaf
+  that varies over a named axis (``shard_map(check_vma=True)`` types say so)
+  is taken to be sharded along it, so its squared norms are summed over that
+  axis; over a named axis along which it does not vary it is replicated and
+  counted once. Where JAX does not track variance (``pmap``,
+  ``check_vma=False``) every leaf is taken to be replicated and the squared
+  norm is averaged over the named axes: exact for data-parallel
+  (all-reduced) gradients, and the same value on every device in every case.
 
   Returns:
     A bool ``()`` and a float32 ``()``, both identical on every device of the
     named axes.
   """
-  inv_scale = jnp.asarray(inv_scale, jnp.float32)
+  valid = valid_scale(scale)
+  inv_scale = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
   sq = sum_squares(grads, axis_name)
   fast = jnp.isfinite(sq) & (inv_scale <= 1)
 
@@ -336,26 +253,53 @@ def finite_and_norm(grads: Any, inv_scale: jax.Array,
     # is the first entry to overflow when unscaled: checking it is exact, and
     # no array of the leaf's size is written.
     finite = exact_all_finite(g, axis_name) & lax.cond(
-        i > 1, lambda: exact_all_finite(unscale(_leaf_amax(g), i), axis_name), lambda: jnp.bool_(True))
+        i > 1, lambda: exact_all_finite(unscale(leaf_amax(float_leaves(g)), i), axis_name),
+        lambda: jnp.bool_(True))
     norm = lax.cond(finite & ~jnp.isfinite(s), lambda: robust_norm(g, i, axis_name), lambda: jnp.sqrt(s) * i)
     return finite, norm
 
-  return lax.cond(fast, quick, exact, grads, inv_scale, sq)
+  finite, norm = lax.cond(fast, quick, exact, grads, inv_scale, sq)
+  return finite & valid, norm
 
 
-def reduced_amax(tree: Any, axis_name: AxisName = None) -> jax.Array:
-  """:func:`global_amax` of ``tree``, maximised over ``axis_name`` when given."""
-  amax = global_amax(tree)
-  names = _axis_names(axis_name)
-  return lax.pmax(amax, names) if names else amax
+# Squares of entries times 2**-100 stay finite for every float32 entry, and a
+# norm past 2**128 (where the plain squares overflow) loses nothing measurable
+# to the entries that 2**-100 flushes (those below about 2**25).
+_HI = 2.0**-100
 
 
-def zeros_of(struct: Any) -> jax.Array:
-  """Zeros of a ``jax.ShapeDtypeStruct``'s shape and dtype, varying over the same
-  ``shard_map`` mesh axes (so both branches of a skip ``lax.cond`` type-match)."""
-  z = jnp.zeros(struct.shape, struct.dtype)
-  mat = getattr(struct, "manual_axis_type", None)
-  axes = tuple(sorted(mat.varying if mat is not None else (getattr(struct, "vma", None) or ())))
-  if not axes:
-    return z
-  return lax.pcast(z, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(z, axes)
+def finite_and_norm_fused(grads: Any, scale: jax.Array,
+                          axis_name: md.AxisName = None) -> tuple[jax.Array, jax.Array]:
+  """:func:`finite_and_norm` with no conditional: every statistic is a sibling
+  reduction of the same read of each leaf, which XLA fuses into one pass on
+  GPUs and TPUs, so no predicate has to reach the host.
+
+  Per leaf: the sum of ``|x|**2``, the sum of ``|x * 2**-100|**2`` (finite
+  for any float32 entries, where the first overflows), the sum of
+  ``x - x`` (exact: NaN iff an entry is not finite) and the largest
+  magnitude (unscaled, it tells whether a scale below 1 overflows a finite
+  entry: rounding is monotone). The flag is exactly that of
+  :func:`finite_and_norm`; the norm equals it when the squares do not
+  overflow, and is within float32 rounding of it otherwise.
+  """
+  valid = valid_scale(scale)
+  inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
+  sizes = md.axis_sizes(axis_name)
+  leaves = float_leaves(grads)
+  sq = sq_hi = bad = jnp.zeros([], jnp.float32)
+  # A run-time factor: XLA folds (x * c)**2 into x**2 * c**2 for a constant c, and c**2 is 0.
+  hi = lax.optimization_barrier(jnp.float32(_HI))
+  for leaf, amax in zip(leaves, leaf_amax(leaves)):
+    x = leaf.astype(compute_dtype(leaf.dtype))
+    copies = md.replicas(leaf, sizes)
+    y = x * hi.astype(x.real.dtype)
+    sq = sq + jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32) / copies
+    sq_hi = sq_hi + jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32) / copies
+    d = x - x
+    d = jnp.real(d) + jnp.imag(d) if jnp.issubdtype(d.dtype, jnp.complexfloating) else d
+    unscaled = unscale(amax, jnp.where(inv > 1, inv, 1.0).astype(jnp.float32))
+    bad = bad + jnp.sum(d).astype(jnp.float32) + (unscaled - unscaled).astype(jnp.float32)
+  sq, sq_hi, bad = md.psum((sq, sq_hi, bad), axis_name)
+  # sqrt(sq_hi) * 2**50 * inv * 2**50: no intermediate overflows or underflows unless the norm does.
+  norm = jnp.where(jnp.isfinite(sq), jnp.sqrt(sq) * inv, jnp.sqrt(sq_hi) * 2.0**50 * inv * 2.0**50)
+  return jnp.isfinite(bad) & valid, norm

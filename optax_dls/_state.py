@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 class LossScaleState(NamedTuple):
@@ -14,11 +15,15 @@ class LossScaleState(NamedTuple):
   Every field except ``policy_state`` and ``inner_state`` is a 0-d JAX array
   with the dtype given below, so the state flattens, jits, scans, shards
   (replicated) and checkpoints like any optax state. Hyperparameters are not
-  stored here: they are static and closed over by the transformation.
+  stored here: they are static and closed over by the transformation, except
+  the policy's scale range, which :func:`optax_dls.reset_scale` checks
+  against.
 
   Attributes:
     loss_scale: float32 ``()``. The scale S to multiply the *next* loss by.
-      Always finite and within ``[min_scale, max_scale]`` of the policy.
+      Always within ``[min_scale, max_scale]``.
+    min_scale: float32 ``()``. The policy's lowest scale.
+    max_scale: float32 ``()``. The policy's highest scale.
     num_steps: int32 ``()``. Number of ``update`` calls so far, skipped steps
       included. Saturates at ``2**31 - 1`` instead of wrapping.
     num_skipped: int32 ``()``. Number of skipped (non-finite) steps so far.
@@ -32,22 +37,14 @@ class LossScaleState(NamedTuple):
       under ``pmap`` / ``shard_map`` with ``axis_name``, the norm over every
       device and the same on each (see ``docs/multi_device.md``).
     policy_state: pytree of the loss-scale policy (for the dynamic policy a
-      :class:`DynamicScaleState`).
+      :class:`optax_dls.DynamicScaleState`).
     inner_state: the wrapped optax transformation's state; bit-for-bit
       unchanged by a skipped step.
-    skips_at_min_scale: int32 ``()``. Consecutive skipped steps taken while
-      the scale was already at the policy's ``min_scale`` (0 when the wrapper
-      was not told a ``min_scale``). Saturating.
-    fp32_fallback: bool ``()``. True while the float32 fallback is on: the
-      loss should be computed in float32 (see :func:`select_precision`).
-    fallback_steps_left: int32 ``()``. Updates left before the fallback ends
-      and the scale is reset (0 when the fallback is off).
-    underflow: dict of float32 ``()`` fractions of the last step's unscaled
-      gradients, ``{'zero_frac', 'subnormal_frac'}`` plus one such dict per
-      parameter label; an empty dict unless ``underflow_stats`` is on.
   """
 
   loss_scale: jax.Array
+  min_scale: jax.Array
+  max_scale: jax.Array
   num_steps: jax.Array
   num_skipped: jax.Array
   consecutive_skips: jax.Array
@@ -55,20 +52,18 @@ class LossScaleState(NamedTuple):
   grad_norm: jax.Array
   policy_state: Any
   inner_state: Any
-  skips_at_min_scale: jax.Array
-  fp32_fallback: jax.Array
-  fallback_steps_left: jax.Array
-  underflow: Any
 
 
-def init_state(loss_scale: jax.Array, policy_state: Any, inner_state: Any,
-               underflow: Any = None) -> LossScaleState:
+def init_state(loss_scale: Any, scale_range: tuple[float, float], policy_state: Any,
+               inner_state: Any) -> LossScaleState:
   """Builds the state before the first step, with every field at its fixed dtype.
 
   Each field is its own buffer, so the state can be donated to a jitted step.
   """
   return LossScaleState(
       loss_scale=jnp.array(loss_scale, jnp.float32),
+      min_scale=jnp.array(scale_range[0], jnp.float32),
+      max_scale=jnp.array(scale_range[1], jnp.float32),
       num_steps=jnp.zeros([], jnp.int32),
       num_skipped=jnp.zeros([], jnp.int32),
       consecutive_skips=jnp.zeros([], jnp.int32),
@@ -76,8 +71,19 @@ def init_state(loss_scale: jax.Array, policy_state: Any, inner_state: Any,
       grad_norm=jnp.full([], jnp.nan, jnp.float32),
       policy_state=jax.tree.map(jnp.array, policy_state),
       inner_state=inner_state,
-      skips_at_min_scale=jnp.zeros([], jnp.int32),
-      fp32_fallback=jnp.zeros([], jnp.bool_),
-      fallback_steps_left=jnp.zeros([], jnp.int32),
-      underflow={} if underflow is None else underflow,
   )
+
+
+def advance(state: LossScaleState, finite: jax.Array, grad_norm: jax.Array, loss_scale: jax.Array,
+            policy_state: Any, inner_state: Any) -> LossScaleState:
+  """The state after one update: the new scale (kept in range), policy and inner
+  states, and the step counters moved by whether the step was ``finite``."""
+  return state._replace(
+      loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), state.min_scale, state.max_scale),
+      num_steps=optax.safe_increment(state.num_steps),
+      num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
+      consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
+      last_step_finite=finite,
+      grad_norm=grad_norm,
+      policy_state=policy_state,
+      inner_state=inner_state)

@@ -80,6 +80,44 @@ def check(ok: bool, name: str, value: Any, rule: str) -> None:
 
 
 INT32_MAX = 2**31 - 1
+# Every loss scale lives in [2**-126, 2**126], where 1/S is a normal float32 number.
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 2.0**126
+
+
+def count(name: str, value: Any, low: int = 1, high: int = INT32_MAX) -> int:
+  """An integer in ``[low, high]`` (a step count, an interval); TypeError / ValueError otherwise."""
+  value = integer(name, value)
+  check(low <= value <= high, name, value, f"{low} <= value <= {high}")
+  return value
+
+
+def scale(name: str, value: Any, low: float = SCALE_MIN, high: float = SCALE_MAX) -> float:
+  """A loss scale (or factor) as a float in ``[low, high]``, by default ``[2**-126, 2**126]``.
+
+  The one range check of every scale the library is given (a policy's scales,
+  a fallback scale, ``reset_scale``'s value, a group factor).
+  """
+  value = real(name, value)
+  check(low <= value <= high, name, value, f"{scale_text(low)} <= value <= {scale_text(high)}")
+  return value
+
+
+def scale_range(init: tuple[str, Any], low: tuple[str, Any], high: tuple[str, Any]) -> tuple[float, float, float]:
+  """Checks ``low <= init <= high``, each a ``(name, value)`` loss scale; returns the three floats."""
+  (i_name, i), (lo_name, lo), (hi_name, hi) = init, low, high
+  lo, hi = scale(lo_name, lo), scale(hi_name, hi)
+  check(lo <= hi, hi_name, hi, f"{hi_name} >= {lo_name}={lo!r}")
+  i = scale(i_name, i)
+  check(lo <= i <= hi, i_name, i, f"{lo_name}={lo!r} <= {i_name} <= {hi_name}={hi!r}")
+  return i, lo, hi
+
+
+def scale_text(value: float) -> str:
+  exponent = math.log2(value) if value > 0 else None
+  if exponent is not None and exponent.is_integer() and abs(exponent) > 10:
+    return f"2**{int(exponent)}"
+  return repr(value)
 
 
 def growth_factor(name: str, value: Any) -> float:

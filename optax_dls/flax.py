@@ -10,8 +10,8 @@ with no extra arguments.
 
 Step counts: ``TrainState.step`` and ``nnx.Optimizer.step`` advance on every
 call, skipped steps included (flax knows nothing of skips). The number of
-updates actually applied is :func:`optax_dls.applied_steps` (re-exported
-here), i.e. ``metrics(...)['num_steps'] - metrics(...)['skip_count']``.
+updates actually applied is ``metrics(...)['num_steps'] -
+metrics(...)['skip_count']`` (:func:`optax_dls.metrics`).
 
 Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 """
@@ -24,11 +24,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from optax_dls import _validation
-from optax_dls._access import applied_steps, find_state, scale_loss
+from optax_dls import _validation as v
+from optax_dls._access import find_state, scale_loss
 from optax_dls._transform import apply_step
 
-__all__ = ["applied_steps", "apply_gradients", "value_and_grad"]
+__all__ = ["apply_gradients", "value_and_grad"]
 
 _OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # flax's key for gradient-overwritten (fp8) params
 
@@ -89,13 +89,9 @@ def value_and_grad(
     ValueError: ``opt`` holds no loss-scale state, or more than one (checked
       here, before any tracing).
   """
-  if not callable(fun):
-    raise TypeError(f"fun must be callable, got {fun!r}.")
-  has_aux = _validation.boolean("has_aux", has_aux)
-  ok = isinstance(argnums, int) or (
-      isinstance(argnums, tuple) and argnums and all(isinstance(i, int) for i in argnums))
-  if not ok or isinstance(argnums, bool):
-    raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}.")
+  v.function("fun", fun)
+  has_aux = v.boolean("has_aux", has_aux)
+  argnums = v.argnums(argnums)
   is_opt = isinstance(opt, nnx.Optimizer)
   source = opt.opt_state if is_opt else opt
   find_state(source)

@@ -21,76 +21,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-import optax
-
 from optax_dls import _validation as v
-from optax_dls._policy import SCALE_MAX, SCALE_MIN, DynamicScaleState, LossScalePolicy
+from optax_dls._policies import LossScalePolicy, dynamic_rule
+from optax_dls._validation import SCALE_MAX, SCALE_MIN
+
+__all__ = ["deepspeed_policy", "flax_policy", "jmp_policy", "keras_policy", "megatron_policy",
+           "torch_policy"]
 
 
-def _scale(name: str, value: Any) -> float:
-  value = v.real(name, value)
-  v.check(SCALE_MIN <= value <= SCALE_MAX, name, value, "2**-126 <= value <= 2**126")
-  return value
+def _rule(*, init: tuple[str, Any], low: tuple[str, Any] = ("min_scale", SCALE_MIN),
+          **options: Any) -> LossScalePolicy:
+  """:func:`optax_dls._policies.dynamic_rule` with a checked ``low <= init`` pair (each
+  a ``(name, value)``) and no ceiling below ``2**126``, as in the references."""
+  init_scale, min_scale, _ = v.scale_range(init, low, ("max_scale", SCALE_MAX))
+  return dynamic_rule(init_scale=init_scale, min_scale=min_scale, max_scale=SCALE_MAX, **options)
 
 
-_growth = v.growth_factor
-_backoff = v.backoff_factor
-
-
-def _count(name: str, value: Any, low: int = 1) -> int:
-  value = v.integer(name, value)
-  v.check(low <= value <= v.INT32_MAX - 1, name, value, f"{low} <= value <= 2**31 - 2")
-  return value
-
-
-_flag = v.boolean
-
-
-def _rule(*, init_scale: float, growth_factor: float, growth_after: int,
-          backoff_factor: float | None = None, backoff_divisor: float | None = None,
-          reset_after_growth: int = 0, min_scale: float = SCALE_MIN,
-          hysteresis: int = 1, consecutive_hysteresis: bool = False,
-          names: tuple[str, str] = ("init_scale", "min_scale")) -> LossScalePolicy:
-  """The common shape of every reference rule, with its variations as options.
-
-  Finite step: ``tracker += 1``; growth when ``tracker >= growth_after``, then
-  ``S = min(S * growth_factor, 2**126)``, ``tracker = reset_after_growth`` and
-  the hysteresis is refilled (every finite step refills it when
-  ``consecutive_hysteresis``). Non-finite step: ``tracker = 0``, the
-  hysteresis drops by one (floored at 0) and at 0 ``S = max(S * backoff_factor,
-  min_scale)`` (or ``S / backoff_divisor``). Products and quotients are float32,
-  each rounded once, as in the references.
-  """
-  if min_scale > init_scale:
-    raise ValueError(f"{names[0]} must satisfy {names[0]} >= {names[1]}={min_scale!r}, "
-                     f"got {names[0]}={init_scale!r}.")
-  gf = jnp.float32(growth_factor)
-  lo = jnp.float32(min_scale)
-
-  def init():
-    return (jnp.asarray(init_scale, jnp.float32),
-            DynamicScaleState(jnp.zeros([], jnp.int32), jnp.asarray(hysteresis, jnp.int32)))
-
-  def update(scale, state, stats):
-    finite = stats.finite
-    tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
-    grow = finite & (tracker >= growth_after)
-    left = jnp.maximum(state.hysteresis_left - 1, 0)
-    backoff = ~finite & (left == 0)
-    if backoff_divisor is None:
-      backed = scale * jnp.float32(backoff_factor)
-    else:
-      backed = scale / jnp.float32(backoff_divisor)
-    new_scale = jnp.where(grow, jnp.minimum(scale * gf, jnp.float32(SCALE_MAX)),
-                          jnp.where(backoff, jnp.maximum(backed, lo), scale))
-    kept = jnp.asarray(hysteresis, jnp.int32) if consecutive_hysteresis else state.hysteresis_left
-    new_state = DynamicScaleState(
-        growth_tracker=jnp.where(grow, reset_after_growth, tracker).astype(jnp.int32),
-        hysteresis_left=jnp.where(finite, jnp.where(grow, hysteresis, kept), left).astype(jnp.int32))
-    return new_scale.astype(jnp.float32), new_state
-
-  return LossScalePolicy(init, update)
+def _window(name: str, value: Any, low: int = 1) -> int:
+  return v.count(name, value, low=low, high=v.INT32_MAX - 1)
 
 
 def torch_policy(init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -120,10 +68,9 @@ def torch_policy(init_scale: float = 2.0**16, growth_factor: float = 2.0,
     ValueError: a value out of range (the message names it).
     TypeError: a wrong or traced value.
   """
-  return _rule(init_scale=_scale("init_scale", init_scale),
-               growth_factor=_growth("growth_factor", growth_factor),
-               backoff_factor=_backoff("backoff_factor", backoff_factor),
-               growth_after=_count("growth_interval", growth_interval))
+  return _rule(init=("init_scale", init_scale), growth_factor=v.growth_factor("growth_factor", growth_factor),
+               backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+               growth_after=_window("growth_interval", growth_interval))
 
 
 def keras_policy(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> LossScalePolicy:
@@ -141,8 +88,8 @@ def keras_policy(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 200
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  return _rule(init_scale=_scale("initial_scale", initial_scale), growth_factor=2.0,
-               backoff_factor=0.5, growth_after=_count("dynamic_growth_steps", dynamic_growth_steps))
+  return _rule(init=("initial_scale", initial_scale), growth_factor=2.0, backoff_factor=0.5,
+               growth_after=_window("dynamic_growth_steps", dynamic_growth_steps))
 
 
 def jmp_policy(loss_scale: float, period: int = 2000, factor: float = 2,
@@ -164,10 +111,9 @@ def jmp_policy(loss_scale: float, period: int = 2000, factor: float = 2,
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  factor = _growth("factor", factor)
-  return _rule(init_scale=_scale("loss_scale", loss_scale), growth_factor=factor,
-               backoff_divisor=factor, growth_after=_count("period", period),
-               min_scale=_scale("min_loss_scale", min_loss_scale), names=("loss_scale", "min_loss_scale"))
+  factor = v.growth_factor("factor", factor)
+  return _rule(init=("loss_scale", loss_scale), low=("min_loss_scale", min_loss_scale), growth_factor=factor,
+               backoff_divisor=factor, growth_after=_window("period", period))
 
 
 def flax_policy(growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
@@ -191,12 +137,12 @@ def flax_policy(growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  floor = SCALE_MIN if minimum_scale is None else _scale("minimum_scale", minimum_scale)
-  interval = _count("growth_interval", growth_interval, low=0)
-  return _rule(init_scale=_scale("scale", scale), growth_factor=_growth("growth_factor", growth_factor),
-               backoff_factor=_backoff("backoff_factor", backoff_factor),
-               growth_after=min(interval + 1, v.INT32_MAX - 1), min_scale=floor,
-               names=("scale", "minimum_scale"))
+  floor = SCALE_MIN if minimum_scale is None else minimum_scale
+  interval = _window("growth_interval", growth_interval, low=0)
+  return _rule(init=("scale", scale), low=("minimum_scale", floor),
+               growth_factor=v.growth_factor("growth_factor", growth_factor),
+               backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+               growth_after=min(interval + 1, v.INT32_MAX - 1))
 
 
 def megatron_policy(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
@@ -223,12 +169,11 @@ def megatron_policy(initial_scale: float = 2.0**32, min_scale: float = 1.0, grow
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  return _rule(init_scale=_scale("initial_scale", initial_scale),
-               min_scale=_scale("min_scale", min_scale),
-               growth_factor=_growth("growth_factor", growth_factor),
-               backoff_factor=_backoff("backoff_factor", backoff_factor),
-               growth_after=_count("growth_interval", growth_interval),
-               hysteresis=_count("hysteresis", hysteresis), names=("initial_scale", "min_scale"))
+  return _rule(init=("initial_scale", initial_scale), low=("min_scale", min_scale),
+               growth_factor=v.growth_factor("growth_factor", growth_factor),
+               backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+               growth_after=_window("growth_interval", growth_interval),
+               hysteresis=_window("hysteresis", hysteresis))
 
 
 def deepspeed_policy(init_scale: float = 2.0**16, scale_window: int = 1000, min_scale: float = 1.0,
@@ -261,10 +206,8 @@ def deepspeed_policy(init_scale: float = 2.0**16, scale_window: int = 1000, min_
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  window = _count("scale_window", scale_window)
-  v.check(window <= v.INT32_MAX - 2, "scale_window", window, "1 <= value <= 2**31 - 3")
-  return _rule(init_scale=_scale("init_scale", init_scale), growth_factor=2.0, backoff_divisor=2.0,
-               growth_after=window + 1, reset_after_growth=1,
-               min_scale=_scale("min_scale", min_scale),
-               hysteresis=_count("delayed_shift", delayed_shift),
-               consecutive_hysteresis=_flag("consecutive_hysteresis", consecutive_hysteresis))
+  window = v.count("scale_window", scale_window, high=v.INT32_MAX - 2)
+  return _rule(init=("init_scale", init_scale), low=("min_scale", min_scale), growth_factor=2.0,
+               backoff_divisor=2.0, growth_after=window + 1, reset_after_growth=1,
+               hysteresis=_window("delayed_shift", delayed_shift),
+               consecutive_hysteresis=v.boolean("consecutive_hysteresis", consecutive_hysteresis))

@@ -1,0 +1,123 @@
+"""Multi-device reductions: axis names, variance over mesh axes, and the coverage check.
+
+Under ``pmap`` and ``shard_map`` each device computes on its own shard, so a
+skip decision must be reduced over every mapped axis the gradients vary over,
+or the devices would decide alone and their loss-scale states would drift
+apart. Under ``jit`` with ``NamedSharding`` reductions are global already and
+nothing here is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+AxisName = str | Sequence[str] | None
+_typeof = getattr(jax, "typeof", None) or jax.core.get_aval
+
+
+def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
+  """Returns ``axis_name`` as None, a string or a tuple; TypeError for anything else."""
+  if axis_name is None or isinstance(axis_name, str):
+    return axis_name
+  if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+    return tuple(axis_name)
+  raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
+
+
+def axis_names(axis_name: AxisName) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of names (empty for None)."""
+  if axis_name is None:
+    return ()
+  if isinstance(axis_name, str):
+    return (axis_name,)
+  return tuple(axis_name)
+
+
+def psum(x: Any, axis_name: AxisName) -> Any:
+  """``lax.psum`` over the named axes, or ``x`` itself when there are none."""
+  names = axis_names(axis_name)
+  return lax.psum(x, names) if names else x
+
+
+def pmax(x: Any, axis_name: AxisName) -> Any:
+  """``lax.pmax`` over the named axes, or ``x`` itself when there are none."""
+  names = axis_names(axis_name)
+  return lax.pmax(x, names) if names else x
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """Mesh axes over which ``x`` (an array or a ``ShapeDtypeStruct``) varies, as
+  typed by ``shard_map(check_vma=True)``.
+
+  Empty outside ``shard_map``, under ``shard_map(check_vma=False)`` and under
+  ``pmap``, where JAX does not track it.
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def tree_varying_axes(leaves: Sequence[Any]) -> frozenset[str]:
+  """Union of :func:`varying_axes` over ``leaves``."""
+  axes = frozenset()
+  for x in leaves:
+    axes |= varying_axes(x)
+  return axes
+
+
+def vary_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` made to vary over every mesh axis ``like`` varies over (a no-op outside ``shard_map``)."""
+  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  if not missing:
+    return x
+  return lax.pcast(x, missing, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, missing)
+
+
+def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: AxisName) -> None:
+  """Raises ValueError when the gradients vary over a mapped axis that neither
+  ``axis_name`` nor the (replicated) loss-scale state covers.
+
+  Under ``shard_map`` with ``check_vma=True`` each gradient leaf's type says
+  over which mesh axes it varies. If it varies over an axis missing from
+  ``axis_name`` while the loss scale does not, each device would decide alone
+  whether to skip and the replicated loss-scale state would diverge. Runs at
+  trace time; a no-op where JAX does not track variance (``pmap``,
+  ``check_vma=False``).
+  """
+  found = tree_varying_axes(grad_leaves)
+  missing = found - varying_axes(state_leaf) - set(axis_names(axis_name))
+  if missing:
+    raise ValueError(
+        f"axis_name={axis_name!r} does not cover the mapped axes {sorted(missing)} over which "
+        f"the gradients vary (gradient axes found: {sorted(found)}). "
+        "Without them each device decides alone whether to skip and the loss-scale state "
+        "stops being replicated. Pass axis_name="
+        f"{tuple(sorted(set(axis_names(axis_name)) | missing))!r} to the loss-scaled "
+        "transformation, or give each device its own state (shard it over those axes).")
+
+
+def axis_sizes(axis_name: AxisName) -> dict[str, int]:
+  """Size of each named axis; ValueError (at trace time) for a name not mapped here."""
+  try:
+    return {n: lax.axis_size(n) if hasattr(lax, "axis_size") else lax.psum(1, n)
+            for n in axis_names(axis_name)}
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} names an axis that is not mapped here ({e}). Under jax.jit with "
+        "NamedSharding leave axis_name=None; under pmap / shard_map / vmap pass the names of the "
+        "mapped axes.") from e
+
+
+def replicas(leaf: Any, sizes: dict[str, int]) -> int:
+  """How many devices of the named axes (``sizes``) hold the same copy of ``leaf``:
+  the product of the sizes of the named axes along which it does not vary."""
+  copies = 1
+  for n in set(sizes) - varying_axes(leaf):
+    copies *= sizes[n]
+  return copies

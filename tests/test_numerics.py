@@ -1,0 +1,142 @@
+"""The one-read finite check stays exact at its edges: huge finite values, scales below 1."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optax_dls
+from optax_dls import _numerics
+
+
+def _step(tx, grads):
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads)
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  return updates, state
+
+
+def test_huge_finite_gradients_are_finite_and_applied(lowering):
+  grads = {"w": jnp.array([1e30, -3e38], jnp.float32), "h": jnp.array([65504.0], jnp.float16)}
+  updates, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads)
+  assert bool(state.last_step_finite)
+  np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(grads["w"]))
+  # The squares overflow float32; the norm is still right (taken relative to the largest entry).
+  expected = np.linalg.norm(np.concatenate([np.asarray(g, np.float64) for g in grads.values()]))
+  np.testing.assert_allclose(float(state.grad_norm), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_past_the_float32_range_is_inf_but_the_step_is_finite(dtype, lowering):
+  grads = {"w": jnp.array([3e38, 3e38], dtype)}
+  updates, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads)
+  assert bool(state.last_step_finite) and float(state.grad_norm) == np.inf
+  np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(grads["w"]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: optax_dls.static_loss_scale(optax.sgd(1.0), 0.5, **kw),
+    lambda **kw: optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.dynamic_policy(0.5, min_scale=2.0**-126), **kw),
+], ids=["static", "dynamic_below_one"])
+@pytest.mark.parametrize("value, finite", [(30000.0, True), (40000.0, False)])
+def test_scale_below_one_unscaling_overflow_is_caught(make, value, finite, lowering):
+  # u = g / 0.5: 60000 fits float16, 80000 overflows it to inf.
+  updates, state = _step(make(skip_lowering=lowering), {"h": jnp.array([value], jnp.float16)})
+  assert bool(state.last_step_finite) is finite
+  expected = -2.0 * value if finite else 0.0
+  np.testing.assert_array_equal(np.asarray(updates["h"], np.float32), np.float32(expected))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_one_bad_entry_among_huge_ones_is_caught(bad, dtype, lowering):
+  big = float(jnp.finfo(dtype).max)
+  grads = {"a": jnp.full((5,), big, dtype), "b": jnp.array([1.0, bad], dtype)}
+  _, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads)
+  assert not bool(state.last_step_finite)
+
+
+# One transformation for every example, so jit reuses its compilation per dtype; the scale is state.
+_BOUNDARY_TX = {k: optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=0.5, min_scale=2.0**-126, max_scale=1.0,
+                                                 skip_lowering=k) for k in ("cond", "where")}
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(["float16", "bfloat16", "float32", "complex64"]),
+       scale=st.floats(2.0**-20, 0.75, width=32),
+       spread=st.lists(st.floats(0.5, 1.5, width=32), min_size=1, max_size=6))
+def test_scale_below_one_flag_matches_elementwise_unscale(dtype, scale, spread):
+  # Entries straddle the value that unscaling carries to the dtype's largest finite
+  # number, so the flag is decided by rounding at the very edge of the range.
+  edge = float(jnp.finfo(jnp.real(jnp.zeros([], dtype)).dtype).max) * scale
+  values = np.minimum(np.asarray(spread, np.float64) * edge, np.finfo(np.float32).max)
+  grads = {"g": jnp.asarray(values.astype(np.float32)).astype(dtype)}
+  if dtype == "complex64":
+    grads = {"g": jnp.asarray(values[::-1].astype(np.float32)).astype(dtype) * 1j + 0.5}
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
+  inv = (1.0 / jnp.float32(scale)).astype(jnp.float32)
+  expected = bool(jnp.all(jnp.isfinite(_numerics.unscale(grads, inv)["g"])))
+  for tx in _BOUNDARY_TX.values():  # each lowering
+    state = optax_dls.reset_scale(tx.init(params), scale)
+    _, state = jax.jit(tx.update)(grads, state, params)
+    assert bool(state.last_step_finite) is expected
+
+
+def test_scale_set_below_one_by_reset_scale_is_still_checked_exactly(lowering):
+  # A scale below 1 (here set by reset_scale): 40000 / 0.5 overflows float16, so the step
+  # must be skipped.
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), min_scale=2.0**-4, skip_lowering=lowering)
+  params = {"w": jnp.zeros(2, jnp.float16)}
+  state = optax_dls.reset_scale(tx.init(params), 0.5)
+  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
+      {"w": jnp.array([40000.0, 1.0], jnp.float16)}, state, params)
+  assert not bool(state.last_step_finite)
+  np.testing.assert_array_equal(np.asarray(new["w"]), np.zeros(2, np.float16))
+
+
+@pytest.mark.parametrize("grads, scale", [
+    ({"w": jnp.array([3e38, 3e38], jnp.float32)}, 4.0),  # scaled norm overflows, unscaled fits
+    ({"z": jnp.array([3e38 + 3e38j], jnp.complex64)}, 2.0**15),  # |z| overflows, parts finite
+    ({"w": jnp.array([3e38], jnp.float32), "h": jnp.array([60000.0, 1.0], jnp.float16)}, 2.0**10),
+], ids=["float32", "complex64", "mixed"])
+def test_norm_of_huge_scaled_gradients_is_the_unscaled_norm(grads, scale, lowering):
+  tx = optax_dls.static_loss_scale(optax.sgd(1.0), scale, skip_lowering=lowering)
+  _, state = _step(tx, grads)
+  assert bool(state.last_step_finite)
+  flat = np.concatenate([np.abs(np.asarray(g, np.complex128)).ravel() for g in grads.values()])
+  np.testing.assert_allclose(float(state.grad_norm), np.linalg.norm(flat) / scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+def test_all_finite_on_float8(dtype):
+  assert bool(optax_dls.all_finite({"a": jnp.array([1.0, -2.0], dtype)}))
+  assert not bool(optax_dls.all_finite({"a": jnp.array([1.0, jnp.nan], dtype)}))
+
+
+def _cast(values, dtype):
+  with np.errstate(over="ignore"):  # beyond float16's range a value becomes inf: intended
+    return np.asarray(values, np.float32).astype(dtype)
+
+
+_LEAF = st.sampled_from(["float16", "bfloat16", "float32", "complex64"]).flatmap(
+    lambda d: st.lists(st.sampled_from([0.0, 1e-8, -3.0, 6e4, 1e19, 3e38, np.inf, -np.inf, np.nan]),
+                       min_size=1, max_size=5).map(lambda v, d=d: _cast(v, d)))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(leaves=st.lists(_LEAF, min_size=1, max_size=3),
+       scale=st.sampled_from([2.0**-20, 0.5, 1.0, 3.0, 2.0**15, 2.0**100, 0.0, -1.0, np.inf, np.nan]))
+def test_both_checks_agree_on_the_flag_and_the_norm(leaves, scale):
+  grads = {f"g{i}": jnp.asarray(x) for i, x in enumerate(leaves)}
+  cond = jax.jit(_numerics.finite_and_norm)(grads, jnp.float32(scale))
+  fused = jax.jit(_numerics.finite_and_norm_fused)(grads, jnp.float32(scale))
+  assert bool(cond[0]) == bool(fused[0])
+  with np.errstate(over="ignore", invalid="ignore"):
+    flat = np.concatenate([np.abs(np.asarray(x, np.complex128)).ravel() for x in leaves])
+    expected = np.float32(np.linalg.norm(flat) / scale) if 0 < scale < np.inf else np.nan
+  if bool(cond[0]):  # a finite step: both norms are the unscaled norm (inf past float32)
+    for norm in (cond[1], fused[1]):
+      np.testing.assert_allclose(float(norm), expected, rtol=1e-5)

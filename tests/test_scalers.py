@@ -1,0 +1,70 @@
+"""The no-op wrapper is bit-for-bit the bare inner optimizer, with the same state layout."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+
+def test_no_loss_scale_is_bit_identical_to_bare_adam_over_50_steps():
+  params = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32), "b": jnp.ones((2, 3), jnp.float32)}
+  bare, wrapped = optax.adam(3e-3), optax_dls.no_loss_scale(optax.adam(3e-3))
+
+  def make_step(tx):
+    @jax.jit
+    def step(params, state, key):
+      g = jax.tree.map(lambda p, k: jax.random.normal(k, p.shape) * 1e-3,
+                       params, dict(zip(sorted(params), jax.random.split(key, len(params)))))
+      updates, state = tx.update(g, state, params)
+      return optax.apply_updates(params, updates), state
+    return step
+
+  a, sa, step_a = params, bare.init(params), make_step(bare)
+  b, sb, step_b = params, wrapped.init(params), make_step(wrapped)
+  for i in range(50):
+    key = jax.random.key(i)
+    a, sa = step_a(a, sa, key)
+    b, sb = step_b(b, sb, key)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  assert not np.array_equal(np.asarray(a["w"]), np.asarray(params["w"]))
+  for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(optax_dls.find_state(sb).inner_state)):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  assert float(optax_dls.loss_scale(sb)) == 1.0 and int(optax_dls.metrics(sb)["num_steps"]) == 50
+  # Same state layout as the dynamic wrapper: one training loop and checkpoint serve both.
+  dyn = optax_dls.dynamic_loss_scale(optax.adam(3e-3)).init(params)
+  assert jax.tree.structure(dyn) == jax.tree.structure(sb)
+
+
+def test_no_loss_scale_measures_the_norm_of_huge_bf16_gradients():
+  grads = {"w": jnp.array([1e20, -1e20], jnp.bfloat16)}
+  tx = optax_dls.no_loss_scale(optax.sgd(1.0))
+  _, state = jax.jit(tx.update)(grads, tx.init(grads), grads)
+  expected = np.linalg.norm(np.asarray(grads["w"], np.float64))
+  np.testing.assert_allclose(float(optax_dls.metrics(state)["grad_norm"]), expected, rtol=1e-6)
+  dyn = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0)
+  _, dstate = jax.jit(dyn.update)(grads, dyn.init(grads), grads)
+  assert float(optax_dls.metrics(dstate)["grad_norm"]) == float(optax_dls.metrics(state)["grad_norm"])
+
+
+def test_dynamic_loss_scale_shows_the_policy_arguments_in_its_signature():
+  params = inspect.signature(optax_dls.dynamic_loss_scale).parameters
+  policy = inspect.signature(optax_dls.dynamic_policy).parameters
+  assert list(params) == ["inner", "axis_name", "skip_lowering", *policy]
+  assert all(params[k].default == policy[k].default for k in policy)
+
+
+def test_reset_scale_stays_in_each_scaler_s_range():
+  params = {"w": jnp.ones(2)}
+  for tx, ok, bad in [(optax_dls.no_loss_scale(optax.sgd(1.0)), 1.0, 2.0),
+                      (optax_dls.static_loss_scale(optax.sgd(1.0), 8.0), 8.0, 4.0),
+                      (optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10, max_scale=2.0**12), 2.0**12, 2.0**13)]:
+    state = tx.init(params)
+    assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, ok))) == ok
+    with pytest.raises(ValueError, match="value"):
+      optax_dls.reset_scale(state, bad)
