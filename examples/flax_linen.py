@@ -7,7 +7,8 @@ Float32 master parameters, float16 matmuls and activations, float32 loss
 (Micikevicius et al. 2018, *Mixed Precision Training*). The initial loss scale
 2**24 is deliberately too large: the first steps overflow in float16, are
 skipped, and the scale backs off until the gradients fit. ``TrainState.step``
-counts those skipped steps too; ``optax_dls.applied_steps`` does not.
+counts those skipped steps too; ``num_steps - skip_count`` of
+``optax_dls.metrics`` does not.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def main(argv=None):
       m = optax_dls.metrics(state.opt_state)
       print(f"step {int(state.step):4d}  loss {float(loss):.4f}  batch acc {float(acc):.3f}  "
             f"loss scale {float(m['loss_scale']):.0f}  skipped {int(m['skip_count'])}  "
-            f"applied {int(optax_dls.applied_steps(state.opt_state))}")
+            f"applied {int(m['num_steps'] - m['skip_count'])}")
   test_acc = float(accuracy(state, x_te, y_te))
   print(f"test accuracy {test_acc:.3f}")
   m = optax_dls.metrics(state.opt_state)

@@ -8,8 +8,8 @@ Float32 master parameters, float16 matmuls and activations, float32 loss
 ``nnx.Optimizer`` around ``optax_dls.dynamic_loss_scale``; ``optimizer.update``
 needs no extra arguments. The initial loss scale 2**24 is deliberately too
 large: the first steps overflow in float16, are skipped, and the scale backs
-off. ``optimizer.step`` counts those skipped steps too;
-``optax_dls.applied_steps`` does not.
+off. ``optimizer.step`` counts those skipped steps too; ``num_steps -
+skip_count`` of ``optax_dls.metrics`` does not.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main(argv=None):
       m = optax_dls.metrics(optimizer.opt_state)
       print(f"step {int(optimizer.step[...]):4d}  loss {float(loss):.4f}  "
             f"batch acc {float(acc):.3f}  loss scale {float(m['loss_scale']):.0f}  "
-            f"skipped {int(m['skip_count'])}  applied {int(optax_dls.applied_steps(optimizer))}")
+            f"skipped {int(m['skip_count'])}  applied {int(m['num_steps'] - m['skip_count'])}")
   test_acc = float(accuracy(model, x_te, y_te))
   print(f"test accuracy {test_acc:.3f}")
   m = optax_dls.metrics(optimizer.opt_state)

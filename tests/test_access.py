@@ -1,5 +1,7 @@
 """Finding and reading the loss-scale state inside any optimizer state; all_finite."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,12 +9,13 @@ import optax
 import pytest
 
 import optax_dls
-from optax_dls import DynamicScaleState, LossScaleState
+from optax_dls import LossScaleState
+from optax_dls._policies import DynamicScaleState
 
 P = {"w": jnp.ones(3, jnp.float32)}
-DLS = dict(init_scale=2.0**8, growth_interval=3, alerts=False)
+DLS = dict(init_scale=2.0**8, growth_interval=3)
 
-OWN_FIELDS = [f for f in LossScaleState._fields if f not in ("policy_state", "inner_state", "underflow")] \
+OWN_FIELDS = [f for f in LossScaleState._fields if f not in ("policy_state", "inner_state")] \
     + list(DynamicScaleState._fields)
 
 
@@ -132,3 +135,57 @@ def test_all_finite_is_exact(dtype):
   assert bool(optax_dls.all_finite({})) and bool(optax_dls.all_finite([]))
   assert bool(optax_dls.all_finite({"i": jnp.arange(3), "b": jnp.array([True]), "n": None}))
   assert bool(optax_dls.all_finite({"empty": jnp.zeros((0, 3), dtype)}))
+
+
+def test_metrics_core_keys_follow_the_steps():
+  params = {"w": jnp.zeros((4, 3), jnp.float32)}
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  good = jax.tree.map(jnp.ones_like, params)
+  bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.inf), params)
+  for g in (good, bad, bad, good, bad):
+    scale = optax_dls.loss_scale(state)
+    _, state = update(jax.tree.map(lambda x, s=scale: x * s, g), state, params)
+  m = jax.device_get(optax_dls.metrics(state))
+  assert m["skip_count"] == 3 and m["num_steps"] == 5 and bool(m["skipped"])
+  assert m["consecutive_skips"] == 1
+  assert m["update_ratio"] == pytest.approx(2 / 5)
+  assert m["loss_scale"] == 8.0 / 2**3
+  assert not m["fp32_fallback"]
+  assert sorted(m) == ["consecutive_skips", "fp32_fallback", "grad_norm", "loss_scale", "num_steps",
+                       "skip_count", "skipped", "update_ratio"]
+
+
+def test_feature_states_report_their_keys_and_are_unambiguous_in_a_chain():
+  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=2))
+  inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax_dls.loss_scaled(inner, policy))
+  state = tx.init(P)
+  m = optax_dls.metrics(state)
+  assert {"fp32_fallback", "skips_at_min_scale", "underflow/zero_frac", "underflow/subnormal_frac"} <= set(m)
+  for name in ("fp32_fallback", "steps_left", "skips_at_min_scale", "fractions", "min_scale", "max_scale"):
+    optax.tree_utils.tree_get(state, name)  # raises KeyError if absent or ambiguous
+  g = {"w": jnp.full(3, jnp.inf)}
+  _, new = jax.jit(tx.update)(g, state, P)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0.0, -1.0, 0.5, 2.0**20])
+def test_reset_scale_refuses_a_static_value_outside_the_policy_range(bad):
+  state = optax_dls.dynamic_loss_scale(optax.sgd(1.0), max_scale=2.0**16).init(P)
+  with pytest.raises(ValueError, match="value"):
+    optax_dls.reset_scale(state, bad)
+
+
+def test_reset_scale_clamps_a_traced_value_and_restarts_growth():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=3, max_scale=2.0**16)
+  state = tx.init(P)
+  _, state = tx.update({"w": jnp.ones(3)}, state)
+  assert int(state.policy_state.growth_tracker) == 1
+  reset = jax.jit(optax_dls.reset_scale)
+  assert float(reset(state, jnp.float32(2.0**30)).loss_scale) == 2.0**16
+  assert float(reset(state, jnp.float32(0.25)).loss_scale) == 1.0
+  new = reset(state, jnp.float32(64.0))
+  assert float(new.loss_scale) == 64.0 and int(new.policy_state.growth_tracker) == 0

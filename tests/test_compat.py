@@ -43,7 +43,7 @@ def _import(name: str):
 @functools.lru_cache(maxsize=None)
 def _trajectory_fn(preset: str, config: tuple):
   """Jitted scan of the preset's policy over a padded bool sequence, cached per config."""
-  policy = getattr(optax_dls, preset)(**dict(config))
+  policy = getattr(optax_dls.compat, preset)(**dict(config))
 
   def step(carry, finite):
     scale, state = carry
@@ -230,7 +230,7 @@ def test_deepspeed_dynamic_loss_scaler(seq, config):
 
 
 def test_hysteresis_sequences_of_the_reference_table():
-  # shared/REFERENCES.md item 9, with Megatron (refill on growth) and DeepSpeed (consecutive) presets.
+  # Failure kind 9 of docs/design.md, with Megatron (refill on growth) and DeepSpeed (consecutive) presets.
   def run(policy_fn, seq):
     return ours(policy_fn, dict(init_scale=2.0**16, scale_window=1000, delayed_shift=2,
                                 consecutive_hysteresis=policy_fn == "deepspeed_policy"), seq)
@@ -255,7 +255,7 @@ def test_growth_timing_differs_between_references():
 def test_presets_inside_the_wrapper_follow_torch():
   torch = _import("torch")
   config = dict(init_scale=2.0**4, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
-  tx = optax_dls.loss_scaled(optax.sgd(0.5), optax_dls.torch_policy(**config))
+  tx = optax_dls.loss_scaled(optax.sgd(0.5), optax_dls.compat.torch_policy(**config))
   params = {"w": jnp.zeros([3])}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -275,14 +275,14 @@ def test_presets_inside_the_wrapper_follow_torch():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: optax_dls.torch_policy(growth_factor=1.0), "growth_factor"),
-    (lambda: optax_dls.torch_policy(init_scale=0.0), "init_scale"),
-    (lambda: optax_dls.keras_policy(dynamic_growth_steps=0), "dynamic_growth_steps"),
-    (lambda: optax_dls.jmp_policy(2.0, min_loss_scale=4.0), "loss_scale"),
-    (lambda: optax_dls.flax_policy(backoff_factor=1.0), "backoff_factor"),
-    (lambda: optax_dls.megatron_policy(hysteresis=0), "hysteresis"),
-    (lambda: optax_dls.deepspeed_policy(scale_window=0), "scale_window"),
-    (lambda: optax_dls.deepspeed_policy(init_scale=float("inf")), "init_scale"),
+    (lambda: optax_dls.compat.torch_policy(growth_factor=1.0), "growth_factor"),
+    (lambda: optax_dls.compat.torch_policy(init_scale=0.0), "init_scale"),
+    (lambda: optax_dls.compat.keras_policy(dynamic_growth_steps=0), "dynamic_growth_steps"),
+    (lambda: optax_dls.compat.jmp_policy(2.0, min_loss_scale=4.0), "loss_scale"),
+    (lambda: optax_dls.compat.flax_policy(backoff_factor=1.0), "backoff_factor"),
+    (lambda: optax_dls.compat.megatron_policy(hysteresis=0), "hysteresis"),
+    (lambda: optax_dls.compat.deepspeed_policy(scale_window=0), "scale_window"),
+    (lambda: optax_dls.compat.deepspeed_policy(init_scale=float("inf")), "init_scale"),
 ])
 def test_bad_hyperparameters_raise_value_error_naming_them(call, match):
   with pytest.raises(ValueError, match=match):
@@ -291,6 +291,6 @@ def test_bad_hyperparameters_raise_value_error_naming_them(call, match):
 
 def test_traced_hyperparameter_raises_type_error():
   with pytest.raises(TypeError, match="growth_interval"):
-    jax.jit(lambda n: optax_dls.torch_policy(growth_interval=n))(3)
+    jax.jit(lambda n: optax_dls.compat.torch_policy(growth_interval=n))(3)
   with pytest.raises(TypeError, match="consecutive_hysteresis"):
-    optax_dls.deepspeed_policy(consecutive_hysteresis=1)
+    optax_dls.compat.deepspeed_policy(consecutive_hysteresis=1)

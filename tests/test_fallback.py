@@ -17,9 +17,10 @@ def _loss(params, x, y, dtype):
   return jnp.mean(jnp.square(pred - y.astype(dtype))).astype(jnp.float32)
 
 
-def test_training_continues_through_fallback_and_returns_to_fp16():
-  tx = optax_dls.dynamic_loss_scale(optax.adam(0.05), init_scale=INIT_SCALE, growth_interval=1000,
-                                    fallback_after=10, fallback_steps=15, alerts=False)
+def test_training_continues_through_fallback_and_returns_to_fp16(lowering):
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=INIT_SCALE, growth_interval=1000),
+                                  after=10, steps=15)
+  tx = optax_dls.loss_scaled(optax.adam(0.05), policy, skip_lowering=lowering)
   params = {"w": jnp.zeros((4,), jnp.float32)}
   opt_state = tx.init(params)
   traces = []
@@ -40,7 +41,7 @@ def test_training_continues_through_fallback_and_returns_to_fp16():
   flags, skipped, w_at = [], [], {}
   for i in range(40):
     x = jnp.full((8, 4), 1000.0 if i < 30 else 1.0) * jnp.linspace(0.5, 1.0, 8)[:, None]
-    flags.append(bool(optax_dls.fallback_active(opt_state)))
+    flags.append(bool(optax_dls.metrics(opt_state)["fp32_fallback"]))
     params, opt_state = step(params, opt_state, x, x @ target)
     skipped.append(bool(optax_dls.metrics(opt_state)["skipped"]))
     w_at[i] = np.asarray(params["w"])
@@ -57,28 +58,29 @@ def test_training_continues_through_fallback_and_returns_to_fp16():
 
 
 def test_fallback_scale_and_flag_end():
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, fallback_after=2, fallback_steps=2,
-                                    fallback_scale=8.0, alerts=False)
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=64.0), after=2, steps=2, scale=8.0)
+  tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
   update = jax.jit(tx.update)
   seen = []
   for g in [jnp.inf, jnp.inf, 1.0, 1.0, 1.0]:
     _, state = update({"w": jnp.full(3, g)}, state, params)
-    seen.append((bool(state.fp32_fallback), int(state.fallback_steps_left), float(state.loss_scale)))
+    fallback = state.policy_state
+    seen.append((bool(fallback.fp32_fallback), int(fallback.steps_left), float(state.loss_scale)))
   assert seen == [(False, 0, 32.0), (True, 2, 16.0), (True, 1, 16.0), (False, 0, 8.0), (False, 0, 8.0)]
 
 
 def test_no_fallback_by_default():
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**20, alerts=False)
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**20)
   state = tx.init({"w": jnp.ones(2)})
   for _ in range(12):
     _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state)
-  assert not bool(state.fp32_fallback) and float(state.loss_scale) == 2.0**8
+  assert not bool(optax_dls.metrics(state)["fp32_fallback"]) and float(state.loss_scale) == 2.0**8
 
 
 def test_select_precision_promotes_and_checks_structure():
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), fallback_after=1, fallback_steps=3, alerts=False)
+  tx = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1, steps=3))
   state = tx.init({"w": jnp.ones(2)})
   f16 = lambda x: (x * 2).astype(jnp.float16)
   f32 = lambda x: x * 3
@@ -90,12 +92,15 @@ def test_select_precision_promotes_and_checks_structure():
     optax_dls.select_precision(state, lambda x: (x, x), f32, jnp.ones(2))
 
 
-@pytest.mark.parametrize("kwargs, name", [({"fallback_after": 0}, "fallback_after"),
-                                          ({"fallback_after": 3, "fallback_steps": 0}, "fallback_steps"),
-                                          ({"fallback_after": 3, "fallback_scale": 0.0}, "fallback_scale")])
+@pytest.mark.parametrize("kwargs, name", [({"after": 0}, "after"), ({"steps": 0}, "steps"),
+                                          ({"scale": 0.0}, "scale"), ({"scale": 2.0**100}, "scale"),
+                                          ({"scale": 0.5}, "scale")])
 def test_bad_fallback_arguments(kwargs, name):
+  # The restart scale must lie in the wrapped policy's range, here [1, 2**12].
   with pytest.raises(ValueError, match=name):
-    optax_dls.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+    optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0**10, max_scale=2.0**12), **kwargs)
+  with pytest.raises(TypeError, match="policy"):
+    optax_dls.fp32_fallback("dynamic")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -113,6 +118,29 @@ def test_fallback_functions_must_be_callable():
     optax_dls.fallback_value_and_grad(None, lambda x: x)
   with pytest.raises(TypeError, match="fp32_fn"):
     optax_dls.fallback_value_and_grad(lambda x: x, 3.0)
-  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1), fallback_after=2).init({"w": jnp.ones(2)})
+  state = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy())).init(
+      {"w": jnp.ones(2)})
   with pytest.raises(TypeError, match="fp16_fn"):
     optax_dls.select_precision(state, None, lambda x: x, jnp.ones(2))
+
+
+def test_select_precision_without_the_fallback_runs_fp16():
+  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+  out = optax_dls.select_precision(state, lambda x: x.astype(jnp.float16), lambda x: x * 3, jnp.ones(2))
+  assert out.dtype == jnp.float32 and np.allclose(out, 1.0)
+
+
+def test_fallback_state_has_fixed_dtypes_and_composes_with_skips_at_min_scale():
+  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0), after=2))
+  tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
+  state = tx.init({"w": jnp.ones(2)})
+  update = jax.jit(tx.update)
+  counts = []
+  for _ in range(4):
+    _, new = update({"w": jnp.full(2, jnp.inf)}, state, None)
+    assert [x.dtype for x in jax.tree.leaves(new)] == [x.dtype for x in jax.tree.leaves(state)]
+    state = new
+    m = optax_dls.metrics(state)
+    counts.append((int(m["skips_at_min_scale"]), bool(m["fp32_fallback"]), float(m["loss_scale"])))
+  # 2 -> 1 (not yet at the minimum), then skips at the minimum 1; the fallback starts at the 2nd skip.
+  assert counts == [(0, False, 1.0), (1, True, 1.0), (2, True, 1.0), (3, True, 1.0)]

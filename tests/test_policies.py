@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
 import functools
 import pathlib
 import re
+from typing import NamedTuple
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from jax import lax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
 
 import optax_dls
 from optax_dls import _policies
-
 
 F16_MAX = 65504.0
 LENGTH = 32

@@ -1,5 +1,6 @@
 """Bad hyperparameters raise at construction, naming the argument and the value."""
 
+import importlib
 import math
 
 import jax
@@ -9,10 +10,11 @@ import optax
 import pytest
 
 import optax_dls
+from optax_dls import _policies
 
 INNER = optax.sgd(0.1)
 
-BAD_VALUES = [  # (argument, value): out of the ranges of DESIGN section 5 and the docstrings
+BAD_VALUES = [  # (argument, value): out of the ranges in docs/design.md and the docstrings
     ("growth_factor", 1.0), ("growth_factor", 0.5), ("growth_factor", math.inf), ("growth_factor", math.nan),
     ("backoff_factor", 0.0), ("backoff_factor", 1.0), ("backoff_factor", -0.5), ("backoff_factor", 2.0),
     ("growth_interval", 0), ("growth_interval", -3), ("growth_interval", 2**31),
@@ -107,17 +109,22 @@ def test_reset_scale_value_checked():
 
 
 @pytest.mark.parametrize("kw,error", [
-    ({"alert_after": 0}, ValueError), ({"fallback_after": 0}, ValueError),
-    ({"fallback_after": 3, "fallback_steps": 0}, ValueError), ({"alerts": 1}, TypeError),
-    ({"fallback_after": 2.5}, TypeError),
+    ({"after": 0}, ValueError), ({"steps": 0}, ValueError), ({"after": 2.5}, TypeError),
+    ({"scale": math.nan}, ValueError), ({"steps": "x"}, TypeError),
 ])
-def test_monitoring_options_checked_in_both_presets(kw, error):
-  name, value = next((k, v) for k, v in reversed(kw.items()))
-  for build in (lambda: optax_dls.dynamic_loss_scale(INNER, **kw),
-                lambda: optax_dls.static_loss_scale(INNER, 2.0, **kw)):
+def test_fallback_options_checked_around_every_policy(kw, error):
+  name, value = next(iter(kw.items()))
+  for policy in (optax_dls.dynamic_policy(), optax_dls.static_policy(2.0), optax_dls.amax_policy()):
     with pytest.raises(error, match=name) as e:
-      build()
+      optax_dls.fp32_fallback(policy, **kw)
     assert repr(value) in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [{"alerts": True}, {"alert_after": 3}, {"fallback_after": 3},
+                                {"underflow_stats": True}, {"growth_intervall": 3}])
+def test_options_that_are_not_the_policy_s_are_refused_by_name(kw):
+  with pytest.raises(TypeError, match=next(iter(kw))):
+    optax_dls.dynamic_loss_scale(INNER, **kw)
 
 
 # --- Values valid as Python floats but not once rounded to float32 ------------------
@@ -127,17 +134,19 @@ F32_BAD = [("growth_factor", 1 + 1e-9), ("growth_factor", 1e300),
 
 
 @pytest.mark.parametrize("name,value", F32_BAD)
-@pytest.mark.parametrize("factory", ["dynamic_policy", "torch_policy", "amax_policy", "megatron_policy"])
+@pytest.mark.parametrize("factory", ["dynamic_policy", "compat.torch_policy", "amax_policy",
+                                     "compat.megatron_policy"])
 def test_factors_that_round_to_one_or_zero_in_float32_are_refused(factory, name, value):
+  module, _, fn = ("optax_dls." + factory).rpartition(".")
   with pytest.raises(ValueError, match=f"{name}.*float32") as e:
-    getattr(optax_dls, factory)(**{name: value})
+    getattr(importlib.import_module(module), fn)(**{name: value})
   assert repr(value) in str(e.value) and "rounds to" in str(e.value)
 
 
 @pytest.mark.parametrize("build", [
-    lambda: optax_dls.jmp_policy(1024.0, factor=1 + 1e-9),
-    lambda: optax_dls.flax_policy(growth_factor=1 + 1e-9),
-    lambda: optax_dls.flax_policy(backoff_factor=1 - 1e-9),
+    lambda: optax_dls.compat.jmp_policy(1024.0, factor=1 + 1e-9),
+    lambda: optax_dls.compat.flax_policy(growth_factor=1 + 1e-9),
+    lambda: optax_dls.compat.flax_policy(backoff_factor=1 - 1e-9),
     lambda: optax_dls.dynamic_loss_scale(INNER, backoff_factor=1 - 1e-9),
 ])
 def test_presets_check_factors_in_float32(build):
@@ -148,7 +157,7 @@ def test_presets_check_factors_in_float32(build):
 @pytest.mark.parametrize("build", [
     lambda: optax_dls.dynamic_loss_scale(INNER, init_scale=10**400),
     lambda: optax_dls.static_loss_scale(INNER, 10**400),
-    lambda: optax_dls.torch_policy(growth_factor=10**400),
+    lambda: optax_dls.compat.torch_policy(growth_factor=10**400),
     lambda: optax_dls.reset_scale(optax_dls.dynamic_loss_scale(INNER).init({"w": jnp.zeros(1)}), 10**400),
 ])
 def test_huge_python_ints_raise_value_error_not_overflow(build):
@@ -158,38 +167,35 @@ def test_huge_python_ints_raise_value_error_not_overflow(build):
 
 @pytest.mark.parametrize("kw", [{"fallback_steps": 0}, {"fallback_steps": "x"}, {"fallback_scale": 0.0},
                                 {"fallback_scale": math.nan}])
-def test_fallback_options_are_checked_without_fallback_after(kw):
-  (name, value), = kw.items()
-  with pytest.raises((ValueError, TypeError), match=name):
-    optax_dls.dynamic_loss_scale(INNER, **kw)
-  if name == "fallback_steps":
-    with pytest.raises((ValueError, TypeError), match=name):
-      optax_dls.static_loss_scale(INNER, 2.0, **kw)
-  with pytest.raises((ValueError, TypeError), match=name):
+def test_fallback_options_in_a_config(kw):
+  (name, _), = kw.items()
+  with pytest.raises((ValueError, TypeError), match="fallback"):  # meaningless without fallback_after
     optax_dls.from_config(kw, INNER)
+  with pytest.raises((ValueError, TypeError), match=name.removeprefix("fallback_")):
+    optax_dls.from_config({"fallback_after": 2, **kw}, INNER)
 
 
 # --- Bools: Python and NumPy bools accepted, others and traced ones refused ----------
 
 
 def test_numpy_bools_are_accepted_everywhere_a_bool_is():
-  optax_dls.dynamic_loss_scale(INNER, alerts=np.bool_(False), consecutive_hysteresis=np.bool_(True))
-  optax_dls.deepspeed_policy(consecutive_hysteresis=np.bool_(True))
+  optax_dls.dynamic_loss_scale(INNER, consecutive_hysteresis=np.bool_(True))
+  optax_dls.compat.deepspeed_policy(consecutive_hysteresis=np.bool_(True))
   optax_dls.fallback_value_and_grad(lambda x: x, lambda x: x, has_aux=np.bool_(False))
 
 
 def test_traced_and_non_bool_flags_are_refused():
   with pytest.raises(TypeError, match="consecutive_hysteresis.*traced"):
     jax.jit(lambda b: optax_dls.dynamic_policy(consecutive_hysteresis=b) and b)(True)
-  with pytest.raises(TypeError, match="alerts"):
-    optax_dls.dynamic_loss_scale(INNER, alerts=1)
   with pytest.raises(TypeError, match="consecutive_hysteresis"):
-    optax_dls.deepspeed_policy(consecutive_hysteresis="yes")
+    optax_dls.dynamic_loss_scale(INNER, consecutive_hysteresis=1)
+  with pytest.raises(TypeError, match="consecutive_hysteresis"):
+    optax_dls.compat.deepspeed_policy(consecutive_hysteresis="yes")
 
 
 # --- What a custom policy returns ------------------------------------------------------
 
-DSS = optax_dls.DynamicScaleState
+DSS = _policies.DynamicScaleState
 
 
 def _policy(scale=8.0, update=None, **kw):
@@ -229,7 +235,7 @@ def test_policy_state_must_be_arrays():
     (lambda s, st, stats: (s, jax.tree.map(lambda x: x.astype(jnp.float32), st)), "dtypes"),
 ])
 def test_policy_update_output_checked_at_trace_time(update, match):
-  tx = optax_dls.loss_scaled(INNER, _policy(update=update), alerts=False)
+  tx = optax_dls.loss_scaled(INNER, _policy(update=update))
   params = {"w": jnp.ones(2)}
   with pytest.raises(TypeError, match=f"policy.update.*{match}"):
     jax.eval_shape(tx.update, params, tx.init(params), params)
@@ -255,7 +261,7 @@ def test_underflow_labels_and_amax_statistic_of_wrong_type_raise_type_error():
   with pytest.raises(TypeError, match="statistic"):
     optax_dls.amax_policy(statistic=None)
   with pytest.raises(TypeError, match="label"):
-    optax_dls.dynamic_loss_scale(INNER, underflow_stats={"w": 1})
+    optax_dls.underflow_stats({"w": 1})
 
 
 def test_all_finite_checks_its_arguments():
