@@ -4,6 +4,7 @@ import fractions
 import glob
 import json
 import math
+import pathlib
 import time
 
 import jax
@@ -139,11 +140,10 @@ def test_any_real_scalar_of_jax_or_numpy_is_written(tmp_path, value, expected):
   assert tb["m"] == pytest.approx(float(expected), rel=1e-6)
 
 
-@pytest.mark.parametrize("value", [jnp.asarray(1 + 2j), np.asarray("text"), object(), [1.0]])
+@pytest.mark.parametrize("value", [jnp.asarray(1 + 2j), np.asarray("text"), object(), np.datetime64(1, "s")])
 def test_values_that_are_not_real_scalars_raise_type_error_naming_the_metric(tmp_path, value):
-  with writers.MetricsWriter(tmp_path, tensorboard=False) as w:
-    with pytest.raises((TypeError, ValueError), match="'m'"):
-      w.log(0, {"m": value})
+  with writers.MetricsWriter(tmp_path, tensorboard=False) as w, pytest.raises(TypeError, match="'m'"):
+    w.log(0, {"m": value})
 
 
 def test_appending_to_a_file_whose_last_line_was_cut_starts_a_new_line(tmp_path):
@@ -180,7 +180,7 @@ def test_two_writers_opened_in_the_same_second_on_one_folder_lose_nothing(tmp_pa
   assert sorted(-r["from_b"] for r in tb if "from_b" in r) == list(range(20))
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(jsonl=False), dict(tensorboard=False), dict(every=5)])
+@pytest.mark.parametrize("kwargs", [{}, {"jsonl": False}, {"tensorboard": False}, {"every": 5}])
 def test_any_use_after_close_raises(tmp_path, kwargs):
   w = writers.MetricsWriter(tmp_path, **kwargs)
   w.log(0, {"a": 1.0})
@@ -226,7 +226,7 @@ def _record_offsets(data):
 def test_a_corrupt_event_record_costs_that_record_only(tmp_path, where):
   path = _event_file(tmp_path)
   intact = writers.read_tensorboard(path)
-  data = bytearray(open(path, "rb").read())
+  data = bytearray(pathlib.Path(path).read_bytes())
   offsets = _record_offsets(data)
   # Record 0 is the file version; then loss_scale and skip_count alternate, steps 0, 1, ...
   victim = offsets[4]  # skip_count of step 1
@@ -234,7 +234,7 @@ def test_a_corrupt_event_record_costs_that_record_only(tmp_path, where):
     data[offsets[5] - 6] ^= 0x40  # a bit of its float value
   else:
     data[victim + 1] ^= 0xFF     # the record's length
-  open(path, "wb").write(bytes(data))
+  pathlib.Path(path).write_bytes(bytes(data))
   expected = [dict(r) for r in intact]
   del expected[1]["skip_count"]
   assert writers.read_tensorboard(path) == expected
