@@ -156,7 +156,9 @@ def load_runs(run_dir: str) -> dict[str, list[dict[str, Any]]]:
 
   Raises:
     NoLogsError: ``run_dir`` is missing, holds no logs, or only unreadable ones.
+    TypeError: ``run_dir`` is not a str or ``os.PathLike``.
   """
+  run_dir = writers._check_path("run_dir", run_dir)
   if not os.path.isdir(run_dir):
     raise NoLogsError(f"{run_dir!r} is not a folder.")
   files = _log_files(run_dir)
@@ -578,8 +580,24 @@ def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
   plt.close(fig)
 
 
-def inspect(run_dir: str, plot_path: str | None = None, as_json: bool = False) -> str:
-  """The report printed by ``optax-dls inspect`` (raises :class:`NoLogsError`)."""
+def inspect(run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None,
+            as_json: bool = False) -> str:
+  """The report printed by ``optax-dls inspect``.
+
+  Args:
+    run_dir: the folder with the logs (searched recursively).
+    plot_path: optional image file to draw the loss scale and the skips into.
+    as_json: bool, return the summary and diagnosis as JSON instead of text.
+
+  Raises:
+    NoLogsError: no readable logs under ``run_dir``.
+    TypeError: ``run_dir`` or ``plot_path`` is not a path, or ``as_json`` not
+      a bool.
+  """
+  if plot_path is not None:
+    plot_path = writers._check_path("plot_path", plot_path)
+  if not isinstance(as_json, (bool, np.bool_)):
+    raise TypeError(f"as_json must be a bool, got {as_json!r} of type {type(as_json).__name__}.")
   runs = load_runs(run_dir)
   report = {}
   for name, rows in runs.items():

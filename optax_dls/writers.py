@@ -74,6 +74,13 @@ def _tensorboard_value(value: Any) -> float | None:
   return value if math.isfinite(value) else None
 
 
+def _check_path(name: str, value: Any) -> str:
+  """``value`` as a str path; TypeError naming ``name`` unless it is a ``str`` or ``os.PathLike``."""
+  if not isinstance(value, (str, os.PathLike)):
+    raise TypeError(f"{name} must be a str or os.PathLike, got {value!r} of type {type(value).__name__}.")
+  return os.fspath(value)
+
+
 def _ends_without_newline(path: str) -> bool:
   """Whether the file at ``path`` exists, is not empty and its last byte is not a newline."""
   try:
@@ -122,13 +129,15 @@ class MetricsWriter:
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
-    TypeError: ``every`` not an int, ``tensorboard`` / ``jsonl`` not a bool,
-      ``run_name`` neither a str nor None.
+    TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int,
+      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor
+      None.
     ImportError: ``tensorboard=True`` without ``tensorboardX`` installed.
   """
 
   def __init__(self, logdir: str | os.PathLike, *, every: int = 1, tensorboard: bool = True,
                jsonl: bool = True, run_name: str | None = None):
+    logdir = _check_path("logdir", logdir)
     if isinstance(every, bool) or not isinstance(every, numbers.Integral):
       raise TypeError(f"every must be an int, got {every!r}.")
     if every < 1:
@@ -140,7 +149,7 @@ class MetricsWriter:
       raise TypeError(f"run_name must be a str or None, got {run_name!r} of type {type(run_name).__name__}.")
     if not (tensorboard or jsonl):
       raise ValueError("MetricsWriter needs tensorboard=True or jsonl=True, got both False.")
-    self.logdir = os.fspath(logdir)
+    self.logdir = logdir
     self.every = int(every)
     self.run_name = run_name
     self._closed = False
@@ -266,8 +275,10 @@ def read_jsonl(path: str | os.PathLike,
 
   Raises:
     OSError: the file cannot be read.
-    TypeError: ``on_bad_line`` is neither callable nor None.
+    TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_line``
+      is neither callable nor None.
   """
+  path = _check_path("path", path)
   report = _reporter("on_bad_line", on_bad_line)
   rows = []
   with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes: a malformed line
@@ -354,9 +365,11 @@ def read_tensorboard(path: str | os.PathLike,
 
   Raises:
     OSError: the file cannot be read.
-    TypeError: ``on_bad_record`` is neither callable nor None.
+    TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_record``
+      is neither callable nor None.
     ImportError: ``tensorboardX`` is not installed.
   """
+  path = _check_path("path", path)
   from google.protobuf.message import DecodeError
   from tensorboardX.proto import event_pb2
 

@@ -469,3 +469,14 @@ def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path
   (report,) = json.loads(capsys.readouterr().out).values()
   for d in report["diagnosis"]:
     _check_claim(d["symptom"], stream, kind)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"run_dir": None}, "run_dir"),
+    ({"run_dir": 3}, "run_dir"),
+    ({"run_dir": ".", "plot_path": 1}, "plot_path"),
+    ({"run_dir": ".", "as_json": "yes"}, "as_json"),
+])
+def test_inspect_names_a_wrong_argument(kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    cli.inspect(**kwargs)

@@ -250,3 +250,14 @@ def test_reader_callbacks_must_be_callable(tmp_path):
   (tmp_path / "m.jsonl").write_text('{"step": 0}\n')
   with pytest.raises(TypeError, match="on_bad_line"):
     writers.read_jsonl(tmp_path / "m.jsonl", on_bad_line=1)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: writers.MetricsWriter(None),
+    lambda: writers.MetricsWriter(3, tensorboard=False),
+    lambda: writers.read_jsonl(None),
+    lambda: writers.read_tensorboard(b"events.out.tfevents.1"),
+])
+def test_paths_must_be_str_or_pathlike(call):
+  with pytest.raises(TypeError, match=r"(logdir|path) must be a str or os.PathLike"):
+    call()
