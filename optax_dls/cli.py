@@ -10,14 +10,17 @@ to do about each. ``--plot out.png`` draws the loss scale and the skips.
 
 The logs may be written every ``k`` steps. The diagnosis then rests on the
 cumulative counters of the logged rows (``num_steps``, ``skip_count``, or
-``update_ratio``) and on the loss scale at each logged row, never on what
-happened between two rows; it reports a problem only where the logged rows
-prove it, so a sparser log may show less but never something false. It
-assumes the scale moves by factors of 2 (growth) and 1/2 (backoff), as every
-built-in dynamic rule and compatibility preset does. A column that is missing
-is unknown: the diagnoses that need it are not made. Without ``num_steps``,
-each step is taken to be one update. Rows logged twice for one step (a resumed
-run) are merged, the later values winning.
+``update_ratio``) and on the loss scale at each logged row: what happened
+between two rows is bounded, not guessed, and a problem is reported only where
+the logged rows prove it, so a sparser log may show less but never something
+false. The bounds take a growth to double the scale and a skip to halve it at
+most, as the defaults of every built-in dynamic rule and compatibility preset
+do; where the logged scales show another rule (a ratio that is not a power of
+two, or a drop of more octaves than skips, as ``amax_policy``'s), only the
+counters are used. A column that is missing is unknown: the diagnoses that
+need it are not made. Without ``num_steps``, each step is taken to be one
+update. Rows logged twice for one step (a resumed run) are merged, the later
+values winning.
 
 Lines that are not JSON objects with a ``step``, rows whose ``step`` is not a
 whole number, corrupt TensorBoard records and unreadable files are skipped,
@@ -243,17 +246,29 @@ class _Intervals(NamedTuple):
 
   ``known``: both rows carry consistent counters. ``dn``, ``ds``: updates and
   skips in the interval. ``octaves``: log2 of the scale ratio (NaN unknown).
-  ``growth_ub``: an upper bound on the growths in the interval: a growth
-  doubles the scale and a skip halves it at most, so growths <= skips +
-  octaves; and growths <= clean updates. ``excess``: ``ds - growth_ub``, a
-  lower bound on the skips that no growth in the interval explains.
+  ``factor_two``: the logged scales follow the rule "a growth doubles the
+  scale, only a skip lowers it, by one octave at most" as far as the rows
+  show (every ratio a power of two, no drop of more octaves than skips).
+  ``growth_ub``: an upper bound on the growths in the interval: the clean
+  updates, and under that rule also skips + octaves. ``excess``: ``ds -
+  growth_ub``, a lower bound on the skips that no growth in the interval
+  explains.
   """
   known: np.ndarray
   dn: np.ndarray
   ds: np.ndarray
   octaves: np.ndarray
+  factor_two: bool
   growth_ub: np.ndarray
   excess: np.ndarray
+
+
+def _follows_factor_two(octaves: np.ndarray, ds: np.ndarray, known: np.ndarray) -> bool:
+  """Whether the logged scale moves only by whole octaves, and down by at most one per skip."""
+  seen = np.isfinite(octaves)
+  whole = np.all(np.abs(octaves[seen] - np.round(octaves[seen])) < 1e-6)
+  both = seen & known
+  return bool(whole and np.all(octaves[both] >= -ds[both] - 1e-6))
 
 
 def _intervals(rows: list[dict[str, Any]]) -> _Intervals:
@@ -267,12 +282,15 @@ def _intervals(rows: list[dict[str, Any]]) -> _Intervals:
   octaves = np.diff(log_scale)
   with np.errstate(invalid="ignore"):
     known = np.isfinite(dn) & np.isfinite(ds) & (ds >= 0) & (ds <= dn)
-    clean = np.where(known, dn - ds, 0.0)
-    by_scale = np.ceil(np.where(known, ds, 0.0) + octaves - 1e-6)
-    growth_ub = np.where(np.isfinite(octaves), np.clip(np.minimum(clean, by_scale), 0, None), clean)
-  growth_ub = np.where(known, growth_ub, np.nan)
-  return _Intervals(known, np.where(known, dn, np.nan), np.where(known, ds, np.nan), octaves,
-                    growth_ub, np.where(known, ds - growth_ub, np.nan))
+  dn, ds = np.where(known, dn, np.nan), np.where(known, ds, np.nan)
+  factor_two = _follows_factor_two(octaves, ds, known)
+  clean = dn - ds
+  growth_ub = clean
+  if factor_two:
+    with np.errstate(invalid="ignore"):
+      by_scale = np.clip(np.round(ds + octaves), 0, None)
+    growth_ub = np.where(np.isfinite(octaves), np.minimum(clean, by_scale), clean)
+  return _Intervals(known, dn, ds, octaves, factor_two, growth_ub, ds - growth_ub)
 
 
 def _segments(known: np.ndarray, start: int = 0) -> list[range]:
@@ -424,12 +442,14 @@ def _overflow_excess(rows: list[dict[str, Any]], iv: _Intervals) -> tuple[int, i
 def _skips_at_scale_at_most_1(rows: list[dict[str, Any]], iv: _Intervals) -> int:
   """Skipped updates proven to have run at a loss scale <= 1.
 
-  An interval that starts at scale S and holds at most g growths never runs
-  above S * 2**g; when that is <= 1, each of its skips ran at a scale <= 1.
+  An interval that starts at scale S and holds at most g growths of one
+  octave never runs above S * 2**g (without the factor-two rule: above S when
+  g = 0); when that is <= 1, each of its skips ran at a scale <= 1.
   """
   scale = _column(rows, "loss_scale")[:-1]
+  growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
   with np.errstate(invalid="ignore", over="ignore"):
-    low = iv.known & np.isfinite(scale) & (scale * np.exp2(np.nan_to_num(iv.growth_ub, nan=np.inf)) <= 1.0)
+    low = iv.known & np.isfinite(scale) & (scale * np.exp2(np.nan_to_num(growths, nan=np.inf)) <= 1.0)
   return int(np.sum(iv.ds[low]))
 
 

@@ -212,9 +212,11 @@ class _Stream(NamedTuple):
 
 def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresis=1, min_scale=1.0,
               max_scale=2.0**24, spikes=(), nonfinite_from=None, loss=None, nan_loss_when_skipped=False,
-              underflow=None):
+              underflow=None, finite_drops=(), growth_at=()):
   """``n`` updates of dynamic loss scaling: an update overflows when its scale exceeds ``ceiling(t)``,
-  at the steps in ``spikes`` and from ``nonfinite_from`` on."""
+  at the steps in ``spikes`` and from ``nonfinite_from`` on. At the steps in ``finite_drops`` a
+  finite update halves the scale, as amax_policy does when the gradients grow; at the steps in
+  ``growth_at`` a finite update doubles it, whatever the growth interval."""
   ceiling = ceiling if callable(ceiling) else (lambda t, c=ceiling: c)
   loss = loss or (lambda t: 2.0 - t / 4000)
   scale, tracker, skips, consec = init, 0, 0, 0
@@ -225,8 +227,10 @@ def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresi
     consec, tracker = (consec + 1, 0) if over else (0, tracker + 1)
     if over and consec >= hysteresis:
       scale = max(scale / 2, min_scale)
-    elif not over and tracker >= growth_interval:
+    elif not over and (tracker >= growth_interval or t in growth_at):
       scale, tracker = min(scale * 2, max_scale), 0
+    elif not over and t in finite_drops:
+      scale = max(scale / 2, min_scale)
     skips += over
     row = {"loss_scale": scale, "skipped": over, "skip_count": skips, "consecutive_skips": consec,
            "num_steps": t + 1, "update_ratio": (t + 1 - skips) / (t + 1), "grad_norm": 1.0,
@@ -290,6 +294,19 @@ def test_each_symptom_is_found_at_every_logging_interval_and_only_it(tmp_path, c
   _log(tmp_path, REAL_SYMPTOMS[symptom]().rows, every)
   found = _diagnosis(tmp_path, capsys)
   assert len(found) == 1 and found[0].startswith(symptom), found
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_scale_that_also_drops_on_finite_steps_is_not_read_as_overflow(tmp_path, capsys, every):
+  # Every 20 updates: a growth, its probe overflow, then two drops on finite steps (amax_policy-like),
+  # so the scale falls two octaves per cycle while every skip follows a growth.
+  cycles = range(0, 400, 20)
+  stream = _simulate(400, growth_interval=10**6, init=2.0**50, ceiling=2.0**60, max_scale=2.0**60,
+                     spikes={t + 1 for t in cycles}, finite_drops={t + d for t in cycles for d in (2, 12)},
+                     growth_at={t for t in cycles})
+  assert stream.skipped.sum() == 20 and stream.grew[list(cycles)].all()
+  _log(tmp_path, stream.rows, every)
+  assert _diagnosis(tmp_path, capsys) == []
 
 
 @pytest.mark.parametrize("every", [1, 10])
