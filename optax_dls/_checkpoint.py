@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
+import numpy as np
 
 from optax_dls._state import LossScaleState
 
@@ -59,6 +61,40 @@ def _explain(saved: dict, target: dict, step: int, directory: Any) -> str:
   return head + "Neither holds a loss-scale state; see the Orbax message below."
 
 
+def _check_target(target: Any) -> None:
+  """TypeError unless ``target`` is a non-empty pytree of arrays, numbers or ``jax.ShapeDtypeStruct``."""
+  leaves = jax.tree_util.tree_leaves_with_path(target)
+  if not leaves:
+    raise TypeError(f"target must be a pytree of arrays or jax.ShapeDtypeStruct with the layout to "
+                    f"restore (e.g. {{'params': params, 'opt_state': tx.init(params)}}), got {target!r}.")
+  for path, leaf in leaves:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, jax.ShapeDtypeStruct)):
+      raise TypeError(f"target must be a pytree of arrays or jax.ShapeDtypeStruct, got the leaf {leaf!r} "
+                      f"of type {type(leaf).__name__} at target{jax.tree_util.keystr(path)}.")
+
+
+def _check_step(manager: Any, step: Any) -> int:
+  """``step`` as an int, or the latest saved step when it is None.
+
+  TypeError / ValueError for a step that is not a whole number >= 0,
+  FileNotFoundError when no checkpoint is saved at it.
+  """
+  if step is None:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {manager.directory}.")
+    return step
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (numbers.Integral, np.integer)):
+    raise TypeError(f"step must be an int or None, got {step!r} of type {type(step).__name__}.")
+  if step < 0:
+    raise ValueError(f"step must be >= 0, got step={step!r}.")
+  saved = list(manager.all_steps())
+  if int(step) not in saved:
+    raise FileNotFoundError(f"no checkpoint at step {int(step)} in {manager.directory}; saved steps: "
+                            f"{sorted(saved) or 'none'}.")
+  return int(step)
+
+
 def restore_checkpoint(manager: Any, target: Any, step: int | None = None) -> Any:
   """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax.
 
@@ -80,18 +116,23 @@ def restore_checkpoint(manager: Any, target: Any, step: int | None = None) -> An
     The restored pytree.
 
   Raises:
-    FileNotFoundError: ``step`` is None and the manager has no checkpoint.
-    ValueError: the saved tree structure differs from ``target``'s; the
-      message says where a loss-scale state is expected and found, and how to
-      restore a checkpoint saved with or without loss scaling. Other Orbax
-      errors pass through unchanged.
+    TypeError: ``manager`` is not an ``orbax.checkpoint.CheckpointManager``,
+      ``target`` is not a non-empty pytree of arrays, numbers or
+      ``jax.ShapeDtypeStruct``, or ``step`` is neither an int nor None.
+    ValueError: ``step`` < 0; or the saved tree structure differs from
+      ``target``'s: the message says where a loss-scale state is expected and
+      found, and how to restore a checkpoint saved with or without loss
+      scaling. Other Orbax errors pass through unchanged.
+    FileNotFoundError: no checkpoint at ``step`` (the message lists the saved
+      steps), or ``step`` is None and the manager has no checkpoint.
   """
   import orbax.checkpoint as ocp  # optional dependency: only needed here
 
-  if step is None:
-    step = manager.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {manager.directory}.")
+  if not isinstance(manager, ocp.CheckpointManager):
+    raise TypeError(f"manager must be an orbax.checkpoint.CheckpointManager, got {manager!r} of type "
+                    f"{type(manager).__name__}.")
+  _check_target(target)
+  step = _check_step(manager, step)
 
   def abstract(x):
     return x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x)

@@ -98,17 +98,34 @@ def preset_reason(name: str) -> str:
 
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _unique_key_loader(yaml: Any) -> Any:
-  """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
+  """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping.
+
+  It reads everything ``yaml.safe_load`` reads, merge keys (``<<: *anchor``)
+  included: a key that a merge brings in and the mapping then sets again is
+  an override, not a duplicate. Python tags stay refused, as in
+  ``SafeLoader``.
+  """
 
   class UniqueKeyLoader(yaml.SafeLoader):
     pass
 
   def mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+    own = [key_node for key_node, _ in node.value if key_node.tag != _MERGE_TAG]
+    loader.flatten_mapping(node)  # resolves the merge keys, as SafeLoader does
     seen = set()
-    for key_node, _ in node.value:
+    for key_node in own:
       key = loader.construct_object(key_node, deep=deep)
-      if key in seen:
+      try:
+        duplicate = key in seen
+      except TypeError:
+        raise yaml.constructor.ConstructorError(
+            "while constructing a mapping", node.start_mark,
+            "found an unhashable key (a sequence or mapping used as a key)", key_node.start_mark) from None
+      if duplicate:
         raise yaml.constructor.ConstructorError(
             None, None, f"duplicate key {key!r}", key_node.start_mark)
       seen.add(key)
@@ -121,12 +138,22 @@ def _unique_key_loader(yaml: Any) -> Any:
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
   """Reads a YAML file into a dict (needs PyYAML).
 
+  Reads what ``yaml.safe_load`` reads (anchors, aliases and merge keys
+  included), except a key given twice in one mapping.
+
+  Args:
+    path: ``str`` or ``os.PathLike``, the YAML file.
+
   Raises:
     ValueError: the file is not UTF-8 YAML, holds a key twice in one mapping,
-      or does not hold a mapping (each message names the file).
+      holds an unhashable key or a Python tag, or does not hold a mapping
+      (each message names the file).
     OSError: the file cannot be read.
+    TypeError: ``path`` is neither a ``str`` nor an ``os.PathLike``.
     ImportError: PyYAML is not installed.
   """
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"path must be a str or os.PathLike, got {path!r} of type {type(path).__name__}.")
   try:
     import yaml
   except ImportError as e:
@@ -140,7 +167,7 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
   except yaml.YAMLError as e:
     raise ValueError(f"the configuration file {name!r} is not valid YAML: {e}") from None
   if not isinstance(data, Mapping):
-    raise ValueError(f"the configuration file {os.fspath(path)!r} must hold a mapping, got {type(data).__name__}.")
+    raise ValueError(f"the configuration file {name!r} must hold a mapping, got {type(data).__name__}.")
   return dict(data)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dls import _numerics
@@ -26,6 +27,33 @@ from optax_dls import _validation as v
 
 def _factor(value: Any) -> float:
   return v.scale("factor", value)
+
+
+def _arrays(name: str, tree: Any) -> Any:
+  """``tree`` if every leaf is an array or a number; TypeError naming ``name`` and the leaf otherwise."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+      raise TypeError(f"{name} must be a pytree of arrays, got the leaf {leaf!r} of type "
+                      f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}.")
+  return tree
+
+
+def _is_bool(leaf: Any) -> bool:
+  return isinstance(leaf, (bool, np.bool_)) or (
+      isinstance(leaf, (jax.Array, np.ndarray)) and leaf.shape == () and leaf.dtype == np.bool_)
+
+
+def _mask(mask: Any) -> Any:
+  """``mask`` if it is callable or a pytree of bools; TypeError naming it otherwise."""
+  if callable(mask):
+    return mask
+  if mask is None:
+    raise TypeError("mask must be a pytree of bools or a callable params -> such a pytree, got None.")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(mask):
+    if not _is_bool(leaf):
+      raise TypeError(f"mask must be a pytree of bools or a callable params -> such a pytree, got the "
+                      f"leaf {leaf!r} of type {type(leaf).__name__} at mask{jax.tree_util.keystr(path)}.")
+  return mask
 
 
 def _times(ct: Any, factor: float) -> Any:
@@ -66,9 +94,11 @@ def scale_gradient(x: Any, factor: float) -> Any:
     ``x`` unchanged.
 
   Raises:
-    ValueError: ``factor`` out of range. TypeError: not a static number.
+    ValueError: ``factor`` out of range.
+    TypeError: ``factor`` is not a static number, or a leaf of ``x`` is not
+      an array or a number.
   """
-  return _scale_gradient(x, _factor(factor))
+  return _scale_gradient(_arrays("x", x), _factor(factor))
 
 
 def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
@@ -91,8 +121,10 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
     The wrapped callable, same signature.
 
   Raises:
-    ValueError / TypeError: as :func:`scale_gradient`.
+    TypeError: ``fn`` is not callable, or ``factor`` is not a static number.
+    ValueError: ``factor`` out of range.
   """
+  v.function("fn", fn)
   factor = _factor(factor)
   inverse = _factor(1.0 / factor)
 
@@ -123,9 +155,13 @@ def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
     An ``optax.GradientTransformation``.
 
   Raises:
-    ValueError / TypeError: as :func:`scale_gradient`.
+    TypeError: ``factor`` is not a static number, or ``mask`` is neither
+      callable nor a pytree of bools (Python or NumPy bools, or 0-d bool
+      arrays).
+    ValueError: ``factor`` out of range.
   """
   inverse = jnp.float32(1.0 / _factor(factor))
+  mask = _mask(mask)
 
   def update_fn(updates, state, params=None):
     del params

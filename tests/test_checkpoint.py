@@ -112,3 +112,34 @@ def test_layout_mismatch_says_what_to_do(manager):
   inner = optax_dls.restore_checkpoint(manager, {"params": w, "opt_state": plain}, step=0)
   migrated = scaled._replace(inner_state=inner["opt_state"])
   _assert_same(optax_dls.find_state(migrated).inner_state, plain)
+
+
+@pytest.mark.parametrize("bad", [None, "/tmp/checkpoints", {"step": 1}])
+def test_manager_must_be_an_orbax_checkpoint_manager(bad):
+  w = jnp.ones(3)
+  with pytest.raises(TypeError, match="manager must be an orbax.checkpoint.CheckpointManager"):
+    optax_dls.restore_checkpoint(bad, {"params": w, "opt_state": _tx().init(w)})
+
+
+@pytest.mark.parametrize("step, error, match", [
+    (1.0, TypeError, "step must be an int"),
+    ("1", TypeError, "step must be an int"),
+    (True, TypeError, "step must be an int"),
+    (-1, ValueError, "step must be >= 0"),
+    (7, FileNotFoundError, r"no checkpoint at step 7 .*saved steps: \[1\]"),
+])
+def test_bad_step_is_named(manager, step, error, match):
+  w = jnp.ones(3)
+  tree = {"params": w, "opt_state": _tx().init(w)}
+  _save(manager, 1, tree)
+  with pytest.raises(error, match=match):
+    optax_dls.restore_checkpoint(manager, tree, step=step)
+  _assert_same(optax_dls.restore_checkpoint(manager, tree, step=np.int64(1)), tree)
+
+
+@pytest.mark.parametrize("target", [None, {}, {"params": "w"}])
+def test_target_must_be_a_pytree_of_arrays(manager, target):
+  w = jnp.ones(3)
+  _save(manager, 1, {"params": w, "opt_state": _tx().init(w)})
+  with pytest.raises(TypeError, match="target must be a pytree of arrays"):
+    optax_dls.restore_checkpoint(manager, target)

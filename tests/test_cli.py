@@ -2,13 +2,18 @@
 
 import json
 import os
+import re
+import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import optax_dls
 from optax_dls import cli, writers
@@ -193,3 +198,302 @@ def test_bad_plot_path_is_an_argument_error(plot, message, tmp_path, capsys):
     cli.main(["inspect", str(tmp_path / "run"), "--plot", str(tmp_path / plot)])
   err = capsys.readouterr().err
   assert e.value.code == 2 and "--plot" in err and message in err
+
+
+# --- Logs written every k steps: a stream simulated with the dynamic rule (growth x2, backoff x1/2) ---
+
+
+class _Stream(NamedTuple):
+  rows: list        # the metrics after each update, as optax_dls.metrics gives them, plus the loss
+  used: np.ndarray  # the scale each update ran at
+  skipped: np.ndarray
+  grew: np.ndarray  # whether the update raised the scale
+
+
+def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresis=1, min_scale=1.0,
+              max_scale=2.0**24, spikes=(), nonfinite_from=None, loss=None, nan_loss_when_skipped=False,
+              underflow=None, finite_drops=(), growth_at=()):
+  """``n`` updates of dynamic loss scaling: an update overflows when its scale exceeds ``ceiling(t)``,
+  at the steps in ``spikes`` and from ``nonfinite_from`` on. At the steps in ``finite_drops`` a
+  finite update halves the scale, as amax_policy does when the gradients grow; at the steps in
+  ``growth_at`` a finite update doubles it, whatever the growth interval."""
+  ceiling = ceiling if callable(ceiling) else (lambda t, c=ceiling: c)
+  loss = loss or (lambda t: 2.0 - t / 4000)
+  scale, tracker, skips, consec = init, 0, 0, 0
+  rows, used, skipped, grew = [], [], [], []
+  for t in range(n):
+    before = scale
+    over = scale > ceiling(t) or t in spikes or (nonfinite_from is not None and t >= nonfinite_from)
+    consec, tracker = (consec + 1, 0) if over else (0, tracker + 1)
+    if over and consec >= hysteresis:
+      scale = max(scale / 2, min_scale)
+    elif not over and (tracker >= growth_interval or t in growth_at):
+      scale, tracker = min(scale * 2, max_scale), 0
+    elif not over and t in finite_drops:
+      scale = max(scale / 2, min_scale)
+    skips += over
+    row = {"loss_scale": scale, "skipped": over, "skip_count": skips, "consecutive_skips": consec,
+           "num_steps": t + 1, "update_ratio": (t + 1 - skips) / (t + 1), "grad_norm": 1.0,
+           "loss": float("nan") if over and nan_loss_when_skipped else loss(t)}
+    if underflow is not None:
+      row["underflow/subnormal_frac"], row["underflow/zero_frac"] = underflow
+    rows.append(row)
+    used.append(before)
+    skipped.append(over)
+    grew.append(scale > before)
+  return _Stream(rows, np.array(used), np.array(skipped), np.array(grew))
+
+
+def _log(path, rows, every=1, source="jsonl", drop=()):
+  with writers.MetricsWriter(path, every=every, tensorboard=source == "tensorboard",
+                             jsonl=source == "jsonl") as w:
+    for step, row in enumerate(rows):
+      w.log(step, {k: v for k, v in row.items() if k not in drop})
+
+
+def _diagnosis(path, capsys):
+  (report,) = _inspect_json(path, capsys).values()
+  return [d["symptom"] for d in report["diagnosis"]]
+
+
+@pytest.mark.parametrize("every", [1, 10, 100])
+@pytest.mark.parametrize("growth_interval", [2, 10, 50, 1000])
+def test_probing_is_not_frequent_overflow_whatever_the_logging_interval(tmp_path, capsys, every,
+                                                                         growth_interval):
+  # A healthy run: the scale grows after growth_interval clean steps, overflows once, backs off.
+  stream = _simulate(3000, growth_interval=growth_interval)
+  assert stream.skipped[100:].sum() >= 2  # it does probe
+  _log(tmp_path, stream.rows, every)
+  assert _diagnosis(tmp_path, capsys) == []
+
+
+@pytest.mark.parametrize("every", [10, 100])
+def test_tensorboard_logs_every_k_steps_give_the_jsonl_diagnosis(tmp_path, capsys, every):
+  stream = _simulate(3000, growth_interval=10)
+  _log(tmp_path / "tb", stream.rows, every, source="tensorboard")
+  _log(tmp_path / "js", stream.rows, every)
+  from_tb, from_js = (_inspect_json(tmp_path / d, capsys)[d] for d in ("tb", "js"))
+  assert from_tb == from_js and from_tb["diagnosis"] == []
+
+
+REAL_SYMPTOMS = {
+    # Overflow spikes every 50 updates, each halving the scale, and no growth to undo them.
+    "frequent overflow": lambda: _simulate(900, growth_interval=10**6, init=2.0**24, ceiling=2.0**30,
+                                           spikes=set(range(25, 900, 50))),
+    "scale never grows": lambda: _simulate(1200, growth_interval=10**6, init=2.0**12),
+    "gradients too small": lambda: _simulate(1200, underflow=(0.2, 0.1)),
+    "stuck at the minimum": lambda: _simulate(400, init=2.0**12, ceiling=2.0**20, nonfinite_from=100,
+                                              nan_loss_when_skipped=True),
+    "diverging loss": lambda: _simulate(2500, loss=lambda t: 1.0 + t / 200),
+}
+
+
+@pytest.mark.parametrize("every", [1, 10, 100])
+@pytest.mark.parametrize("symptom", sorted(REAL_SYMPTOMS))
+def test_each_symptom_is_found_at_every_logging_interval_and_only_it(tmp_path, capsys, symptom, every):
+  _log(tmp_path, REAL_SYMPTOMS[symptom]().rows, every)
+  found = _diagnosis(tmp_path, capsys)
+  assert len(found) == 1 and found[0].startswith(symptom), found
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_scale_that_also_drops_on_finite_steps_is_not_read_as_overflow(tmp_path, capsys, every):
+  # Every 20 updates: a growth, its probe overflow, then two drops on finite steps (amax_policy-like),
+  # so the scale falls two octaves per cycle while every skip follows a growth.
+  cycles = range(0, 400, 20)
+  stream = _simulate(400, growth_interval=10**6, init=2.0**50, ceiling=2.0**60, max_scale=2.0**60,
+                     spikes={t + 1 for t in cycles}, finite_drops={t + d for t in cycles for d in (2, 12)},
+                     growth_at={t for t in cycles})
+  assert stream.skipped.sum() == 20 and stream.grew[list(cycles)].all()
+  _log(tmp_path, stream.rows, every)
+  assert _diagnosis(tmp_path, capsys) == []
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_run_without_a_loss_column_has_no_loss_diagnosis(tmp_path, capsys, every):
+  _log(tmp_path, _simulate(500, growth_interval=50).rows, every, drop=("loss",))
+  assert _diagnosis(tmp_path, capsys) == []
+
+
+def test_non_finite_loss_of_skipped_steps_is_not_divergence(tmp_path, capsys):
+  stream = _simulate(2000, growth_interval=20, nan_loss_when_skipped=True)
+  _log(tmp_path, stream.rows, 1, drop=("skipped", "consecutive_skips"))
+  assert _diagnosis(tmp_path, capsys) == []
+
+
+def test_without_counters_nothing_unprovable_is_reported(tmp_path, capsys):
+  # Only the scale and the loss: skips and updates are unknown, and so is every diagnosis resting on them.
+  stream = _simulate(3000, growth_interval=10)
+  _log(tmp_path, stream.rows, 10, drop=("skipped", "skip_count", "consecutive_skips", "num_steps",
+                                        "update_ratio"))
+  (report,) = _inspect_json(tmp_path, capsys).values()
+  assert report["diagnosis"] == []
+  assert report["summary"]["skips"] is None and report["summary"]["longest_skip_streak"] is None
+  assert report["summary"]["updates"] == 2991  # steps 0..2990 logged: one update per step
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  assert "skips        unknown" in capsys.readouterr().out
+
+
+def test_skips_come_from_update_ratio_without_skip_count(tmp_path, capsys):
+  stream = _simulate(3000, growth_interval=10)
+  _log(tmp_path, stream.rows, 10, drop=("skip_count",))
+  summary = _inspect_json(tmp_path, capsys)[tmp_path.name]["summary"]
+  assert summary["skips"] == stream.rows[2990]["skip_count"] and summary["updates"] == 2991
+
+
+def test_text_names_the_lowest_and_highest_logged_scale_as_powers_of_two(tmp_path, capsys):
+  _write(tmp_path, [_row(i, scale=2.0 ** (21 - (i % 3))) for i in range(5)])  # 2^21, 2^20, 2^19, 2^21, 2^20
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  assert "lowest 2^19 / median 2^20 / highest 2^21 (logged)" in text
+  assert "2.09715e+06" not in text and "at min scale" not in text and "at max scale" not in text
+  assert "1 at the lowest scale, 2 at the highest" in text
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+  for i in range(300):  # a report longer than the pipe buffer
+    _write_log(tmp_path / f"run{i:03d}", '{"step": 0, "loss_scale": 1024, "num_steps": 1, "skip_count": 0}\n')
+  proc = subprocess.Popen([sys.executable, "-m", "optax_dls.cli", "inspect", str(tmp_path)], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  proc.stdout.close()  # as `| head -1` does once it has its line
+  err = proc.stderr.read().decode()
+  assert proc.wait() == 1
+  assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_skipped_lines_are_counted_on_stderr_and_cost_only_themselves(tmp_path, capsys):
+  good = [json.dumps({"step": i, "loss_scale": 2.0**10, "num_steps": i + 1, "skip_count": 0}) for i in range(5)]
+  lines = [good[0], "garbage", good[1], '{"step": 2, "loss_scale": ' + "9" * 5000 + "}", good[2],
+           "[" * 100000, good[3], '{"no step": 1}', good[4], '{"step": 5, "loss_sc']  # the last cut short
+  _write_log(tmp_path, "\n".join(lines))
+  assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+  captured = capsys.readouterr()
+  assert json.loads(captured.out)[tmp_path.name]["summary"]["logged_steps"] == 5
+  assert "skipped 5 line(s) that are not JSON objects with a 'step' (line 2, 4, 6, 8, 10)" in captured.err
+
+
+def test_a_corrupt_event_record_costs_that_record_only_in_inspect(tmp_path, capsys):
+  stream = _simulate(40, growth_interval=5)
+  _log(tmp_path, stream.rows, source="tensorboard")
+  (path,) = tmp_path.glob("events.out.tfevents*")
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+  assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+  captured = capsys.readouterr()
+  summary = json.loads(captured.out)[tmp_path.name]["summary"]
+  assert summary["logged_steps"] == 40 and summary["updates"] == 40
+  assert "skipped 1 corrupt record(s)" in captured.err
+
+
+def test_a_step_logged_again_after_a_restart_is_merged(tmp_path, capsys):
+  stream = _simulate(300, growth_interval=10)
+  _log(tmp_path, stream.rows[:200])
+  with writers.MetricsWriter(tmp_path, tensorboard=False) as w:  # resumed from the checkpoint of step 149
+    for step in range(150, 300):
+      w.log(step, stream.rows[step])
+  report = _inspect_json(tmp_path, capsys)[tmp_path.name]
+  assert report["summary"]["logged_steps"] == 300 and report["diagnosis"] == []
+  assert report["summary"]["skips"] == stream.rows[-1]["skip_count"]
+
+
+# --- Property: inspect reports only problems the metric stream holds ---
+
+
+def _true_excess_skips(stream, first, last):
+  """Skips at updates first+1..last with no growth since the previous skip (not a probe)."""
+  excess, grown = 0, False
+  for t in range(last + 1):
+    if stream.skipped[t]:
+      excess += first < t and not grown
+      grown = False
+    grown = grown or stream.grew[t]
+  return excess
+
+
+def _check_claim(symptom, stream, kind):
+  """Asserts that what ``symptom`` says holds in the full, per-update ``stream``."""
+  if m := re.match(r"frequent overflow: at least (\d+) of the (\d+) updates from step (\d+) to step (\d+)",
+                   symptom):
+    count, updates, first, last = map(int, m.groups())
+    assert updates == last - first and 0 < count <= _true_excess_skips(stream, first, last)
+  elif m := re.match(r"scale never grows: no increase in the (\d+) updates from step (\d+) to step (\d+)",
+                     symptom):
+    span, first, last = map(int, m.groups())
+    assert span == last - first >= cli.NO_GROWTH_UPDATES and not stream.grew[first + 1:last + 1].any()
+  elif m := re.match(r"stuck at the minimum: at least (\d+) updates were skipped with the loss scale at or "
+                     r"below 1", symptom):
+    assert int(m.group(1)) <= (stream.skipped & (stream.used <= 1.0)).sum()
+  elif symptom.startswith("gradients too small"):
+    assert kind["underflow"] is not None
+  elif symptom.startswith("scale pinned"):
+    assert not stream.skipped.any()
+  elif symptom.startswith("diverging loss: the mean loss of the applied steps rose"):
+    assert kind["loss"] == "rising"
+  else:
+    raise AssertionError(f"unexpected diagnosis {symptom!r}")
+
+
+_COLUMNS = ("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio", "loss",
+            "grad_norm", "underflow/subnormal_frac", "underflow/zero_frac")
+
+
+@st.composite
+def _streams(draw):
+  n = draw(st.integers(20, 2500))
+  kind = {
+      "every": draw(st.sampled_from([1, 2, 10, 37, 100])),
+      "source": draw(st.sampled_from(["jsonl", "jsonl", "tensorboard"])),
+      "drop": draw(st.sets(st.sampled_from(_COLUMNS), max_size=4)),
+      "cut": draw(st.integers(0, 300)),           # bytes cut off the end of the JSONL file
+      "resume": draw(st.one_of(st.none(), st.integers(0, n - 1))),
+      "loss": draw(st.sampled_from(["falling", "rising"])),
+      "underflow": draw(st.sampled_from([None, (0.001, 0.05), (0.2, 0.5)])),
+  }
+  ceiling_low, ceiling_high = sorted(draw(st.lists(st.integers(-3, 24), min_size=2, max_size=2)))
+  switch = draw(st.integers(0, n))
+  spikes = draw(st.sampled_from([0.0, 0.002, 0.03, 0.3]))
+  rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+  stream = _simulate(
+      n, growth_interval=draw(st.sampled_from([1, 2, 10, 100, 1000, 10**6])),
+      init=2.0 ** draw(st.integers(-2, 24)), hysteresis=draw(st.sampled_from([1, 2])),
+      min_scale=draw(st.sampled_from([2.0**-10, 1.0, 8.0])),
+      ceiling=lambda t: 2.0 ** (ceiling_high if t < switch else ceiling_low),
+      spikes=set(np.flatnonzero(rng.random(n) < spikes).tolist()),
+      nonfinite_from=draw(st.one_of(st.none(), st.integers(0, n))),
+      loss=(lambda t: 2.0 - t / n + 0.05 * np.sin(t)) if kind["loss"] == "falling" else (lambda t: 1.0 + t / 50),
+      nan_loss_when_skipped=draw(st.booleans()), underflow=kind["underflow"])
+  return stream, kind
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=_streams())
+def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path_factory, capsys):
+  stream, kind = case
+  path = tmp_path_factory.mktemp("stream")
+  _log(path, stream.rows, kind["every"], kind["source"], kind["drop"])
+  jsonl = path / writers.JSONL_NAME
+  if kind["source"] == "jsonl":
+    jsonl.write_bytes(jsonl.read_bytes()[:-kind["cut"] or None])  # a crash mid-write
+    if kind["resume"] is not None:  # a restart from an earlier checkpoint logs some steps again
+      with writers.MetricsWriter(path, every=kind["every"], tensorboard=False) as w:
+        for step in range(kind["resume"], len(stream.rows)):
+          w.log(step, {k: v for k, v in stream.rows[step].items() if k not in kind["drop"]})
+  if cli.main(["inspect", str(path), "--json"]) == 2:  # every row was cut off
+    capsys.readouterr()
+    return
+  (report,) = json.loads(capsys.readouterr().out).values()
+  for d in report["diagnosis"]:
+    _check_claim(d["symptom"], stream, kind)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"run_dir": None}, "run_dir"),
+    ({"run_dir": 3}, "run_dir"),
+    ({"run_dir": ".", "plot_path": 1}, "plot_path"),
+    ({"run_dir": ".", "as_json": "yes"}, "as_json"),
+])
+def test_inspect_names_a_wrong_argument(kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    cli.inspect(**kwargs)

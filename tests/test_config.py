@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 
 import optax_dls
 
@@ -125,3 +126,52 @@ def test_scientific_number_read_as_string_gets_a_hint(tmp_path):
   path.write_text("loss_scale:\n  init_scale: 1e4\n")
   with pytest.raises(TypeError, match=r"init_scale.*'1e4'.*1\.0e4"):
     optax_dls.from_config(path)
+
+
+SAFE_LOAD_DOCUMENTS = [
+    # Merge keys: one anchor, a list of anchors, an override of a merged key.
+    "defaults: &d {init_scale: 8.0, growth_interval: 3}\nloss_scale:\n  <<: *d\n  growth_interval: 5\n",
+    "a: &a {x: 1}\nb: &b {y: 2, x: 3}\nc:\n  <<: [*a, *b]\n  z: 4\n",
+    "base: &base\n  hysteresis: 2\nruns:\n  - <<: *base\n    init_scale: 4.0\n  - <<: *base\n",
+    # Other safe tags and styles.
+    "s: !!set {a, b}\nd: 2024-01-02\nb: !!binary aGk=\no: !!omap [{a: 1}, {b: 2}]\n",
+    "? complex key\n: 1\nnull: ~\n1: one\n2.5: two\n",
+    "--- {a: [1, 2, {b: c}]}\n",
+]
+
+
+@pytest.mark.parametrize("text", SAFE_LOAD_DOCUMENTS)
+def test_load_config_reads_what_yaml_safe_load_reads(tmp_path, text):
+  path = tmp_path / "c.yaml"
+  path.write_text(text)
+  assert optax_dls.load_config(path) == yaml.safe_load(text)
+
+
+def test_merge_key_config_builds_the_merged_policy(tmp_path):
+  path = tmp_path / "train.yaml"
+  path.write_text(SAFE_LOAD_DOCUMENTS[0])
+  expected = optax_dls.dynamic_policy(init_scale=8.0, growth_interval=5)
+  assert _trajectory(optax_dls.from_config(path), FINITE) == _trajectory(expected, FINITE)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("a: &a {x: 1, x: 2}\nb: {<<: *a}\n", "duplicate key 'x'"),              # inside the anchor
+    ("a: &a {x: 1}\nb:\n  <<: *a\n  y: 1\n  y: 2\n", "duplicate key 'y'"),  # beside a merge
+    ("? [a, b]\n: 1\n", "unhashable key"),
+    ("? {a: 1}\n: 1\n", "unhashable key"),
+    ("a: !!python/object/apply:os.system [echo hi]\n", "python/object"),
+    ("a: !!python/name:os.system\n", "python/name"),
+    ("a: !!python/tuple [1, 2]\n", "python/tuple"),
+])
+def test_what_safe_load_refuses_or_a_repeated_key_raises_value_error_naming_the_file(tmp_path, text, match):
+  path = tmp_path / "bad.yaml"
+  path.write_text(text)
+  with pytest.raises(ValueError, match=match) as e:
+    optax_dls.load_config(path)
+  assert "bad.yaml" in str(e.value)
+
+
+@pytest.mark.parametrize("path", [None, 3, b"c.yaml"])
+def test_load_config_path_must_be_a_str_or_path(path):
+  with pytest.raises(TypeError, match="path"):
+    optax_dls.load_config(path)

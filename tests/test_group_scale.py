@@ -152,3 +152,31 @@ def test_bad_factor_raises_value_error_naming_it(factor):
 def test_traced_factor_raises_type_error():
   with pytest.raises(TypeError, match="factor"):
     jax.jit(lambda k: optax_dls.group_scaled(_subnet, k))(2.0)
+
+
+@pytest.mark.parametrize("fn", [None, 2.0, "subnet"])
+def test_group_scaled_needs_a_callable(fn):
+  with pytest.raises(TypeError, match="fn must be callable"):
+    optax_dls.group_scaled(fn, 2.0)
+
+
+@pytest.mark.parametrize("mask", ["abc", None, {"w": "yes"}, {"w": 1}, {"w": jnp.ones(2, bool)}, [True, 0.5]])
+def test_group_unscale_mask_must_be_bools_or_a_callable(mask):
+  with pytest.raises(TypeError, match="mask"):
+    optax_dls.group_unscale(2.0, mask)
+
+
+@pytest.mark.parametrize("mask", [{"w": True, "b": False}, {"w": np.bool_(True), "b": jnp.asarray(False)},
+                                  True, lambda params: {"w": True, "b": False}])
+def test_group_unscale_accepts_bools_and_callables(mask):
+  tx = optax_dls.group_unscale(4.0, mask)
+  params = {"w": jnp.ones(2), "b": jnp.ones(1)}
+  updates, _ = tx.update({"w": jnp.full(2, 8.0), "b": jnp.full(1, 8.0)}, tx.init(params), params)
+  assert float(updates["w"][0]) == 2.0
+  assert float(updates["b"][0]) == (2.0 if mask is True else 8.0)
+
+
+@pytest.mark.parametrize("x", ["abc", {"a": jnp.ones(2), "b": "text"}, [object()]])
+def test_scale_gradient_needs_arrays(x):
+  with pytest.raises(TypeError, match=r"x must be a pytree of arrays"):
+    optax_dls.scale_gradient(x, 2.0)
