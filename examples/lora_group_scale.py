@@ -9,10 +9,10 @@ head's gradients (sums over the batch, the largest values of the backward
 pass), while the adapter's scaling ``alpha / r`` is deliberately tiny
 (``2**-32`` by default), which puts its gradients about 30 octaves below the
 head's: the cotangent entering the adapter, ``ct * alpha / r``, flushes to zero
-when cast to float16, and so do most adapter gradients. ``optax_dls.group_scaled``
+when cast to float16, and so do most adapter gradients. ``optax_dls.group_scale.group_scaled``
 multiplies that cotangent by ``k`` where it is still float32 (at the adapter's
 float32 output), so it enters the float16 branch as ``ct * alpha / r * k``, and
-``optax_dls.group_unscale`` divides the adapter gradients by ``k`` inside the
+``optax_dls.group_scale.group_unscale`` divides the adapter gradients by ``k`` inside the
 loss-scaled optimizer. The rest of the network is unaffected.
 
     python examples/lora_group_scale.py                       # one JSON line per run
@@ -74,7 +74,7 @@ def forward(base, trainable, x, dtype, scaling, group_factor=None):
   # reaches the group as a float32 ct * alpha / r, is multiplied by k there, and
   # enters the float16 branch as ct * alpha / r * k instead of flushing to zero.
   core = lambda adapter, h: lora_branch(adapter, h).astype(jnp.float32)
-  core = optax_dls.group_scaled(core, group_factor) if group_factor else core
+  core = optax_dls.group_scale.group_scaled(core, group_factor) if group_factor else core
   branch = lambda adapter, h: (core(adapter, h) * scaling).astype(dtype)
   h = x.astype(dtype)
   for i, layer in enumerate(base[:-1]):
@@ -113,7 +113,7 @@ def finetune(base, x, y, args, group_factor):
   if group_factor:
     is_adapter = lambda p: {"adapters": jax.tree.map(lambda _: True, p["adapters"]),
                             "head": jax.tree.map(lambda _: False, p["head"])}
-    inner = optax.chain(optax_dls.group_unscale(group_factor, is_adapter), inner)
+    inner = optax.chain(optax_dls.group_scale.group_unscale(group_factor, is_adapter), inner)
   tx = optax_dls.dynamic_loss_scale(inner, growth_interval=args.growth_interval)
   y_new = (y + 1) % 10
 

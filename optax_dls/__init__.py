@@ -4,11 +4,14 @@ Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 
 Public submodules: :mod:`optax_dls.compat` (policies that reproduce other
 frameworks' scale trajectories), :mod:`optax_dls.writers` (JSONL /
-TensorBoard logging), and, imported on use, :mod:`optax_dls.flax` (Flax
-helpers; needs flax).
+TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
+:mod:`optax_dls.group_scale` (per-group gradient scaling), and, imported on
+use, :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
-from optax_dls import compat as compat  # public submodules
+from optax_dls import checkpoint as checkpoint  # public submodules
+from optax_dls import compat as compat
+from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
 from optax_dls._access import find_state, loss_scale, metrics, reset_scale, scale_loss
 from optax_dls._alerts import SkipAlerts

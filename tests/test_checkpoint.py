@@ -74,7 +74,7 @@ def test_resume_under_8_device_sharding_equals_uninterrupted_run(manager):
   del w, s
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         {"params": w_ref, "opt_state": s_ref})
-  restored = optax_dls.restore_checkpoint(manager, target)
+  restored = optax_dls.checkpoint.restore(manager, target)
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
     assert got.sharding.is_equivalent_to(want, got.ndim)
   assert restored["params"].sharding.spec == P("x")
@@ -84,14 +84,14 @@ def test_resume_under_8_device_sharding_equals_uninterrupted_run(manager):
 
 
 def test_restore_changes_nothing_and_next_step_grows(manager):
-  # REFERENCES failure kind 7: S=1024, tracker 1, interval 2; restore; one clean step.
+  # Failure kind 7 of docs/design.md: S=1024, tracker 1, interval 2; restore; one clean step.
   w, state = _fresh(jnp.zeros(3))
   w, state = _run(w, state, [0])
   st = optax_dls.find_state(state)
   assert float(st.loss_scale) == 1024.0 and int(st.policy_state.growth_tracker) == 1
   saved = jax.tree.map(jnp.copy, {"params": w, "opt_state": state})
   _save(manager, 1, saved)
-  restored = optax_dls.restore_checkpoint(manager, jax.tree.map(jnp.zeros_like, saved), step=1)
+  restored = optax_dls.checkpoint.restore(manager, jax.tree.map(jnp.zeros_like, saved), step=1)
   _assert_same(restored, saved)
   assert isinstance(restored["opt_state"], optax_dls.LossScaleState)
   _, state = _run(restored["params"], restored["opt_state"], [1])
@@ -105,11 +105,11 @@ def test_layout_mismatch_says_what_to_do(manager):
   _save(manager, 0, {"params": w, "opt_state": plain})
   _save(manager, 1, {"params": w, "opt_state": scaled})
   with pytest.raises(ValueError, match=r"(?s)checkpoint holds none.*_replace\(inner_state="):
-    optax_dls.restore_checkpoint(manager, {"params": w, "opt_state": scaled}, step=0)
+    optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": scaled}, step=0)
   with pytest.raises(ValueError, match=r"(?s)the target holds none.*find_state\(restored\).inner_state"):
-    optax_dls.restore_checkpoint(manager, {"params": w, "opt_state": plain}, step=1)
+    optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": plain}, step=1)
   # The documented migration: plain adam checkpoint -> loss-scaled optimizer.
-  inner = optax_dls.restore_checkpoint(manager, {"params": w, "opt_state": plain}, step=0)
+  inner = optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": plain}, step=0)
   migrated = scaled._replace(inner_state=inner["opt_state"])
   _assert_same(optax_dls.find_state(migrated).inner_state, plain)
 
@@ -118,7 +118,7 @@ def test_layout_mismatch_says_what_to_do(manager):
 def test_manager_must_be_an_orbax_checkpoint_manager(bad):
   w = jnp.ones(3)
   with pytest.raises(TypeError, match="manager must be an orbax.checkpoint.CheckpointManager"):
-    optax_dls.restore_checkpoint(bad, {"params": w, "opt_state": _tx().init(w)})
+    optax_dls.checkpoint.restore(bad, {"params": w, "opt_state": _tx().init(w)})
 
 
 @pytest.mark.parametrize("step, error, match", [
@@ -133,8 +133,8 @@ def test_bad_step_is_named(manager, step, error, match):
   tree = {"params": w, "opt_state": _tx().init(w)}
   _save(manager, 1, tree)
   with pytest.raises(error, match=match):
-    optax_dls.restore_checkpoint(manager, tree, step=step)
-  _assert_same(optax_dls.restore_checkpoint(manager, tree, step=np.int64(1)), tree)
+    optax_dls.checkpoint.restore(manager, tree, step=step)
+  _assert_same(optax_dls.checkpoint.restore(manager, tree, step=np.int64(1)), tree)
 
 
 @pytest.mark.parametrize("target", [None, {}, {"params": "w"}])
@@ -142,4 +142,4 @@ def test_target_must_be_a_pytree_of_arrays(manager, target):
   w = jnp.ones(3)
   _save(manager, 1, {"params": w, "opt_state": _tx().init(w)})
   with pytest.raises(TypeError, match="target must be a pytree of arrays"):
-    optax_dls.restore_checkpoint(manager, target)
+    optax_dls.checkpoint.restore(manager, target)

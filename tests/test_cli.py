@@ -31,7 +31,7 @@ def _inspect_json(path, capsys, *extra):
 def trained(tmp_path_factory):
   """A real tiny fp16 training loop with overflowing batches at known steps, logged by MetricsWriter."""
   out = tmp_path_factory.mktemp("run")
-  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**8, growth_interval=4, alerts=False)
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**8, growth_interval=4)
   params = {"w": jnp.zeros((4,), jnp.float32)}
   state = tx.init(params)
 

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 import optax_dls
+from optax_dls import _config
 
 YAML = """
 model: {d_model: 512}          # other sections are left alone
@@ -42,10 +43,22 @@ def test_yaml_file_gives_the_same_policy_as_the_arguments(tmp_path):
 
 
 def test_with_inner_gives_a_transformation_with_wrapper_options():
-  cfg = {"loss_scale": {"init_scale": 512, "alerts": False, "underflow_stats": True, "fallback_after": 10}}
+  cfg = {"loss_scale": {"init_scale": 512, "underflow_stats": True, "fallback_after": 10, "fallback_steps": 5,
+                        "skip_lowering": "where"}}
   tx = optax_dls.from_config(cfg, optax.sgd(0.1))
   state = tx.init({"w": jnp.ones(2)})
-  assert float(optax_dls.loss_scale(state)) == 512 and set(state.underflow) == {"zero_frac", "subnormal_frac"}
+  m = optax_dls.metrics(state)
+  assert float(m["loss_scale"]) == 512 and {"underflow/zero_frac", "underflow/subnormal_frac"} <= set(m)
+  assert int(optax.tree_utils.tree_get(state, "steps_left")) == 0  # the fp32_fallback wrapper
+  for _ in range(10):
+    _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state)
+  assert bool(optax_dls.metrics(state)["fp32_fallback"])  # on after 10 consecutive skips
+
+
+@pytest.mark.parametrize("key", ["alerts", "alert_after"])
+def test_alerts_are_not_configured_in_the_transformation(key):
+  with pytest.raises(ValueError, match=f"'{key}'.*SkipAlerts"):
+    optax_dls.from_config({key: 3}, optax.sgd(0.1))
 
 
 def test_preset_with_override():
@@ -58,7 +71,7 @@ def test_preset_with_override():
     ({"loss_scale": {"init_scale": 8, "growth_intervall": 3}}, "growth_intervall"),
     ({"kind": "static", "scale": 8, "init_scale": 8}, "init_scale"),
     ({"kind": "none", "scale": 8}, "scale"),
-    ({"alerts": False}, "alerts"),  # a wrapper option without inner
+    ({"axis_name": "data"}, "axis_name"),  # a transformation option without inner
 ])
 def test_unknown_or_misplaced_key_is_named(cfg, key):
   with pytest.raises(ValueError, match=f"'{key}'"):
@@ -89,7 +102,6 @@ def test_preset_values_follow_their_rationale():
   assert 2**12 <= mm["init_scale"] <= 2**14 and mm["warmup_steps"] > 0
   assert pref["max_scale"] == 65536 and optax_dls.preset("dpo") == pref
   assert qlora["init_scale"] >= 2**16 and qlora["growth_interval"] == 1000
-  assert optax_dls.presets.qlora() == qlora and optax_dls.presets.text_llm() == llm
   for p in (llm, mm, pref, qlora):
     optax_dls.dynamic_loss_scale(optax.sgd(0.1), **p)  # every preset is valid
 
@@ -144,7 +156,7 @@ SAFE_LOAD_DOCUMENTS = [
 def test_load_config_reads_what_yaml_safe_load_reads(tmp_path, text):
   path = tmp_path / "c.yaml"
   path.write_text(text)
-  assert optax_dls.load_config(path) == yaml.safe_load(text)
+  assert _config.load_config(path) == yaml.safe_load(text)
 
 
 def test_merge_key_config_builds_the_merged_policy(tmp_path):
@@ -167,11 +179,11 @@ def test_what_safe_load_refuses_or_a_repeated_key_raises_value_error_naming_the_
   path = tmp_path / "bad.yaml"
   path.write_text(text)
   with pytest.raises(ValueError, match=match) as e:
-    optax_dls.load_config(path)
+    _config.load_config(path)
   assert "bad.yaml" in str(e.value)
 
 
 @pytest.mark.parametrize("path", [None, 3, b"c.yaml"])
 def test_load_config_path_must_be_a_str_or_path(path):
   with pytest.raises(TypeError, match="path"):
-    optax_dls.load_config(path)
+    _config.load_config(path)

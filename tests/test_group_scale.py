@@ -15,16 +15,16 @@ import optax_dls
 
 def test_scale_gradient_is_identity_forward_and_scales_the_cotangent():
   x = {"a": jnp.asarray([1.0, -2.0], jnp.float16), "b": jnp.asarray(3.0, jnp.float32)}
-  assert jax.tree.all(jax.tree.map(lambda u, w: bool(jnp.all(u == w)), optax_dls.scale_gradient(x, 8.0), x))
-  g = jax.grad(lambda t: jnp.sum(optax_dls.scale_gradient(t, 8.0)["a"].astype(jnp.float32) * 3.0)
-               + optax_dls.scale_gradient(t, 8.0)["b"])(x)
+  assert jax.tree.all(jax.tree.map(lambda u, w: bool(jnp.all(u == w)), optax_dls.group_scale.scale_gradient(x, 8.0), x))
+  g = jax.grad(lambda t: jnp.sum(optax_dls.group_scale.scale_gradient(t, 8.0)["a"].astype(jnp.float32) * 3.0)
+               + optax_dls.group_scale.scale_gradient(t, 8.0)["b"])(x)
   assert g["a"].dtype == jnp.float16
   np.testing.assert_array_equal(np.asarray(g["a"], np.float32), [24.0, 24.0])
   assert float(g["b"]) == 8.0
 
 
 def test_integer_inputs_pass_through():
-  f = optax_dls.group_scaled(lambda p, x, ids: p * x[ids], 4.0)
+  f = optax_dls.group_scale.group_scaled(lambda p, x, ids: p * x[ids], 4.0)
   g = jax.grad(lambda p: f(p, jnp.ones([3]), jnp.asarray(1)))(jnp.float32(2.0))
   assert float(g) == 4.0
 
@@ -57,14 +57,14 @@ _CACHE = {}
 
 def _compiled(k):
   if k not in _CACHE:
-    f = optax_dls.group_scaled(_subnet, k)
+    f = optax_dls.group_scale.group_scaled(_subnet, k)
     _CACHE[k] = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(f(p, x))), argnums=(0, 1)))
   return _CACHE[k]
 
 
 def _adapter_model(k):
   """A frozen fp16 base layer with a large head and a tiny-gradient adapter branch."""
-  adapter = optax_dls.group_scaled(lambda a, h: (h @ a["down"]) @ a["up"], k) if k else (
+  adapter = optax_dls.group_scale.group_scaled(lambda a, h: (h @ a["down"]) @ a["up"], k) if k else (
       lambda a, h: (h @ a["down"]) @ a["up"])
 
   def loss(params, x):
@@ -111,7 +111,7 @@ def _adapter_model_f32(params, x):
 def _adapter_tx(k, inner=None):
   mask = {"base": False, "adapter": {"down": True, "up": True}}
   inner = inner or optax.sgd(1.0)
-  return optax_dls.dynamic_loss_scale(optax.chain(optax_dls.group_unscale(k, mask), inner),
+  return optax_dls.dynamic_loss_scale(optax.chain(optax_dls.group_scale.group_unscale(k, mask), inner),
                                       init_scale=2.0**4)
 
 
@@ -144,32 +144,32 @@ def test_overflow_inside_the_group_skips_the_step():
 @pytest.mark.parametrize("factor", [0.0, -2.0, float("inf"), 2.0**127])
 def test_bad_factor_raises_value_error_naming_it(factor):
   with pytest.raises(ValueError, match="factor"):
-    optax_dls.scale_gradient(jnp.ones(2), factor)
+    optax_dls.group_scale.scale_gradient(jnp.ones(2), factor)
   with pytest.raises(ValueError, match="factor"):
-    optax_dls.group_unscale(factor, {"w": True})
+    optax_dls.group_scale.group_unscale(factor, {"w": True})
 
 
 def test_traced_factor_raises_type_error():
   with pytest.raises(TypeError, match="factor"):
-    jax.jit(lambda k: optax_dls.group_scaled(_subnet, k))(2.0)
+    jax.jit(lambda k: optax_dls.group_scale.group_scaled(_subnet, k))(2.0)
 
 
 @pytest.mark.parametrize("fn", [None, 2.0, "subnet"])
 def test_group_scaled_needs_a_callable(fn):
   with pytest.raises(TypeError, match="fn must be callable"):
-    optax_dls.group_scaled(fn, 2.0)
+    optax_dls.group_scale.group_scaled(fn, 2.0)
 
 
 @pytest.mark.parametrize("mask", ["abc", None, {"w": "yes"}, {"w": 1}, {"w": jnp.ones(2, bool)}, [True, 0.5]])
 def test_group_unscale_mask_must_be_bools_or_a_callable(mask):
   with pytest.raises(TypeError, match="mask"):
-    optax_dls.group_unscale(2.0, mask)
+    optax_dls.group_scale.group_unscale(2.0, mask)
 
 
 @pytest.mark.parametrize("mask", [{"w": True, "b": False}, {"w": np.bool_(True), "b": jnp.asarray(False)},
                                   True, lambda params: {"w": True, "b": False}])
 def test_group_unscale_accepts_bools_and_callables(mask):
-  tx = optax_dls.group_unscale(4.0, mask)
+  tx = optax_dls.group_scale.group_unscale(4.0, mask)
   params = {"w": jnp.ones(2), "b": jnp.ones(1)}
   updates, _ = tx.update({"w": jnp.full(2, 8.0), "b": jnp.full(1, 8.0)}, tx.init(params), params)
   assert float(updates["w"][0]) == 2.0
@@ -179,4 +179,4 @@ def test_group_unscale_accepts_bools_and_callables(mask):
 @pytest.mark.parametrize("x", ["abc", {"a": jnp.ones(2), "b": "text"}, [object()]])
 def test_scale_gradient_needs_arrays(x):
   with pytest.raises(TypeError, match=r"x must be a pytree of arrays"):
-    optax_dls.scale_gradient(x, 2.0)
+    optax_dls.group_scale.scale_gradient(x, 2.0)

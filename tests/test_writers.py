@@ -18,7 +18,7 @@ from optax_dls import writers
 
 
 def _state_after(kinds):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, alerts=False, underflow_stats=True)
+  tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(), optax.sgd(0.1)), init_scale=64.0)
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
   update = jax.jit(tx.update)

@@ -1,4 +1,8 @@
-"""Restoring an optimizer state with Orbax, with a clear error when its layout differs."""
+"""Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs.
+
+A public submodule: ``optax_dls.checkpoint.restore``. Orbax (``orbax-checkpoint``)
+is imported only when :func:`restore` runs.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import jax
 import numpy as np
 
 from optax_dls._state import LossScaleState
+
+__all__ = ["restore"]
 
 _FIELDS_KEYS = ("loss_scale", "inner_state")
 
@@ -95,7 +101,7 @@ def _check_step(manager: Any, step: Any) -> int:
   return int(step)
 
 
-def restore_checkpoint(manager: Any, target: Any, step: int | None = None) -> Any:
+def restore(manager: Any, target: Any, step: int | None = None) -> Any:
   """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax.
 
   The checkpoint must have been saved with

@@ -6,7 +6,7 @@ small sub-network, a LoRA adapter for instance, below the float16 underflow
 threshold (2**-24). Multiplying the cotangent that flows into that sub-network
 by a factor k at its output, and by 1/k at its input, scales only that
 sub-network's gradients; :func:`group_unscale` divides them by k again before
-the optimizer. It is loss scaling (Micikevicius et al. 2018, *Mixed Precision
+the optimizer. A public submodule: ``optax_dls.group_scale``. It is loss scaling (Micikevicius et al. 2018, *Mixed Precision
 Training*) applied to part of the backward pass.
 """
 
@@ -23,6 +23,8 @@ import optax
 
 from optax_dls import _numerics
 from optax_dls import _validation as v
+
+__all__ = ["group_scaled", "group_unscale", "scale_gradient"]
 
 
 def _factor(value: Any) -> float:
