@@ -18,7 +18,7 @@ import pytest
 
 import optax_dls
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # Pages whose ```python blocks form one runnable program each (run in order, one namespace).
 RUNNABLE_PAGES = ["index.md", "troubleshooting.md"] + sorted(
