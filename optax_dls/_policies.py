@@ -278,18 +278,10 @@ def _pow2_floor(x: jax.Array) -> jax.Array:
   return jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1)
 
 
-def amax_policy(
-    init_scale: float = 2.0**15,
-    margin: float = 2.0,
-    history_len: int = 16,
-    growth_interval: int = 16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    min_scale: float = 1.0,
-    max_scale: float = 2.0**24,
-    max_value: float = 65504.0,
-    statistic: str = "amax",
-) -> LossScalePolicy:
+def amax_policy(init_scale: float = 2.0**15, margin: float = 2.0, history_len: int = 16,
+                growth_interval: int = 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                min_scale: float = 1.0, max_scale: float = 2.0**24, max_value: float = 65504.0,
+                statistic: str = "amax") -> LossScalePolicy:
   """Gradient-aware loss scaling: keep the scaled amax ``margin`` octaves below fp16 max.
 
   The dynamic rule learns the largest safe scale only by overflowing. This
