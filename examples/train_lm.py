@@ -1,6 +1,6 @@
 """Train a small byte-level transformer LM in fp32, fp16, and fp16 with dynamic loss scaling.
 
-    python examples/train_lm.py                        # defaults: about 3 minutes on 2 CPU cores
+    python examples/train_lm.py                        # defaults: about 2.5 minutes on 2 CPU cores
     python examples/train_lm.py --runs fp32 --replicas 1 --out runs/control
 
 Three runs share one initialisation and one data order; only the precision and
