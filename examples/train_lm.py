@@ -1,7 +1,7 @@
 """Train a small byte-level transformer LM in fp32, fp16, and fp16 with dynamic loss scaling.
 
-    python examples/train_lm.py                      # defaults: about 3 minutes on 2 CPU cores
-    python examples/train_lm.py --runs fp32,fp16-dls --steps 200 --out runs/quick
+    python examples/train_lm.py                        # defaults: about 2.5 minutes on 2 CPU cores
+    python examples/train_lm.py --runs fp32 --replicas 1 --out runs/control
 
 Three runs share one initialisation and one data order; only the precision and
 the loss scaling differ (Micikevicius et al. 2018, *Mixed Precision Training*):
@@ -10,22 +10,32 @@ the loss scaling differ (Micikevicius et al. 2018, *Mixed Precision Training*):
   fp16      float16 matmuls/activations, float32 master weights, no loss scaling
   fp16-dls  as fp16, with ``optax_dls.dynamic_loss_scale``
 
-At steps 0, steps/2 and steps a gradient-signal diagnostic compares, on one
-fixed held-out batch and the fp32 run's parameters (the first run's when fp32
-is not run), the gradients of the fp16 model without loss scaling and at the
-fp16-dls run's loss scale then (2**15 when fp16-dls is not run) against fp32:
-see ``lm/diagnostic.py``.
+The optimizer step is one of data-parallel training: its loss is the mean
+over a global batch of ``--replicas`` x ``--micro-batches`` x ``--batch-size``
+x ``--seq-len`` tokens (64 x 1 x 16 x 64 = 65,536 by default). Each
+micro-batch's loss is the sum of its token losses divided by that global
+count, as when a batch sharded over devices is averaged under ``jit``, or when
+gradient accumulation divides by the step's token count (Hugging Face's
+``num_items_in_batch``), so each micro-batch's backward pass carries
+per-token gradients of about p / 65,536, below float16's smallest subnormal
+(2**-24) for every byte of probability p < 0.004. This script computes one
+replica: the sum of its micro-batch gradients times ``--replicas`` (in
+float32) stands in for the sum over the replicas that the all-reduce makes.
+The optimizer therefore gets the gradient of the mean loss over this
+replica's tokens, as with ``--replicas 1``; only the float16 backward pass
+sees the difference.
 
-Everything lands in one folder (``--out``; printed at the end): ``metrics.jsonl``,
-TensorBoard events under ``tb/<run>``, ``train_lm.png``, ``summary.json`` and
-``diagnostic.json``.
+Everything lands in one folder (``--out``; printed at the end): ``metrics.jsonl``
+(every run's rows, with a ``run`` column) and TensorBoard events under
+``tb/<run>``, both written by ``optax_dls.writers.MetricsWriter`` and read by
+``optax-dls inspect``; ``train_lm.png`` and ``summary.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import sys
 import time
@@ -37,11 +47,14 @@ import optax
 from tqdm import tqdm
 
 import optax_dls
-from lm import data, diagnostic, report
-from lm.model import Transformer, loss_fn
+from lm import data, report
+from lm.model import Transformer, loss_fn, loss_sum
 from lm.precision import FP16, FP32
+from optax_dls.writers import JSONL_NAME, MetricsWriter
 
 RUNS = {"fp32": FP32, "fp16": FP16, "fp16-dls": FP16}
+SIZES = ("steps", "replicas", "micro_batches", "batch_size", "seq_len", "d_model", "layers", "heads",
+         "growth_interval", "eval_every", "eval_batches")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,8 +67,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   """
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--runs", default="fp32,fp16,fp16-dls", help="comma-separated subset of " + ",".join(RUNS))
-  p.add_argument("--steps", type=int, default=600, help="updates per run (default 600)")
-  p.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
+  p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+  p.add_argument("--replicas", type=int, default=64,
+                 help="data-parallel replicas whose tokens the loss is averaged over; one is computed "
+                      "(default 64; 1: the loss is the mean over this replica's tokens)")
+  p.add_argument("--micro-batches", type=int, default=1,
+                 help="micro-batches accumulated per replica and step (default 1)")
+  p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch (default 16)")
   p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
   p.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
   p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
@@ -63,8 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
   p.add_argument("--growth-interval", type=int, default=50,
                  help="clean steps before the loss scale grows, fp16-dls (default 50)")
-  p.add_argument("--eval-every", type=int, default=100, help="updates between validation passes")
-  p.add_argument("--eval-batches", type=int, default=8, help="fixed held-out batches per validation pass")
+  p.add_argument("--eval-every", type=int, default=25, help="steps between validation passes (default 25)")
+  p.add_argument("--eval-batches", type=int, default=8,
+                 help="fixed held-out batches of --batch-size sequences per validation pass (default 8)")
   p.add_argument("--seed", type=int, default=0, help="initialisation and data order (default 0)")
   p.add_argument("--text", help="train on this UTF-8 text file instead of the Python reference manual")
   p.add_argument("--out", help="output folder (default runs/train_lm-<timestamp>)")
@@ -73,8 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   bad = [r for r in args.runs if r not in RUNS]
   if bad or not args.runs or len(set(args.runs)) != len(args.runs):
     p.error(f"argument --runs: expected distinct names from {','.join(RUNS)}, got {','.join(args.runs) or '(none)'}")
-  for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "growth_interval",
-               "eval_every", "eval_batches"):
+  for name in SIZES:
     if getattr(args, name) < 1:
       p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
   if args.d_model % args.heads:
@@ -94,6 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def tokens_per_step(args) -> int:
+  """Tokens the loss of one optimizer step is averaged over, all replicas together."""
+  return args.replicas * args.micro_batches * args.batch_size * args.seq_len
+
+
 def make_optimizer(name, args):
   """AdamW with warmup + cosine decay and global-norm clipping, wrapped by optax_dls."""
   lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
@@ -103,62 +126,134 @@ def make_optimizer(name, args):
   return optax_dls.no_loss_scale(inner)
 
 
-def train_run(name, args, params, log, snapshot_steps):
-  """One run. Returns (summary row, history, {step: (params, loss scale)} at snapshot_steps)."""
+def underflow_metrics(grads) -> dict:
+  """``{"underflow/zero_frac": x}``: the share of the step's parameter-gradient entries that are 0.
+
+  In the fp16 runs a gradient too small for float16 flushes to 0 in the
+  backward pass, and the float32 parameter gradient it feeds is then an
+  exact 0 (or has lost that contribution); the fp32 run's share is the floor
+  that no precision changes: the embedding rows of the bytes absent from the
+  step's batch. Zeros are zeros scaled or not, so the scaled gradients will
+  do. ``underflow_stats=True`` of ``optax_dls.dynamic_loss_scale`` stores the
+  same fraction, but ``no_loss_scale`` has no such option, so the example
+  counts for every run alike, under the key of ``optax_dls.metrics`` that
+  ``optax-dls inspect`` reads.
+  """
+  leaves = jax.tree.leaves(grads)
+  zeros = sum(jnp.sum(g == 0, dtype=jnp.float32) for g in leaves)
+  return {"underflow/zero_frac": zeros / sum(g.size for g in leaves)}
+
+
+def make_train_step(model, tx, args):
+  """Jitted ``(params, opt_state, batches) -> (params, opt_state, metrics)`` for one optimizer step.
+
+  ``batches`` is int32 ``[micro_batches, batch_size, seq_len + 1]``. Each
+  micro-batch's loss is its summed token loss over :func:`tokens_per_step`,
+  times the loss scale; the micro-batch gradients are summed in float32, and
+  the sum is multiplied by ``args.replicas`` in place of the sum over
+  replicas. ``metrics["loss"]`` is the mean token loss of the step's batch.
+  """
+  n = tokens_per_step(args)
+
+  def micro_batch_grads(params, opt_state, batch):
+    def scaled_loss(p):
+      loss = loss_sum(model, p, batch) / n
+      return optax_dls.scale_loss(loss, opt_state), loss
+
+    return jax.grad(scaled_loss, has_aux=True)(params)
+
+  @jax.jit
+  def train_step(params, opt_state, batches):
+    def accumulate(total, batch):
+      grads, loss = micro_batch_grads(params, opt_state, batch)
+      return jax.tree.map(jnp.add, total, grads), loss
+
+    grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batches)
+    grads = jax.tree.map(lambda g: g * args.replicas, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    m = {"loss": losses.sum() * args.replicas, **underflow_metrics(grads), **optax_dls.metrics(opt_state)}
+    return optax.apply_updates(params, updates), opt_state, m
+
+  return train_step
+
+
+def run_writers(out: str, name: str) -> tuple[MetricsWriter, MetricsWriter]:
+  """A run's writers: rows appended to ``<out>/metrics.jsonl``, TensorBoard events in ``<out>/tb/<name>``."""
+  return (MetricsWriter(out, run_name=name, tensorboard=False),
+          MetricsWriter(os.path.join(out, "tb", name), jsonl=False))
+
+
+class Progress:
+  """A tqdm bar when stderr is a terminal; otherwise a plain line every quarter of the run."""
+
+  def __init__(self, name: str, steps: int):
+    self.name, self.steps = name, steps
+    self.bar = tqdm(total=steps, desc=f"{name:>8}", unit="step", mininterval=1.0) if sys.stderr.isatty() else None
+
+  def update(self, step: int, m: dict) -> None:
+    if self.bar is not None:
+      self.bar.update(1)
+      if step % 10 == 0:
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", scale=report.fmt_scale(m["loss_scale"]),
+                             skipped=int(m["skip_count"]))
+    elif step % max(1, self.steps // 4) == 0 or step == self.steps:
+      print(f"{self.name:>8}: step {step}/{self.steps}  loss {m['loss']:.3f}  "
+            f"zero grads {m['underflow/zero_frac']:.1%}  loss scale {report.fmt_scale(m['loss_scale'])}  "
+            f"skipped {int(m['skip_count'])}", flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def train_run(name, args, params):
+  """One run, logged by :func:`run_writers`. Returns (summary row, history of 1-D arrays)."""
   window = args.seq_len + 1
   model = Transformer(args.d_model, args.layers, args.heads, args.seq_len, RUNS[name])
   tx = make_optimizer(name, args)
-
-  @jax.jit
-  def train_step(params, opt_state, batch):
-    def scaled_loss(p):
-      loss = loss_fn(model, p, batch)
-      return optax_dls.scale_loss(loss, opt_state), loss
-
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss, **optax_dls.metrics(opt_state)}
-
+  train_step = make_train_step(model, tx, args)
   evaluate = jax.jit(lambda p, b: loss_fn(model, p, b))
   val_batch = data.gather(args.val, data.eval_starts(args.val.size, window, args.eval_batches, args.batch_size),
                           window).reshape(-1, window)
-  order = data.batch_starts(args.train.size, window, args.steps, args.batch_size, args.seed)
+  order = data.batch_starts(args.train.size, window, args.steps * args.micro_batches, args.batch_size, args.seed)
+  order = order.reshape(args.steps, args.micro_batches, args.batch_size)
   opt_state = jax.jit(tx.init)(params)
-  hist = {k: [] for k in ("step", "loss", "loss_scale", "skipped", "eval_step", "val_loss")}
-  snaps, t0 = {}, time.perf_counter()
+  hist = {k: [] for k in ("step", "loss", "loss_scale", "skipped", "zero_frac", "eval_step", "val_loss")}
+  t0 = time.perf_counter()
+  writers = run_writers(args.out, name)
+
+  def log(step, values):
+    for w in writers:
+      w.log(step, values, wall_s=time.perf_counter() - t0)
 
   def validate(step):
     v = float(evaluate(params, val_batch))
     hist["eval_step"].append(step)
     hist["val_loss"].append(v)
-    log.write(name, "eval", step, val_loss=v, wall_s=time.perf_counter() - t0)
-
-  def snapshot(step):
-    if step in snapshot_steps:
-      snaps[step] = (jax.device_get(params), float(optax_dls.loss_scale(opt_state)))
+    log(step, {"val_loss": v})
 
   validate(0)
-  snapshot(0)
-  bar = tqdm(range(1, args.steps + 1), desc=f"{name:>8}", unit="step", mininterval=1.0)
-  for step in bar:
+  progress = Progress(name, args.steps)
+  for step in range(1, args.steps + 1):
     params, opt_state, m = train_step(params, opt_state, data.gather(args.train, order[step - 1], window))
     m = jax.device_get(m)
+    log(step, m)
     for k in ("loss", "loss_scale", "skipped"):
       hist[k].append(m[k])
+    hist["zero_frac"].append(m["underflow/zero_frac"])
     hist["step"].append(step)
-    log.write(name, "train", step, loss=m["loss"], loss_scale=m["loss_scale"], skipped=m["skipped"],
-              skip_count=m["skip_count"], update_ratio=m["update_ratio"], grad_norm=m["grad_norm"],
-              wall_s=time.perf_counter() - t0)
-    if step % 10 == 0:
-      bar.set_postfix(loss=f"{m['loss']:.3f}", scale=f"{m['loss_scale']:g}", skipped=int(m["skip_count"]))
+    progress.update(step, m)
     if step % args.eval_every == 0 or step == args.steps:
       validate(step)
-    snapshot(step)
-  bar.close()
-  row = {"train_loss": float(np.mean(hist["loss"][-20:])), "val_loss": hist["val_loss"][-1],
-         "skipped": int(m["skip_count"]), "update_ratio": float(m["update_ratio"]),
-         "loss_scale": float(m["loss_scale"]), "wall_s": time.perf_counter() - t0}
-  return row, {k: np.asarray(v) for k, v in hist.items()}, snaps
+  progress.close()
+  for w in writers:
+    w.close()
+  hist = {k: np.asarray(v) for k, v in hist.items()}
+  row = {"train_loss": float(np.mean(hist["loss"][-20:])), "val_loss": float(hist["val_loss"][-1]),
+         "zero_frac": float(np.median(hist["zero_frac"][len(hist["zero_frac"]) // 2:])),
+         "skipped": int(m["skip_count"]), "loss_scale": float(m["loss_scale"]),
+         "wall_s": time.perf_counter() - t0}
+  return row, hist
 
 
 def main(argv=None) -> int:
@@ -166,47 +261,29 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
+  open(os.path.join(args.out, JSONL_NAME), "w").close()  # the runs below append to it
   source = args.text or "pydoc_data.topics (the Python reference manual)"
   print(f"data: {source}: {args.train.size} train / {args.val.size} validation bytes")
   model = Transformer(args.d_model, args.layers, args.heads, args.seq_len, FP32)
   params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
-  print(f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters; "
-        f"{args.steps} steps of {args.batch_size}x{args.seq_len} bytes per run")
+  n = tokens_per_step(args)
+  print(f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters; {args.steps} steps per run; "
+        f"loss averaged over {n:,} tokens per step ({args.replicas} replicas x {args.micro_batches} "
+        f"micro-batches x {args.batch_size} x {args.seq_len} bytes), one replica computed", flush=True)
 
-  diag_steps = sorted({0, args.steps // 2, args.steps})
-  ref = "fp32" if "fp32" in args.runs else args.runs[0]
-  log, results, histories, snaps = report.MetricsLog(args.out), {}, {}, {}
+  results, histories = {}, {}
   for name in args.runs:
-    results[name], histories[name], snaps[name] = train_run(name, args, params, log, diag_steps)
-  log.close()
+    results[name], histories[name] = train_run(name, args, params)
 
-  grad_fns = {"fp32": diagnostic.make_grad_fn(model),
-              "fp16": diagnostic.make_grad_fn(model.clone(precision=FP16))}
-  window = args.seq_len + 1
-  batch = data.gather(args.val, data.eval_starts(args.val.size, window, 1, args.batch_size)[0], window)
-  points = []
-  for step in diag_steps:
-    scale = snaps["fp16-dls"][step][1] if "fp16-dls" in snaps else 2.0**15
-    points.append({"step": step} | diagnostic.gradient_signal(grad_fns, snaps[ref][step][0], batch, scale))
-
-  report.plot(histories, os.path.join(args.out, "train_lm.png"))
-  with open(os.path.join(args.out, "diagnostic.json"), "w") as f:
-    json.dump({"params_from": ref, "points": points}, f, indent=2)
+  report.plot(histories, os.path.join(args.out, "train_lm.png"), tokens=n)
   config = {k: v for k, v in vars(args).items() if k not in ("train", "val")}
   with open(os.path.join(args.out, "summary.json"), "w") as f:
-    json.dump({"config": config, "runs": results, "diagnostic": points}, f, indent=2)
+    json.dump({"config": config, "tokens_per_step": n, "runs": results}, f, indent=2)
 
   print("\n" + report.table(results))
-  if "fp32" in results and "fp16-dls" in results:
-    gap = results["fp16-dls"]["val_loss"] / results["fp32"]["val_loss"] - 1
-    print(f"fp16-dls validation loss vs fp32: {gap:+.2%}")
-  print(f"\ngradient signal against fp32, on one fixed held-out batch, with the {ref} run's parameters:\n"
-        "  zeroed = nonzero fp32 parameter-gradient entries that are 0; rel.err = |g - g32| / |g32|;\n"
-        "  dlogits flushed = nonzero loss-gradient (d loss / d logits) entries that the cast to fp16 makes 0")
-  print(report.diagnostic_table(points))
   cpu = time.process_time()
   print(f"\ntotal wall time {time.perf_counter() - start:.0f} s (process CPU time {cpu:.0f} s)")
-  print(f"outputs: {os.path.abspath(args.out)}")
+  print(f"outputs: {os.path.abspath(args.out)}  (optax-dls inspect {args.out})")
   return 0
 
 

@@ -1,1 +1,1 @@
-"""Helpers of examples/train_lm.py: precision policy, model, data, diagnostic, report."""
+"""Helpers of examples/train_lm.py: precision policy, model, data, report."""

@@ -66,8 +66,8 @@ class Transformer(nn.Module):
     return logits.astype(p.output_dtype)
 
 
-def loss_fn(model: Transformer, params, batch: jax.Array) -> jax.Array:
-  """Mean next-byte cross-entropy in nats (float32 scalar).
+def token_losses(model: Transformer, params, batch: jax.Array) -> jax.Array:
+  """Next-byte cross-entropy of every predicted byte in nats, float32 ``[batch, time]``.
 
   Args:
     model: the :class:`Transformer` (its precision decides the compute dtype).
@@ -77,4 +77,18 @@ def loss_fn(model: Transformer, params, batch: jax.Array) -> jax.Array:
   """
   logits = model.apply({"params": params}, batch[:, :-1])
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-  return loss.mean().astype(jnp.float32)
+  return loss.astype(jnp.float32)
+
+
+def loss_fn(model: Transformer, params, batch: jax.Array) -> jax.Array:
+  """Mean next-byte cross-entropy in nats (float32 scalar); arguments as :func:`token_losses`."""
+  return token_losses(model, params, batch).mean()
+
+
+def loss_sum(model: Transformer, params, batch: jax.Array) -> jax.Array:
+  """Summed next-byte cross-entropy in nats (float32 scalar); arguments as :func:`token_losses`.
+
+  Divided by the token count of a whole optimizer step, it is the share of
+  one micro-batch in that step's mean loss.
+  """
+  return token_losses(model, params, batch).sum()
