@@ -120,28 +120,16 @@ def tokens_per_step(args) -> int:
 def make_optimizer(name, args):
   """AdamW with warmup + cosine decay and global-norm clipping, wrapped by optax_dls."""
   lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
-  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.01))
+  # underflow_stats records the share of exactly-zero entries of the unscaled gradients
+  # (underflow/zero_frac in optax_dls.metrics): in the fp16 runs a gradient too small for
+  # float16 flushes to 0 in the backward pass, and the float32 parameter gradient it feeds
+  # loses it; the fp32 run's share is the floor no precision changes (the embedding rows
+  # of the bytes absent from the step's batch).
+  inner = optax.chain(optax_dls.underflow_stats(), optax.clip_by_global_norm(1.0),
+                      optax.adamw(lr, weight_decay=0.01))
   if name == "fp16-dls":
     return optax_dls.dynamic_loss_scale(inner, growth_interval=args.growth_interval)
   return optax_dls.no_loss_scale(inner)
-
-
-def underflow_metrics(grads) -> dict:
-  """``{"underflow/zero_frac": x}``: the share of the step's parameter-gradient entries that are 0.
-
-  In the fp16 runs a gradient too small for float16 flushes to 0 in the
-  backward pass, and the float32 parameter gradient it feeds is then an
-  exact 0 (or has lost that contribution); the fp32 run's share is the floor
-  that no precision changes: the embedding rows of the bytes absent from the
-  step's batch. Zeros are zeros scaled or not, so the scaled gradients will
-  do. ``underflow_stats=True`` of ``optax_dls.dynamic_loss_scale`` stores the
-  same fraction, but ``no_loss_scale`` has no such option, so the example
-  counts for every run alike, under the key of ``optax_dls.metrics`` that
-  ``optax-dls inspect`` reads.
-  """
-  leaves = jax.tree.leaves(grads)
-  zeros = sum(jnp.sum(g == 0, dtype=jnp.float32) for g in leaves)
-  return {"underflow/zero_frac": zeros / sum(g.size for g in leaves)}
 
 
 def make_train_step(model, tx, args):
@@ -171,7 +159,7 @@ def make_train_step(model, tx, args):
     grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batches)
     grads = jax.tree.map(lambda g: g * args.replicas, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
-    m = {"loss": losses.sum() * args.replicas, **underflow_metrics(grads), **optax_dls.metrics(opt_state)}
+    m = {"loss": losses.sum() * args.replicas, **optax_dls.metrics(opt_state)}
     return optax.apply_updates(params, updates), opt_state, m
 
   return train_step

@@ -51,8 +51,7 @@ _KEYS = ("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps"
 # Diagnosis thresholds.
 OVERFLOW_RATE = 0.01      # provable excess skips per update, second half of the logged rows
 NO_GROWTH_UPDATES = 1000  # updates proven without any growth before "never grows"
-UNDERFLOW_FRAC = 0.01     # median fp16-subnormal fraction of the unscaled gradients
-ZERO_FRAC = 0.25          # median fraction of exactly-zero unscaled gradients
+ZERO_RISE = 0.10          # rise of the share of exactly-zero unscaled gradients over the run
 STUCK_MIN_SKIPS = 3       # steps proven skipped at a loss scale <= 1
 DIVERGE_FACTOR = 1.5      # last-tenth mean loss over first-tenth mean loss
 _SHOWN = 5                # line numbers / offsets listed in a warning
@@ -390,18 +389,24 @@ _ADVICE = {
         "max_scale, or overflows keep resetting the growth tracker. Shorten growth_interval "
         "(e.g. 1000), check warmup_steps, or raise max_scale."),
     "gradients too small": (
-        "Small gradients lose precision or vanish in float16. Raise init_scale and max_scale "
-        "(optax_dls.preset('qlora') starts at 2**16), average the loss over tokens rather than "
-        "summing per-token losses at a tiny learning rate, watch each parameter group with "
-        "underflow_stats=label_fn, or train in bfloat16."),
+        "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
+        "init_scale and max_scale (optax_dls.preset('qlora') starts at 2**16), watch each "
+        "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
+        "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
+        "bfloat16."),
+    "gradients lost, no loss scaling": (
+        "The run does not scale its loss, so float16 flushes small gradients to zero. Wrap the "
+        "optimizer in optax_dls.dynamic_loss_scale and multiply the loss by "
+        "optax_dls.scale_loss (or train in bfloat16)."),
     "scale pinned": (
         "The gradients are small enough that the scale never overflows; if max_scale caps it, "
-        "raise max_scale and log underflow_stats to see whether gradients underflow."),
+        "raise max_scale and chain optax_dls.underflow_stats() inside to see whether gradients "
+        "underflow."),
     "stuck at the minimum": (
         "Non-finite values even at the smallest scale come from the forward pass or the data, not "
         "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
         "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
-        "fallback (fallback_after=10 with optax_dls.select_precision)."),
+        "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."),
     "diverging loss": (
         "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
         "order and the labels. Loss scaling skips non-finite steps, but it cannot undo finite "
@@ -493,16 +498,47 @@ def _never_grows(rows: list[dict[str, Any]], iv: _Intervals, summary: dict[str, 
   return [(symptom, _ADVICE["scale never grows"])]
 
 
-def _small_gradients(rows: list[dict[str, Any]], summary: dict[str, Any]) -> _Found:
-  half = rows[len(rows) // 2:]
-  sub, zero = _column(half, "underflow/subnormal_frac"), _column(half, "underflow/zero_frac")
-  sub_med = float(np.nanmedian(sub)) if np.isfinite(sub).any() else 0.0
-  zero_med = float(np.nanmedian(zero)) if np.isfinite(zero).any() else 0.0
-  if sub_med > UNDERFLOW_FRAC or zero_med > ZERO_FRAC:
-    symptom = (f"gradients too small: median {sub_med:.1%} of the unscaled gradients are "
-               f"float16-subnormal and {zero_med:.1%} exactly zero (logged steps from step "
-               f"{half[0]['step']})")
-    return [(symptom, _ADVICE["gradients too small"])]
+def _zero_shares(rows: list[dict[str, Any]]) -> np.ndarray:
+  zero = _column(rows, "underflow/zero_frac")
+  return zero[np.isfinite(zero)]
+
+
+def zero_floor(runs: dict[str, list[dict[str, Any]]]) -> tuple[str, float] | None:
+  """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest
+  such share among ``runs`` (runs logged beside each other train the same model on the
+  same data), or None when fewer than two runs logged it."""
+  medians = {name: float(np.median(z)) for name, rows in runs.items() if len(z := _zero_shares(rows)) >= 4}
+  if len(medians) < 2:
+    return None
+  name = min(medians, key=medians.get)
+  return name, medians[name]
+
+
+def _lost_gradients(rows: list[dict[str, Any]], summary: dict[str, Any],
+                    floor: tuple[str, float] | None = None) -> _Found:
+  """Gradient entries flushed to zero in float16 show up as exact zeros of the unscaled
+  gradients. The logs prove lost signal when the share of zeros rises well above the
+  run's own early level, or stays well above that of a run logged beside it (``floor``,
+  see :func:`zero_floor`); a loss-scaled run keeps it at the floor. A high share of
+  float16-subnormal unscaled entries proves nothing by itself: loss scaling lifts them."""
+  zero = _column(rows, "underflow/zero_frac")
+  known = np.flatnonzero(np.isfinite(zero))
+  if len(known) >= 4:
+    early = float(np.median(zero[known[:max(1, len(known) // 10)]]))
+    late_rows = known[len(known) // 2:]
+    late = float(np.median(zero[late_rows]))
+    since = f"logged steps from step {rows[late_rows[0]]['step']}"
+    unscaled = summary.get("scale_max") == 1.0
+    symptom = None
+    if floor is not None and late - floor[1] >= ZERO_RISE:
+      symptom = (f"gradients lost to underflow: a median {late:.1%} of the gradient entries are exactly "
+                 f"zero ({since}), against {floor[1]:.1%} in run {floor[0]!r} logged beside it")
+    elif late - early >= ZERO_RISE and late >= 2 * early:
+      symptom = (f"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
+                 f"{early:.1%} (first logged steps) to a median {late:.1%} ({since})")
+    if symptom:
+      symptom += ", with no loss scaling" if unscaled else ""
+      return [(symptom, _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"])]
   at_max = summary.get("steps_at_max_scale", 0) / len(rows)
   if at_max > 0.5 and summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0:
     symptom = (f"scale pinned at {_scale_text(summary['scale_max'])}, the highest logged, for "
@@ -540,12 +576,14 @@ def _diverging(rows: list[dict[str, Any]], iv: _Intervals) -> _Found:
   return [(symptom, _ADVICE["diverging loss"])]
 
 
-def diagnose(rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple[str, str]]:
-  """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove."""
+def diagnose(rows: list[dict[str, Any]], summary: dict[str, Any],
+             zero_floor: tuple[str, float] | None = None) -> list[tuple[str, str]]:
+  """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove;
+  ``zero_floor`` (see :func:`zero_floor`) is what runs logged beside it prove."""
   iv = _intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   return (_frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS) + _never_grows(rows, iv, summary)
-          + _small_gradients(rows, summary) + _stuck(stuck, summary) + _diverging(rows, iv))
+          + _lost_gradients(rows, summary, zero_floor) + _stuck(stuck, summary) + _diverging(rows, iv))
 
 
 # --- Output -------------------------------------------------------------------------------------
@@ -619,11 +657,12 @@ def inspect(run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = No
   if not isinstance(as_json, (bool, np.bool_)):
     raise TypeError(f"as_json must be a bool, got {as_json!r} of type {type(as_json).__name__}.")
   runs = load_runs(run_dir)
+  floor = zero_floor(runs)
   report = {}
   for name, rows in runs.items():
     summary = summarize(rows)
-    report[name] = {"summary": summary,
-                    "diagnosis": [{"symptom": s, "advice": a} for s, a in diagnose(rows, summary)]}
+    found = diagnose(rows, summary, floor if floor and floor[0] != name else None)
+    report[name] = {"summary": summary, "diagnosis": [{"symptom": s, "advice": a} for s, a in found]}
   if plot_path:
     plot(runs, plot_path)
   if as_json:

@@ -114,7 +114,8 @@ def _healthy(i):
 SYMPTOMS = {
     "frequent overflow": lambda i: _row(i, 2.0**10, i % 5 == 0, i // 5 + 1, 2 - i / 400),
     "scale never grows": lambda i: _row(i, 2.0**12, loss=2 - i / 2000),
-    "gradients too small": lambda i: _healthy(i) | {"underflow/subnormal_frac": 0.2, "underflow/zero_frac": 0.1},
+    "gradients lost to underflow": lambda i: _healthy(i) | {"underflow/subnormal_frac": 0.2,
+                                                            "underflow/zero_frac": 0.05 + 0.5 * i / 200},
     "stuck at the minimum": lambda i: _row(i, 1.0 if i > 100 else 2.0**12, i > 100, max(i - 100, 0),
                                            2 - i / 400),
     "diverging loss": lambda i: _row(i, 2.0 ** (10 + i // 50), loss=1.0 + i / 20),
@@ -235,8 +236,9 @@ def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresi
     row = {"loss_scale": scale, "skipped": over, "skip_count": skips, "consecutive_skips": consec,
            "num_steps": t + 1, "update_ratio": (t + 1 - skips) / (t + 1), "grad_norm": 1.0,
            "loss": float("nan") if over and nan_loss_when_skipped else loss(t)}
-    if underflow is not None:
-      row["underflow/subnormal_frac"], row["underflow/zero_frac"] = underflow
+    if underflow is not None:  # (subnormal share, zero share at the start, zero share at the end)
+      sub, zero0, zero1 = underflow
+      row["underflow/subnormal_frac"], row["underflow/zero_frac"] = sub, zero0 + (zero1 - zero0) * t / n
     rows.append(row)
     used.append(before)
     skipped.append(over)
@@ -281,7 +283,7 @@ REAL_SYMPTOMS = {
     "frequent overflow": lambda: _simulate(900, growth_interval=10**6, init=2.0**24, ceiling=2.0**30,
                                            spikes=set(range(25, 900, 50))),
     "scale never grows": lambda: _simulate(1200, growth_interval=10**6, init=2.0**12),
-    "gradients too small": lambda: _simulate(1200, underflow=(0.2, 0.1)),
+    "gradients lost to underflow": lambda: _simulate(1200, underflow=(0.2, 0.05, 0.5)),
     "stuck at the minimum": lambda: _simulate(400, init=2.0**12, ceiling=2.0**20, nonfinite_from=100,
                                               nan_loss_when_skipped=True),
     "diverging loss": lambda: _simulate(2500, loss=lambda t: 1.0 + t / 200),
@@ -424,8 +426,11 @@ def _check_claim(symptom, stream, kind):
   elif m := re.match(r"stuck at the minimum: at least (\d+) updates were skipped with the loss scale at or "
                      r"below 1", symptom):
     assert int(m.group(1)) <= (stream.skipped & (stream.used <= 1.0)).sum()
-  elif symptom.startswith("gradients too small"):
-    assert kind["underflow"] is not None
+  elif m := re.match(r"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
+                     r"([\d.]+)% .* to a median ([\d.]+)%", symptom):
+    early, late = (float(x) / 100 for x in m.groups())
+    sub, zero0, zero1 = kind["underflow"]
+    assert zero1 - zero0 >= cli.ZERO_RISE and zero0 - 0.01 <= early < late <= zero1 + 0.01
   elif symptom.startswith("scale pinned"):
     assert not stream.skipped.any()
   elif symptom.startswith("diverging loss: the mean loss of the applied steps rose"):
@@ -448,7 +453,8 @@ def _streams(draw):
       "cut": draw(st.integers(0, 300)),           # bytes cut off the end of the JSONL file
       "resume": draw(st.one_of(st.none(), st.integers(0, n - 1))),
       "loss": draw(st.sampled_from(["falling", "rising"])),
-      "underflow": draw(st.sampled_from([None, (0.001, 0.05), (0.2, 0.5)])),
+      "underflow": draw(st.sampled_from([None, (0.001, 0.05, 0.05), (0.3, 0.5, 0.5), (0.2, 0.05, 0.6),
+                                         (0.2, 0.3, 0.35)])),
   }
   ceiling_low, ceiling_high = sorted(draw(st.lists(st.integers(-3, 24), min_size=2, max_size=2)))
   switch = draw(st.integers(0, n))
@@ -497,3 +503,25 @@ def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path
 def test_inspect_names_a_wrong_argument(kwargs, match):
   with pytest.raises(TypeError, match=match):
     cli.inspect(**kwargs)
+
+
+def test_lost_gradients_are_found_against_a_run_logged_beside_it(tmp_path, capsys):
+  # The zero share of the unscaled fp16 run is high from the first step: no rise within the run,
+  # but the fp32 and loss-scaled runs beside it show the floor of the same model and data.
+  for name, zero in (("fp32", 0.05), ("fp16", 0.45), ("fp16-dls", 0.051)):
+    scale = 1.0 if name != "fp16-dls" else 2.0**15
+    _write(tmp_path / name, [_row(i, scale, loss=2 - i / 400, **{"underflow/zero_frac": zero}) for i in range(50)])
+  report = _inspect_json(tmp_path, capsys)
+  assert [d["symptom"] for d in report["fp32"]["diagnosis"]] == []
+  assert [d["symptom"] for d in report["fp16-dls"]["diagnosis"]] == []
+  (found,) = report["fp16"]["diagnosis"]
+  assert found["symptom"].startswith("gradients lost to underflow: a median 45.0%")
+  assert "'fp32'" in found["symptom"] and found["symptom"].endswith("with no loss scaling")
+  assert "dynamic_loss_scale" in found["advice"]
+
+
+def test_a_high_subnormal_share_of_a_loss_scaled_run_is_not_a_problem(tmp_path, capsys):
+  # Unscaled gradients below float16's normal range are what loss scaling lifts.
+  _write(tmp_path, [_healthy(i) | {"underflow/subnormal_frac": 0.4, "underflow/zero_frac": 0.05}
+                    for i in range(200)])
+  assert _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"] == []

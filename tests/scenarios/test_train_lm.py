@@ -13,7 +13,7 @@ import pytest
 
 from optax_dls import cli
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import train_lm  # noqa: E402
 
@@ -25,7 +25,8 @@ TINY = ["--steps", str(STEPS), "--batch-size", "4", "--seq-len", "16", "--d-mode
 # gradients of p / 524,288, which float16 cannot hold without loss scaling.
 REGIME = ["--replicas", "4096", "--micro-batches", "2"]
 TRAIN_KEYS = {"run", "step", "loss", "loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps",
-              "update_ratio", "grad_norm", "fp32_fallback", "underflow/zero_frac", "wall_s"}
+              "update_ratio", "grad_norm", "fp32_fallback", "underflow/zero_frac", "underflow/subnormal_frac",
+              "wall_s"}
 EVAL_KEYS = {"run", "step", "val_loss", "wall_s"}
 
 
