@@ -9,6 +9,10 @@ TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
 use, :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
+from optax_dls import _versions
+
+_versions.check()  # before the rest: a clear ImportError when jax, jaxlib or optax is too old
+
 from optax_dls import checkpoint as checkpoint  # public submodules
 from optax_dls import compat as compat
 from optax_dls import group_scale as group_scale
@@ -26,6 +30,7 @@ from optax_dls._policies import (
     noop_policy,
     static_policy,
 )
+from optax_dls._recompute import value_and_grad
 from optax_dls._scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._skips_at_min_scale import skips_at_min_scale
 from optax_dls._state import LossScaleState
@@ -62,4 +67,5 @@ __all__ = [
     "static_loss_scale",
     "static_policy",
     "underflow_stats",
+    "value_and_grad",
 ]

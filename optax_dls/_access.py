@@ -123,7 +123,11 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> optax_dls.scale_loss(jnp.float16(0.5), state)
     Array(512., dtype=float32)
   """
-  scale = loss_scale(opt_state)
+  return times_scale(loss, loss_scale(opt_state))
+
+
+def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
+  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a non-floating loss."""
   if loss is None or isinstance(loss, (str, bytes)):
     raise TypeError(f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}.")
   try:
@@ -151,6 +155,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       gradients (NaN before the first step).
     ``fp32_fallback`` (bool): whether the float32 fallback is on (always
       False without the :func:`fp32_fallback` policy wrapper).
+    ``recomputed_steps`` (int32): steps whose gradients
+      :func:`value_and_grad` recomputed after an overflow (0 without it).
+    ``recompute_tries`` (int32): the extra forward and backward passes
+      those took, the float32 last resort included.
     The keys each feature adds: ``skips_at_min_scale`` (int32) with the
     :func:`skips_at_min_scale` policy wrapper; ``underflow/zero_frac``,
     ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
@@ -181,6 +189,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
       "grad_norm": s.grad_norm,
       "fp32_fallback": jnp.zeros_like(s.last_step_finite),
+      "recomputed_steps": s.recomputed_steps,
+      "recompute_tries": s.recompute_tries,
   }
   return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
 
@@ -235,28 +245,36 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
     if not isinstance(state.min_scale, jax.core.Tracer):
       v.scale("value", value, float(state.min_scale), float(state.max_scale))
 
-  def reset(x):
-    if not isinstance(x, LossScaleState):
-      return x
-    scale = jnp.clip(jnp.asarray(value, jnp.float32), _plain(x.min_scale), _plain(x.max_scale))
-    return x._replace(loss_scale=_like(x.loss_scale, scale), policy_state=jax.tree.map(
-        _restart_growth, x.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")))
-
-  return jax.tree.map(reset, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+  scale = jnp.clip(jnp.asarray(value, jnp.float32), state.min_scale, state.max_scale)
+  policy_state = jax.tree.map(_restart_growth, state.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker"))
+  return replace_state(opt_state, state._replace(loss_scale=scale, policy_state=policy_state))
 
 
 def _restart_growth(node: Any) -> Any:
   if hasattr(node, "growth_tracker") and hasattr(node, "_replace"):
-    return node._replace(growth_tracker=_like(node.growth_tracker, 0))
+    return node._replace(growth_tracker=jnp.zeros_like(node.growth_tracker))
   return node
 
 
-def _plain(x: Any) -> Any:
-  """The array inside an ``nnx.Variable``, or ``x``."""
-  return jax.tree.leaves(_unwrap(x))[0]
+def replace_state(opt_state: Any, new: LossScaleState) -> Any:
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new`` (a state of
+  the same structure, as :func:`find_state` returns it: each leaf keeps the dtype and
+  the wrapper, e.g. an ``nnx.Variable``, of the leaf it replaces)."""
+  def put(node):
+    if not isinstance(node, LossScaleState):
+      return node
+    old_leaves, treedef = jax.tree.flatten(node, is_leaf=_is_variable)
+    return jax.tree.unflatten(treedef, [_like(o, n) for o, n in zip(old_leaves, jax.tree.leaves(new))])
+
+  return jax.tree.map(put, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+
+
+def _is_variable(x: Any) -> bool:
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def _like(old: Any, new: Any) -> Any:
-  """``new`` in ``old``'s place: same dtype, and same wrapper (e.g. an nnx Variable) if any."""
+  """``new`` in ``old``'s place: same dtype, and same wrapper (an nnx Variable) if any."""
   dtype = jnp.result_type(jax.tree.leaves(old)[0])
   return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])

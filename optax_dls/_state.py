@@ -32,6 +32,10 @@ class LossScaleState(NamedTuple):
       step; reset to 0 by a finite step. Saturating.
     last_step_finite: bool ``()``. Whether the last step was applied (True
       before the first step).
+    recomputed_steps: int32 ``()``. Steps whose gradients :func:`optax_dls.value_and_grad`
+      recomputed after an overflow. Saturating.
+    recompute_tries: int32 ``()``. Extra forward and backward passes those
+      recomputations took, the float32 last resort included. Saturating.
     grad_norm: float32 ``()``. Global L2 norm of the unscaled gradients of the
       last step (inf or NaN on a non-finite step; NaN before the first step);
       under ``pmap`` / ``shard_map`` with ``axis_name``, the norm over every
@@ -49,6 +53,8 @@ class LossScaleState(NamedTuple):
   num_skipped: jax.Array
   consecutive_skips: jax.Array
   last_step_finite: jax.Array
+  recomputed_steps: jax.Array
+  recompute_tries: jax.Array
   grad_norm: jax.Array
   policy_state: Any
   inner_state: Any
@@ -68,22 +74,29 @@ def init_state(loss_scale: Any, scale_range: tuple[float, float], policy_state: 
       num_skipped=jnp.zeros([], jnp.int32),
       consecutive_skips=jnp.zeros([], jnp.int32),
       last_step_finite=jnp.ones([], jnp.bool_),
+      recomputed_steps=jnp.zeros([], jnp.int32),
+      recompute_tries=jnp.zeros([], jnp.int32),
       grad_norm=jnp.full([], jnp.nan, jnp.float32),
       policy_state=jax.tree.map(jnp.array, policy_state),
       inner_state=inner_state,
   )
 
 
+def with_scale(state: LossScaleState, loss_scale: jax.Array, policy_state: Any) -> LossScaleState:
+  """``state`` with a new scale (kept within ``[min_scale, max_scale]``) and policy state."""
+  return state._replace(
+      loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), state.min_scale, state.max_scale),
+      policy_state=policy_state)
+
+
 def advance(state: LossScaleState, finite: jax.Array, grad_norm: jax.Array, loss_scale: jax.Array,
             policy_state: Any, inner_state: Any) -> LossScaleState:
   """The state after one update: the new scale (kept in range), policy and inner
   states, and the step counters moved by whether the step was ``finite``."""
-  return state._replace(
-      loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), state.min_scale, state.max_scale),
+  return with_scale(state, loss_scale, policy_state)._replace(
       num_steps=optax.safe_increment(state.num_steps),
       num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
       consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
       last_step_finite=finite,
       grad_norm=grad_norm,
-      policy_state=policy_state,
       inner_state=inner_state)

@@ -11,21 +11,28 @@ import jax.numpy as jnp
 import optax
 
 from optax_dls import _accumulation, _multi_device, _numerics, _policies, _skip
-from optax_dls._state import LossScaleState, advance, init_state
+from optax_dls._state import LossScaleState, advance, init_state, with_scale
 
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation with loss scaling, and its fused step.
 
   It is an ``optax.GradientTransformationExtraArgs`` (``init``, ``update``),
-  usable wherever optax expects one. It also carries ``fused_step(grads,
-  opt_state, params, **extra_args) -> (new_params, new_opt_state)``, the
-  update and ``optax.apply_updates`` in one, which :func:`apply_step` calls.
+  usable wherever optax expects one. It also carries
+
+  * ``fused_step(grads, state, params, **extra_args) -> (new_params,
+    new_state)``: the update and ``optax.apply_updates`` in one, which
+    :func:`apply_step` calls;
+  * ``back_off(grads, state) -> (finite, state)``: the check of ``update`` on
+    (scaled) ``grads`` and, when they are not finite, ``state`` with the
+    policy's move for that overflow (the scale to recompute at), which
+    :func:`value_and_grad` calls. ``state`` is this transformation's
+    :class:`LossScaleState`; nothing else in it changes.
   """
 
-  def __new__(cls, init: Callable, update: Callable, fused_step: Callable):
+  def __new__(cls, init: Callable, update: Callable, fused_step: Callable, back_off: Callable):
     tx = super().__new__(cls, init, update)
-    tx.fused_step = fused_step
+    tx.fused_step, tx.back_off = fused_step, back_off
     return tx
 
 
@@ -127,14 +134,26 @@ def loss_scaled(
       return out(p, updates), inner_state
 
     result, inner_state = skip.select(finite, apply, skipped, grads, state.inner_state, params)
-    # Policy: an invalid scale is replaced by the initial one.
+    new_scale, policy_state = policy_step(grads, state, finite, grad_norm)
+    return result, advance(state, finite, grad_norm, new_scale, policy_state, inner_state)
+
+  def policy_step(grads, state, finite, grad_norm):
+    """``policy.update`` on this step's statistics; an invalid scale is replaced by the initial one."""
     valid = _numerics.valid_scale(state.loss_scale)
     amax = _numerics.global_amax(grads, axis_name) if "amax" in policy.stats else None
     stats = _policies.GradStats(finite, state.num_steps, grad_norm, amax)
     new_scale, policy_state = policy.update(
         jnp.where(valid, state.loss_scale, init_scale), state.policy_state, stats)
-    new_scale = jnp.where(valid, new_scale, init_scale)
-    return result, advance(state, finite, grad_norm, new_scale, policy_state, inner_state)
+    return jnp.where(valid, new_scale, init_scale), policy_state
+
+  def back_off(grads, state):
+    """The check of ``update``; on an overflow, the policy's move: the state to recompute at."""
+    _check_state(state)
+    finite, grad_norm = skip.check(grads, state.loss_scale, axis_name)
+    new_scale, policy_state = policy_step(grads, state, finite, grad_norm)
+    keep = lambda old, new: jnp.where(finite, old, new)
+    return finite, with_scale(state, keep(state.loss_scale, new_scale),
+                              jax.tree.map(keep, state.policy_state, policy_state))
 
   def update_fn(grads, state, params=None, **extra_args):
     return step(grads, state, params, extra_args, _skip.updates_out, _skip.updates_skipped)
@@ -142,7 +161,7 @@ def loss_scaled(
   def fused_step(grads, state, params, **extra_args):
     return step(grads, state, params, extra_args, _skip.params_out, _skip.params_skipped)
 
-  return LossScaledTransformation(init_fn, update_fn, fused_step)
+  return LossScaledTransformation(init_fn, update_fn, fused_step, back_off)
 
 
 def _passthrough(inner: optax.GradientTransformationExtraArgs, policy: _policies.LossScalePolicy,
@@ -163,9 +182,13 @@ def _passthrough(inner: optax.GradientTransformationExtraArgs, policy: _policies
     return out(params, updates), advance(state, finite, grad_norm, state.loss_scale, state.policy_state,
                                          inner_state)
 
+  def back_off(grads, state):
+    _check_state(state)
+    return jnp.ones([], jnp.bool_), state  # nothing is checked: no overflow to back off from
+
   return LossScaledTransformation(
       init_fn, lambda grads, state, params=None, **extra: step(grads, state, params, extra, _skip.updates_out),
-      lambda grads, state, params, **extra: step(grads, state, params, extra, _skip.params_out))
+      lambda grads, state, params, **extra: step(grads, state, params, extra, _skip.params_out), back_off)
 
 
 def _check_state(state: Any) -> None:

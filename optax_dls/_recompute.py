@@ -1,0 +1,173 @@
+"""Recomputing an overflowing step inside the same jitted step, so that no batch is lost.
+
+Every other loss scaler throws an overflowing step away and backs the scale off
+for the next batch. Here the whole step is one compiled program, so when the
+gradients come back non-finite the same program backs off and computes them
+again for the same batch, up to a bounded number of tries, then in float32 if
+a float32 loss is given; only then is the step skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_dls import _access, _skip
+from optax_dls import _validation as v
+
+
+def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., Any] | None = None,
+                   max_tries: int = 3, argnums: int | tuple[int, ...] = 0,
+                   has_aux: bool = False) -> Callable[..., Any]:
+  """``jax.value_and_grad`` of a loss-scaled loss that recomputes an overflowing step.
+
+  The returned ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S *
+  fun(*args, **kwargs)`` with S the loss scale in ``opt_state``. When the
+  gradients are not finite, it hands them to the policy as an overflow (which
+  backs S off, exactly as a skipped step would) and differentiates again at
+  the new scale, for the same arguments, up to ``max_tries`` times; then once
+  with ``fp32_fun`` at the last scale, if given. It returns the loss, the
+  scaled gradients of the last try and ``opt_state`` with the scale they were
+  computed at, so that ``tx.update`` unscales them correctly::
+
+      grad_fn = optax_dls.value_and_grad(loss_fn, tx, fp32_fun=loss_fn_fp32)
+      (loss, grads), opt_state = grad_fn(opt_state, params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+
+  Every try runs inside one ``lax.while_loop`` of the compiled step: the
+  common case (no overflow) is one forward and backward pass plus one read of
+  the gradients, and the step compiles once. The policy sees every overflow:
+  each failed try counts for growth and hysteresis as a skipped step would,
+  and ``tx.update`` then sees the final gradients (finite, or, when every try
+  overflowed, non-finite: the step is skipped as usual). ``metrics`` counts
+  ``recomputed_steps`` and ``recompute_tries`` (the extra passes). The result
+  equals a step run directly at the final scale, up to the rounding of the
+  scaled loss and gradients (none when the scales are powers of two).
+
+  Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
+  ``axis_name``, so every device takes the same number of tries. Under ``jit``
+  with ``NamedSharding`` it is global. With ``optax.MultiSteps`` inside the
+  transformation, each micro-batch is recomputed on its own.
+
+  Args:
+    fun: the loss function; returns the plain (unscaled) loss, a floating
+      scalar (float16 is promoted to float32 before scaling), or ``(loss,
+      aux)`` with ``has_aux=True``.
+    tx: the loss-scaled transformation itself (what :func:`loss_scaled` or
+      :func:`dynamic_loss_scale` return), not a chain around it.
+    fp32_fun: optional, ``fun`` computed in float32: the last resort when
+      every float16 try overflowed. Same signature and output structure and
+      shapes; outputs of both are cast to their promoted dtypes.
+    max_tries: int in [0, 64], recomputations in float16 after the first pass.
+      Default 3.
+    argnums: int or tuple of ints, as in ``jax.value_and_grad``. Default 0.
+    has_aux: bool, as in ``jax.value_and_grad``. Default False.
+
+  Returns:
+    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``,
+    with ``value`` the loss (``(loss, aux)`` with ``has_aux``) and ``grads``
+    scaled by ``opt_state``'s new loss scale.
+
+  Raises:
+    TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not a loss-scaled
+      transformation, ``max_tries`` not an int, ``argnums`` / ``has_aux`` of
+      the wrong type; (when called) a non-floating loss.
+    ValueError: ``max_tries`` out of range, a negative ``argnums``; (when
+      called) ``opt_state`` holding none or several loss-scale states, or
+      outputs of ``fun`` and ``fp32_fun`` that differ in structure or shape.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**16)
+    >>> params = {'w': jnp.ones(1)}
+    >>> state = tx.init(params)
+    >>> loss = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
+    >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(state, params)
+    >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['recompute_tries'])
+    (8192.0, 3)
+  """
+  v.function("fun", fun)
+  if fp32_fun is not None:
+    v.function("fp32_fun", fp32_fun)
+  back_off = getattr(tx, "back_off", None)
+  if not callable(back_off):
+    raise TypeError(f"tx must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
+                    f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}.")
+  max_tries = v.count("max_tries", max_tries, low=0, high=64)
+  argnums = v.argnums(argnums)
+  has_aux = v.boolean("has_aux", has_aux)
+
+  def grads_of(f):
+    def scaled(scale, *args, **kwargs):
+      out = f(*args, **kwargs)
+      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f"with has_aux=True, {getattr(f, '__qualname__', f)!r} must return a (loss, aux) pair.")
+      loss = out[0] if has_aux else out
+      return _access.times_scale(loss, scale), out
+
+    nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
+    return jax.grad(scaled, argnums=nums, has_aux=True)
+
+  fp16_grads = grads_of(fun)
+  fp32_grads = None if fp32_fun is None else grads_of(fp32_fun)
+
+  def grad_fn(opt_state, *args, **kwargs):
+    state = _access.find_state(opt_state)
+    attempt = lambda grads, at: _value_first(grads(at.loss_scale, *args, **kwargs))
+    types = _types(jax.eval_shape(lambda at: attempt(fp16_grads, at), state))
+    if fp32_grads is not None:
+      types = _types(jax.eval_shape(lambda at: attempt(fp32_grads, at), state), types)
+
+    def cond(carry):
+      tries, finite = carry[:2]
+      return (tries < 0) | (~finite & (tries < max_tries))
+
+    def body(carry):  # one pass at the state to try next; on an overflow, back off from it
+      tries, _, _, at, _ = carry
+      out = _cast(attempt(fp16_grads, at), types)
+      finite, backed_off = back_off(out[1], at)
+      return tries + 1, finite, at, backed_off, out
+
+    zeros = jax.tree.map(_skip.zeros_like, types)
+    tries, finite, at, backed_off, out = lax.while_loop(
+        cond, body, (jnp.int32(-1), jnp.bool_(False), state, state, zeros))
+    if fp32_grads is not None:  # the last resort, at the scale after the last overflow
+      last = lambda: (_cast(attempt(fp32_grads, backed_off), types), backed_off, tries + 1)
+      out, at, tries = lax.cond(finite, lambda: (out, at, tries), last)
+    at = at._replace(recomputed_steps=_add(at.recomputed_steps, (tries > 0).astype(jnp.int32)),
+                     recompute_tries=_add(at.recompute_tries, tries))
+    return out, _access.replace_state(opt_state, at)
+
+  return grad_fn
+
+
+def _value_first(grads_and_out: tuple[Any, Any]) -> tuple[Any, Any]:
+  grads, out = grads_and_out
+  return out, grads
+
+
+def _types(out: Any, other: Any = None) -> Any:
+  """``out``'s shapes and types, each dtype promoted with ``other``'s (same structure and shapes)."""
+  if other is None:
+    return out
+  if jax.tree.structure(out) != jax.tree.structure(other):
+    raise ValueError("fun and fp32_fun must return the same pytree structure, got "
+                     f"{jax.tree.structure(other)} and {jax.tree.structure(out)}.")
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(other)):
+    if a.shape != b.shape:
+      raise ValueError(f"fun and fp32_fun outputs differ in shape: {b.shape} vs {a.shape}.")
+  return jax.tree.map(lambda a, b: b.update(dtype=jnp.promote_types(a.dtype, b.dtype)), out, other)
+
+
+def _cast(out: Any, types: Any) -> Any:
+  return jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), out, types)
+
+
+def _add(count: jax.Array, n: jax.Array) -> jax.Array:
+  """``count + n`` for int32 ``n >= 0``, saturating at ``2**31 - 1``."""
+  return jnp.where(count > v.INT32_MAX - n, v.INT32_MAX, count + n).astype(jnp.int32)

@@ -1,0 +1,197 @@
+"""value_and_grad: an overflowing step is recomputed inside the same jitted step, no batch lost."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dls
+
+PARAMS = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([0.25], jnp.float32)}
+
+
+def _loss(dtype):
+  """A float16 (or float32) linear model: large inputs overflow the float16 backward pass."""
+  def loss(params, x):
+    pred = x.astype(dtype) @ params["w"].astype(dtype) + params["b"].astype(dtype)
+    return jnp.mean(jnp.square(pred)).astype(jnp.float32)
+  return loss
+
+
+LOSS16, LOSS32 = _loss(jnp.float16), _loss(jnp.float32)
+SMALL = jnp.full((4, 3), 0.25)  # float16 gradients of 0.3 S at most: fine at the initial 2**15
+BIG = jnp.full((4, 3), 2.0)  # float16 gradients of 13 S: they overflow for S >= 2**13
+
+
+def _tx(lowering="auto", **kw):
+  return optax_dls.dynamic_loss_scale(optax.sgd(1e-3), init_scale=2.0**15, growth_interval=1000,
+                                      skip_lowering=lowering, **kw)
+
+
+def _step(tx, grad_fn):
+  @jax.jit
+  def step(params, opt_state, x):
+    (loss, grads), opt_state = grad_fn(opt_state, params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def test_every_batch_is_applied_and_the_policy_sees_every_overflow(lowering):
+  tx = _tx(lowering)
+  step = _step(tx, optax_dls.value_and_grad(LOSS16, tx, max_tries=8))
+  plain = _tx(lowering)
+  plain_step = _step(plain, optax_dls.value_and_grad(LOSS16, plain, max_tries=0))
+  params, state, pp, ps = PARAMS, tx.init(PARAMS), PARAMS, plain.init(PARAMS)
+  for x in (SMALL, BIG, SMALL, BIG, BIG, SMALL):
+    before = params
+    params, state, _ = step(params, state, x)
+    pp, ps, _ = plain_step(pp, ps, x)
+    assert bool(state.last_step_finite) and not all(jax.tree.leaves(jax.tree.map(jnp.array_equal, params, before)))
+  m, mp = optax_dls.metrics(state), optax_dls.metrics(ps)
+  assert int(m["skip_count"]) == 0 and int(mp["skip_count"]) >= 1  # without recomputing, batches are lost
+  assert int(m["recomputed_steps"]) >= 1 and int(m["recompute_tries"]) >= int(m["recomputed_steps"])
+  # Each failed try backed the scale off, as a skipped step would have.
+  assert float(m["loss_scale"]) == 2.0**15 / 2 ** int(m["recompute_tries"])
+  assert step._cache_size() == 1
+
+
+def test_a_recomputed_step_equals_a_step_run_directly_at_the_final_scale(lowering):
+  tx = _tx(lowering)
+  (loss, grads), state = jax.jit(optax_dls.value_and_grad(LOSS16, tx))(tx.init(PARAMS), PARAMS, BIG)
+  final = float(optax_dls.loss_scale(state))
+  assert final < 2.0**15 and int(state.recompute_tries) >= 1
+  direct = optax_dls.reset_scale(tx.init(PARAMS), final)
+  (loss_d, grads_d), _ = jax.jit(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(direct, PARAMS, BIG)
+  # The scales are powers of two: no rounding from the change of scale, the gradients are the same.
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_d)):
+    np.testing.assert_array_equal(a, b)
+  assert float(loss) == float(loss_d)
+  new, _ = tx.update(grads, state, PARAMS)
+  new_d, _ = tx.update(grads_d, direct._replace(policy_state=state.policy_state), PARAMS)
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_d)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_float32_last_resort_runs_only_when_every_try_overflowed(lowering):
+  seen = []
+
+  def loss32(params, x):
+    jax.debug.callback(lambda: seen.append(1))
+    return LOSS32(params, x)
+
+  tx = _tx(lowering)
+  grad_fn = jax.jit(optax_dls.value_and_grad(LOSS16, tx, fp32_fun=loss32, max_tries=2))
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL)
+  jax.effects_barrier()
+  assert seen == [] and int(state.recompute_tries) == 0
+  huge = jnp.full((4, 3), 3e3)  # overflows float16 even at 2**12: every float16 try fails
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, huge)
+  jax.effects_barrier()
+  assert seen == [1] and int(state.recompute_tries) == 3 and int(state.recomputed_steps) == 1
+  assert float(state.loss_scale) == 2.0**12  # three overflows: 2**15 -> 2**12, the float32 scale
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+  expected = jax.grad(lambda p: LOSS32(p, huge) * 2.0**12)(PARAMS)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  _, state = tx.update(grads, state, PARAMS)
+  assert bool(state.last_step_finite)
+
+
+def test_when_every_try_overflows_the_step_is_skipped_as_usual():
+  tx = _tx()
+  nan = jnp.full((4, 3), jnp.nan)
+  (_, grads), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=2)(tx.init(PARAMS), PARAMS, nan)
+  assert int(state.recompute_tries) == 2 and float(state.loss_scale) == 2.0**13
+  updates, state = tx.update(grads, state, PARAMS)
+  assert not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**12  # the last overflow
+  assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+
+
+def test_hysteresis_counts_each_failed_try():
+  tx = _tx(hysteresis=2)
+  (_, _), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=8)(tx.init(PARAMS), PARAMS, BIG)
+  # The first overflow spends the hysteresis without a backoff: one try is spent at the same scale.
+  tries = int(state.recompute_tries)
+  assert float(state.loss_scale) == 2.0**15 / 2 ** (tries - 1)
+  assert int(state.policy_state.growth_tracker) == 0
+
+
+def test_has_aux_argnums_and_value():
+  tx = _tx()
+
+  def loss(x, params):
+    return LOSS16(params, x), {"n": x.shape[0]}
+
+  grad_fn = optax_dls.value_and_grad(loss, tx, argnums=1, has_aux=True)
+  ((value, aux), grads), _ = grad_fn(tx.init(PARAMS), BIG, PARAMS)
+  assert aux == {"n": 4} and float(value) == float(LOSS16(PARAMS, BIG))
+  assert jax.tree.structure(grads) == jax.tree.structure(PARAMS)
+
+
+def test_under_shard_map_every_device_takes_the_same_number_of_tries(lowering):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  tx = _tx(lowering, axis_name="data")
+  state = tx.init(PARAMS)
+  spec = jax.tree.map(lambda _: P(), state)
+
+  def local(x, state):
+    (_, grads), state = optax_dls.value_and_grad(LOSS16, tx)(state, PARAMS, x)
+    grads = jax.lax.pmean(grads, "data")
+    _, state = tx.update(grads, state, PARAMS)
+    return state.recompute_tries[None], state.loss_scale[None]
+
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), spec), out_specs=(P("data"), P("data"))))
+  x = jnp.full((8, 3), 0.25).at[5].set(2.0)  # only device 5's rows overflow
+  tries, scales = f(x, state)
+  assert len(set(np.asarray(tries).tolist())) == 1 and int(tries[0]) >= 1
+  assert len(set(np.asarray(scales).tolist())) == 1
+
+
+def test_under_jit_with_named_sharding():
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.full((8, 3), 2.0), NamedSharding(mesh, P("data")))
+    tx = _tx()
+    step = _step(tx, optax_dls.value_and_grad(LOSS16, tx))
+    _, state, _ = step(PARAMS, tx.init(PARAMS), x)
+  assert bool(state.last_step_finite) and int(state.recomputed_steps) == 1
+
+
+def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
+  tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2),
+                                    init_scale=2.0**15, growth_interval=1000)
+  step = _step(tx, optax_dls.value_and_grad(LOSS16, tx))
+  params, state = PARAMS, tx.init(PARAMS)
+  for x in (SMALL, BIG, BIG, SMALL):
+    params, state, _ = step(params, state, x)
+  m = optax_dls.metrics(state)
+  # The first BIG micro-batch was recomputed (at 2**12, where the second one fits too): nothing skipped.
+  assert int(m["skip_count"]) == 0 and int(m["recomputed_steps"]) == 1 and float(m["loss_scale"]) == 2.0**12
+  assert int(optax_dls.find_state(state).inner_state.gradient_step) == 2  # two applied windows
+
+
+def test_no_loss_scale_takes_one_pass():
+  tx = optax_dls.no_loss_scale(optax.sgd(1e-3))
+  (_, grads), state = optax_dls.value_and_grad(LOSS16, tx)(tx.init(PARAMS), PARAMS, SMALL)
+  assert int(state.recompute_tries) == 0
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"max_tries": -1}, ValueError, "max_tries"), ({"max_tries": 1.5}, TypeError, "max_tries"),
+    ({"fp32_fun": 3}, TypeError, "fp32_fun"), ({"has_aux": 1}, TypeError, "has_aux"),
+    ({"argnums": "0"}, TypeError, "argnums"),
+])
+def test_bad_arguments_are_named(kw, error, match):
+  with pytest.raises(error, match=match):
+    optax_dls.value_and_grad(LOSS16, _tx(), **kw)
+
+
+def test_tx_must_be_the_loss_scaled_transformation():
+  with pytest.raises(TypeError, match="tx"):
+    optax_dls.value_and_grad(LOSS16, optax.chain(_tx()))
+  with pytest.raises(TypeError, match="fun"):
+    optax_dls.value_and_grad(None, _tx())
