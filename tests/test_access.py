@@ -154,7 +154,7 @@ def test_metrics_core_keys_follow_the_steps():
   assert m["loss_scale"] == 8.0 / 2**3
   assert not m["fp32_fallback"]
   assert sorted(m) == ["consecutive_skips", "fp32_fallback", "grad_norm", "loss_scale", "num_steps",
-                       "skip_count", "skipped", "update_ratio"]
+                       "recompute_tries", "recomputed_steps", "skip_count", "skipped", "update_ratio"]
 
 
 def test_feature_states_report_their_keys_and_are_unambiguous_in_a_chain():
