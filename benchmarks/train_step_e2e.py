@@ -35,8 +35,8 @@ def inner():
 VARIANTS = {
     "no_loss_scale": lambda: optax_dls.no_loss_scale(inner()),
     "dynamic_loss_scale": lambda: optax_dls.dynamic_loss_scale(inner(), growth_interval=50),
-    "dynamic_loss_scale_alerts_on": lambda: optax_dls.dynamic_loss_scale(
-        inner(), growth_interval=50, alerts=True),
+    "dynamic_loss_scale_where": lambda: optax_dls.dynamic_loss_scale(
+        inner(), growth_interval=50, skip_lowering="where"),
 }
 FUSED = ("dynamic_loss_scale", "no_loss_scale")  # also timed with optax_dls.apply_step
 

@@ -1,0 +1,179 @@
+"""The skip's two lowerings on an accelerator: step time against bare Adam, and host reads.
+
+For the largest tree that fits (default about 1B float32 parameters in 256 leaves of
+mixed sizes), times one optimizer step of bare ``optax.adam``, the floor (the bare
+step on unscaled gradients plus one extra read of them) and ``dynamic_loss_scale``
+under each skip lowering, on both call paths (``tx.update`` + ``optax.apply_updates``,
+and ``optax_dls.apply_step``), on finite and non-finite gradients. Each variant is
+timed two ways: step by step (blocking after each step), and as a pipeline of steps
+dispatched back to back (blocking once at the end), where a step that reads a value
+back to the host stalls the dispatch of the next. Then it looks for device-to-host
+traffic in each compiled step: conditionals in the optimised HLO (whose predicate a
+GPU runtime reads back to the host unless it captures them in a graph), host
+callbacks and transfers, and, in a profiler trace of a few steps, device-to-host
+memory copies. Prints one JSON object. Usage::
+
+    python benchmarks/gpu_check.py [--params 1000000000] [--leaves 256] [--steps 20]
+
+Runs on the CPU too (with ``--params 2000000``, say), where it checks itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_dls
+
+HOST_OPS = re.compile(r"\b(conditional|custom-call|send|recv|infeed|outfeed)\b")
+D2H = re.compile(rb"[Mm]emcpy ?D(evice)?[ _-]?[Tt]o[ _-]?H(ost)?|DtoH|D2H")
+
+
+def make_tree(total: int, leaves: int) -> dict:
+  rng = np.random.default_rng(0)
+  raw = rng.lognormal(0.0, 1.5, leaves)
+  sizes = np.maximum(1, (raw / raw.sum() * total).astype(np.int64)).tolist()
+  keys = jax.random.split(jax.random.key(0), leaves)
+  return {f"p{i:03d}": jax.random.normal(k, (n,), jnp.float32) for i, (k, n) in enumerate(zip(keys, sizes))}
+
+
+def bare(unscaled=False, extra_read=False):
+  tx = optax.adam(1e-3)
+
+  def init(params):
+    return tx.init(params), jnp.float32(1.0), jnp.float32(0.0)
+
+  def step(params, state, grads):
+    opt_state, scale, read = state
+    if extra_read:
+      read = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+    if unscaled:
+      grads = jax.tree.map(lambda g: g * (1.0 / scale), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), (opt_state, scale, read)
+
+  return init, step
+
+
+def ours(lowering, fused):
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=1.0, min_scale=1.0, skip_lowering=lowering)
+
+  def step(params, state, grads):
+    if fused:
+      return optax_dls.apply_step(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+VARIANTS = {
+    "bare_adam": (bare, False),
+    "floor": (functools.partial(bare, unscaled=True, extra_read=True), False),
+    **{f"{lowering}_{path}_{kind}": (functools.partial(ours, lowering, path == "apply_step"), kind == "nonfinite")
+       for lowering in ("cond", "where") for path in ("update", "apply_step") for kind in ("finite", "nonfinite")},
+}
+
+
+def host_reads_in_profile(compiled, params, state, grads, steps=3):
+  """Device-to-host copies seen in a profiler trace of ``steps`` steps (None if no trace)."""
+  with tempfile.TemporaryDirectory() as d:
+    try:
+      with jax.profiler.trace(d):
+        for _ in range(steps):
+          params, state = compiled(params, state, grads)
+        jax.block_until_ready(params)
+    except Exception as e:  # noqa: BLE001 (a profiler that is not available here)
+      return {"error": f"{type(e).__name__}: {e}"}, params, state
+    count = 0
+    for path in glob.glob(os.path.join(d, "**", "*"), recursive=True):
+      if os.path.isfile(path):
+        data = open(path, "rb").read()
+        if path.endswith(".gz"):
+          data = gzip.decompress(data)
+        count += len(D2H.findall(data))
+  return {"d2h_events_per_step": count / steps}, params, state
+
+
+def run_variant(name, params, grads, steps):
+  factory, nonfinite = VARIANTS[name]
+  init, step = factory()
+  if nonfinite:
+    first = sorted(grads)[0]
+    grads = dict(grads, **{first: grads[first].at[0].set(jnp.inf)})
+  state = init(params)
+  params = jax.tree.map(jnp.copy, params)
+  t0 = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  out = {"compile_s": time.perf_counter() - t0}
+  text = compiled.as_text()
+  out["hlo_host_ops"] = sorted(set(HOST_OPS.findall(text)))
+  for _ in range(3):
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready(params)
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    params, state = compiled(params, state, grads)
+    jax.block_until_ready((params, state))
+    times.append(time.perf_counter() - t)
+  out["median_step_s"] = statistics.median(times)
+  t = time.perf_counter()
+  for _ in range(steps):
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready((params, state))
+  out["pipelined_step_s"] = (time.perf_counter() - t) / steps
+  profile, params, state = host_reads_in_profile(compiled, params, state, grads)
+  out.update(profile)
+  del params, state
+  return out
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--params", type=int, default=1_000_000_000, help="parameters in the tree")
+  ap.add_argument("--leaves", type=int, default=256, help="leaves of mixed sizes")
+  ap.add_argument("--steps", type=int, default=20, help="timed steps per variant and mode")
+  ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
+  args = ap.parse_args(argv)
+  params = make_tree(args.params, args.leaves)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  out = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
+         "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "params": int(sum(x.size for x in jax.tree.leaves(params))), "leaves": len(params),
+         "steps": args.steps, "results": {}}
+  for name in args.variants.split(","):
+    out["results"][name] = run_variant(name, params, grads, args.steps)
+    print(f"{name}: {out['results'][name]}", file=sys.stderr, flush=True)
+  for ref in ("bare_adam", "floor"):
+    if ref in out["results"]:
+      for mode in ("median_step_s", "pipelined_step_s"):
+        base = out["results"][ref][mode]
+        for r in out["results"].values():
+          r[f"{mode}_ratio_to_{ref}"] = r[mode] / base
+  finite = {k: v for k, v in out["results"].items() if k.endswith("_finite")}
+  if finite:
+    best = min(finite, key=lambda k: finite[k]["pipelined_step_s"])
+    out["fastest_update_path"] = min((k for k in finite if "_update_" in k),
+                                     key=lambda k: finite[k]["pipelined_step_s"])
+    out["fastest_overall"] = best
+  print(json.dumps(out, indent=2))
+  return out
+
+
+if __name__ == "__main__":
+  main()
