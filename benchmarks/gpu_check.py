@@ -102,7 +102,8 @@ def host_reads_in_profile(compiled, params, state, grads, steps=3):
     count = 0
     for path in glob.glob(os.path.join(d, "**", "*"), recursive=True):
       if os.path.isfile(path):
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+          data = f.read()
         if path.endswith(".gz"):
           data = gzip.decompress(data)
         count += len(D2H.findall(data))
@@ -113,7 +114,7 @@ def run_variant(name, params, grads, steps):
   factory, nonfinite = VARIANTS[name]
   init, step = factory()
   if nonfinite:
-    first = sorted(grads)[0]
+    first = min(grads)
     grads = dict(grads, **{first: grads[first].at[0].set(jnp.inf)})
   state = init(params)
   params = jax.tree.map(jnp.copy, params)
