@@ -1,6 +1,8 @@
 """The skip: apply the inner update on a finite step, leave everything untouched otherwise.
 
-Two lowerings, which give bit-identical results:
+Two lowerings, which give bit-identical parameters, optimizer states and scales
+(only the stored gradient norm of a step whose squares overflow float32 may
+differ in its last bits, see :func:`optax_dls._numerics.finite_and_norm_fused`):
 
 * ``"cond"``: a ``lax.cond`` runs the inner update only on a finite step; a
   skipped step does no optimizer work. The updates leave the conditional and

@@ -20,8 +20,9 @@ class LossScaleState(NamedTuple):
   against.
 
   Attributes:
-    loss_scale: float32 ``()``. The scale S to multiply the *next* loss by.
-      Always within ``[min_scale, max_scale]``.
+    loss_scale: float32 ``()``. The scale S to multiply the *next* loss by,
+      kept within ``[min_scale, max_scale]`` (a NaN from a misbehaving policy
+      stays NaN until the next step skips and restarts at the initial scale).
     min_scale: float32 ``()``. The policy's lowest scale.
     max_scale: float32 ``()``. The policy's highest scale.
     num_steps: int32 ``()``. Number of ``update`` calls so far, skipped steps
@@ -41,7 +42,7 @@ class LossScaleState(NamedTuple):
       under ``pmap`` / ``shard_map`` with ``axis_name``, the norm over every
       device and the same on each (see ``docs/multi_device.md``).
     policy_state: pytree of the loss-scale policy (for the dynamic policy a
-      :class:`optax_dls.DynamicScaleState`).
+      ``DynamicScaleState`` of ``growth_tracker`` and ``hysteresis_left``).
     inner_state: the wrapped optax transformation's state; bit-for-bit
       unchanged by a skipped step.
   """

@@ -83,9 +83,9 @@ def loss_scaled(
       one decision; without one each member keeps its own scale.
     skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the
       skip is compiled (a ``lax.cond``, or a ``jnp.where`` selection fused
-      into the optimizer's elementwise work). Both give the same results;
-      ``"auto"`` takes ``"cond"`` on the CPU and ``"where"`` on every other
-      platform (see ``docs/guide/performance.md``).
+      into the optimizer's elementwise work). Both give the same
+      parameters, states and scales; ``"auto"`` takes ``"cond"`` on the CPU
+      and ``"where"`` on every other platform (see ``docs/design.md``).
 
   Returns:
     A :class:`LossScaledTransformation` whose state is a :class:`LossScaleState`.

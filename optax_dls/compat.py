@@ -62,7 +62,8 @@ def torch_policy(init_scale: float = 2.0**16, growth_factor: float = 2.0,
     growth_interval: int in [1, 2**31 - 2]. Default 2000.
 
   Returns:
-    A :class:`LossScalePolicy` with a :class:`DynamicScaleState`.
+    A :class:`LossScalePolicy` with the dynamic rule's state (``growth_tracker``,
+    ``hysteresis_left``).
 
   Raises:
     ValueError: a value out of range (the message names it).

@@ -24,8 +24,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from optax_dls import _access
 from optax_dls import _validation as v
 from optax_dls._access import find_state, scale_loss
+from optax_dls._recompute import value_and_grad as _recompute_value_and_grad
 from optax_dls._transform import apply_step
 
 __all__ = ["apply_gradients", "value_and_grad"]
