@@ -5,7 +5,8 @@ Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 Public submodules: :mod:`optax_dls.compat` (policies that reproduce other
 frameworks' scale trajectories), :mod:`optax_dls.writers` (JSONL /
 TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
-:mod:`optax_dls.group_scale` (per-group gradient scaling), and, imported on
+:mod:`optax_dls.group_scale` (per-group gradient scaling),
+:mod:`optax_dls.config` (presets and configuration files), and, imported on
 use, :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
@@ -15,12 +16,12 @@ _versions.check()  # before the rest: a clear ImportError when jax, jaxlib or op
 
 from optax_dls import checkpoint as checkpoint  # public submodules
 from optax_dls import compat as compat
+from optax_dls import config as config
 from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
 from optax_dls._access import find_state, loss_scale, metrics, reset_scale, scale_loss
 from optax_dls._alerts import SkipAlerts
-from optax_dls._config import from_config, preset
-from optax_dls._fallback import fallback_value_and_grad, fp32_fallback, select_precision
+from optax_dls._fallback import fp32_fallback, select_precision
 from optax_dls._numerics import all_finite
 from optax_dls._policies import (
     GradStats,
@@ -50,16 +51,13 @@ __all__ = [
     "apply_step",
     "dynamic_loss_scale",
     "dynamic_policy",
-    "fallback_value_and_grad",
     "find_state",
     "fp32_fallback",
-    "from_config",
     "loss_scale",
     "loss_scaled",
     "metrics",
     "no_loss_scale",
     "noop_policy",
-    "preset",
     "reset_scale",
     "scale_loss",
     "select_precision",

@@ -45,7 +45,7 @@ def fp32_fallback(policy: _policies.LossScalePolicy, *, after: int = 10, steps: 
 
   When a skipped step makes ``after`` consecutive skips, the state's
   ``fp32_fallback`` flag turns on for the next ``steps`` updates, during which
-  :func:`select_precision` (or :func:`fallback_value_and_grad`) computes the
+  :func:`select_precision` computes the
   loss in float32; the wrapped policy keeps moving the scale meanwhile. On
   the update that ends it, the scale restarts at ``scale`` and the wrapped
   policy's state at its initial value. :func:`metrics` reports the flag as
@@ -156,38 +156,3 @@ def select_precision(opt_state: Any, fp16_fn: Callable, fp32_fn: Callable, *args
   if flag is None:
     return branch(fp16_fn)((args, kwargs))
   return lax.cond(flag, branch(fp32_fn), branch(fp16_fn), (args, kwargs))
-
-
-def fallback_value_and_grad(fp16_fn: Callable, fp32_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
-                            has_aux: bool = False) -> Callable:
-  """``jax.value_and_grad`` of the fp16 or fp32 loss, chosen by the fallback flag.
-
-  Returns ``f(opt_state, *args, **kwargs) -> (value, grads)`` (``((value,
-  aux), grads)`` with ``has_aux``), which differentiates ``fp32_fn`` while
-  the :func:`fp32_fallback` flag of ``opt_state`` is on and ``fp16_fn``
-  otherwise; see :func:`select_precision`. Both losses should already be
-  multiplied by the loss scale (:func:`scale_loss`), as usual.
-
-  Args:
-    fp16_fn: the loss in float16 compute.
-    fp32_fn: the loss in float32 compute, with ``fp16_fn``'s signature.
-    argnums: int >= 0 or non-empty tuple of them, as in
-      ``jax.value_and_grad``. Default 0.
-    has_aux: bool, as in ``jax.value_and_grad``. Default False.
-
-  Raises:
-    TypeError: ``fp16_fn`` / ``fp32_fn`` not callable, ``argnums`` not an int
-      or tuple of ints, ``has_aux`` not a bool.
-    ValueError: a negative ``argnums``.
-  """
-  v.function("fp16_fn", fp16_fn)
-  v.function("fp32_fn", fp32_fn)
-  argnums = v.argnums(argnums)
-  has_aux = v.boolean("has_aux", has_aux)
-  vg16 = jax.value_and_grad(fp16_fn, argnums=argnums, has_aux=has_aux)
-  vg32 = jax.value_and_grad(fp32_fn, argnums=argnums, has_aux=has_aux)
-
-  def run(opt_state, *args, **kwargs):
-    return select_precision(opt_state, vg16, vg32, *args, **kwargs)
-
-  return run

@@ -390,7 +390,7 @@ _ADVICE = {
         "(e.g. 1000), check warmup_steps, or raise max_scale."),
     "gradients too small": (
         "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
-        "init_scale and max_scale (optax_dls.preset('qlora') starts at 2**16), watch each "
+        "init_scale and max_scale (optax_dls.config.preset('qlora') starts at 2**16), watch each "
         "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
         "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
         "bfloat16."),

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import optax_dls
-from optax_dls import _config
+from optax_dls import config as _config
 
 YAML = """
 model: {d_model: 512}          # other sections are left alone
@@ -36,7 +36,7 @@ FINITE = np.random.default_rng(0).random(400) > 0.02
 def test_yaml_file_gives_the_same_policy_as_the_arguments(tmp_path):
   path = tmp_path / "train.yaml"
   path.write_text(YAML)
-  policy = optax_dls.from_config(path)
+  policy = optax_dls.config.from_config(path)
   expected = optax_dls.dynamic_policy(init_scale=4096, growth_interval=100, warmup_steps=50)
   assert _trajectory(policy, FINITE) == _trajectory(expected, FINITE)
   assert float(policy.init()[0]) == 4096
@@ -45,7 +45,7 @@ def test_yaml_file_gives_the_same_policy_as_the_arguments(tmp_path):
 def test_with_inner_gives_a_transformation_with_wrapper_options():
   cfg = {"loss_scale": {"init_scale": 512, "underflow_stats": True, "fallback_after": 10, "fallback_steps": 5,
                         "skip_lowering": "where"}}
-  tx = optax_dls.from_config(cfg, optax.sgd(0.1))
+  tx = optax_dls.config.from_config(cfg, optax.sgd(0.1))
   state = tx.init({"w": jnp.ones(2)})
   m = optax_dls.metrics(state)
   assert float(m["loss_scale"]) == 512 and {"underflow/zero_frac", "underflow/subnormal_frac"} <= set(m)
@@ -58,12 +58,12 @@ def test_with_inner_gives_a_transformation_with_wrapper_options():
 @pytest.mark.parametrize("key", ["alerts", "alert_after"])
 def test_alerts_are_not_configured_in_the_transformation(key):
   with pytest.raises(ValueError, match=f"'{key}'.*SkipAlerts"):
-    optax_dls.from_config({key: 3}, optax.sgd(0.1))
+    optax_dls.config.from_config({key: 3}, optax.sgd(0.1))
 
 
 def test_preset_with_override():
-  policy = optax_dls.from_config({"preset": "qlora", "growth_interval": 10})
-  expected = optax_dls.dynamic_policy(**(optax_dls.preset("qlora") | {"growth_interval": 10}))
+  policy = optax_dls.config.from_config({"preset": "qlora", "growth_interval": 10})
+  expected = optax_dls.dynamic_policy(**(optax_dls.config.preset("qlora") | {"growth_interval": 10}))
   assert _trajectory(policy, FINITE) == _trajectory(expected, FINITE)
 
 
@@ -75,32 +75,32 @@ def test_preset_with_override():
 ])
 def test_unknown_or_misplaced_key_is_named(cfg, key):
   with pytest.raises(ValueError, match=f"'{key}'"):
-    optax_dls.from_config(cfg)
+    optax_dls.config.from_config(cfg)
 
 
 def test_bad_values_and_kinds():
   with pytest.raises(ValueError, match="kind"):
-    optax_dls.from_config({"kind": "adaptive"})
+    optax_dls.config.from_config({"kind": "adaptive"})
   with pytest.raises(ValueError, match="preset"):
-    optax_dls.from_config({"preset": "vision"})
+    optax_dls.config.from_config({"preset": "vision"})
   with pytest.raises(ValueError, match="growth_interval"):
-    optax_dls.from_config({"growth_interval": 0})
+    optax_dls.config.from_config({"growth_interval": 0})
   with pytest.raises(ValueError, match="scale"):
-    optax_dls.from_config({"kind": "static"})
+    optax_dls.config.from_config({"kind": "static"})
 
 
 def test_static_and_none_kinds():
-  assert float(optax_dls.from_config({"kind": "static", "scale": 128}).init()[0]) == 128
-  tx = optax_dls.from_config({"kind": "none"}, optax.sgd(1.0))
+  assert float(optax_dls.config.from_config({"kind": "static", "scale": 128}).init()[0]) == 128
+  tx = optax_dls.config.from_config({"kind": "none"}, optax.sgd(1.0))
   updates, _ = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
   assert np.allclose(updates["w"], -1.0)
 
 
 def test_preset_values_follow_their_rationale():
-  llm, mm, pref, qlora = (optax_dls.preset(n) for n in ("text_llm", "multimodal", "preference", "qlora"))
+  llm, mm, pref, qlora = (optax_dls.config.preset(n) for n in ("text_llm", "multimodal", "preference", "qlora"))
   assert 2**15 <= llm["init_scale"] <= 2**16
   assert 2**12 <= mm["init_scale"] <= 2**14 and mm["warmup_steps"] > 0
-  assert pref["max_scale"] == 65536 and optax_dls.preset("dpo") == pref
+  assert pref["max_scale"] == 65536 and optax_dls.config.preset("dpo") == pref
   assert qlora["init_scale"] >= 2**16 and qlora["growth_interval"] == 1000
   for p in (llm, mm, pref, qlora):
     optax_dls.dynamic_loss_scale(optax.sgd(0.1), **p)  # every preset is valid
@@ -108,9 +108,9 @@ def test_preset_values_follow_their_rationale():
 
 def test_loss_scale_keys_beside_a_loss_scale_section_are_refused():
   with pytest.raises(ValueError, match=r"top level.*\['growth_interval', 'init_scale'\]"):
-    optax_dls.from_config({"loss_scale": {}, "init_scale": 8.0, "growth_interval": 3, "model": {}})
+    optax_dls.config.from_config({"loss_scale": {}, "init_scale": 8.0, "growth_interval": 3, "model": {}})
   # Other sections are still left alone.
-  policy = optax_dls.from_config({"loss_scale": {"init_scale": 8.0}, "model": {"d": 1}})
+  policy = optax_dls.config.from_config({"loss_scale": {"init_scale": 8.0}, "model": {"d": 1}})
   assert float(policy.init()[0]) == 8.0
 
 
@@ -122,7 +122,7 @@ def test_bad_yaml_files_raise_value_error_naming_the_file(tmp_path, text, match)
   path = tmp_path / "bad.yaml"
   path.write_text(text)
   with pytest.raises(ValueError, match=match) as e:
-    optax_dls.from_config(str(path))
+    optax_dls.config.from_config(str(path))
   assert "bad.yaml" in str(e.value)
 
 
@@ -130,14 +130,14 @@ def test_binary_yaml_file_raises_value_error(tmp_path):
   path = tmp_path / "bin.yaml"
   path.write_bytes(bytes(range(128, 256)))
   with pytest.raises(ValueError, match="bin.yaml.*UTF-8"):
-    optax_dls.from_config(path)
+    optax_dls.config.from_config(path)
 
 
 def test_scientific_number_read_as_string_gets_a_hint(tmp_path):
   path = tmp_path / "sci.yaml"
   path.write_text("loss_scale:\n  init_scale: 1e4\n")
   with pytest.raises(TypeError, match=r"init_scale.*'1e4'.*1\.0e4"):
-    optax_dls.from_config(path)
+    optax_dls.config.from_config(path)
 
 
 SAFE_LOAD_DOCUMENTS = [
@@ -163,7 +163,7 @@ def test_merge_key_config_builds_the_merged_policy(tmp_path):
   path = tmp_path / "train.yaml"
   path.write_text(SAFE_LOAD_DOCUMENTS[0])
   expected = optax_dls.dynamic_policy(init_scale=8.0, growth_interval=5)
-  assert _trajectory(optax_dls.from_config(path), FINITE) == _trajectory(expected, FINITE)
+  assert _trajectory(optax_dls.config.from_config(path), FINITE) == _trajectory(expected, FINITE)
 
 
 @pytest.mark.parametrize("text, match", [

@@ -170,9 +170,9 @@ def test_huge_python_ints_raise_value_error_not_overflow(build):
 def test_fallback_options_in_a_config(kw):
   (name, _), = kw.items()
   with pytest.raises((ValueError, TypeError), match="fallback"):  # meaningless without fallback_after
-    optax_dls.from_config(kw, INNER)
+    optax_dls.config.from_config(kw, INNER)
   with pytest.raises((ValueError, TypeError), match=name.removeprefix("fallback_")):
-    optax_dls.from_config({"fallback_after": 2, **kw}, INNER)
+    optax_dls.config.from_config({"fallback_after": 2, **kw}, INNER)
 
 
 # --- Bools: Python and NumPy bools accepted, others and traced ones refused ----------
@@ -181,7 +181,7 @@ def test_fallback_options_in_a_config(kw):
 def test_numpy_bools_are_accepted_everywhere_a_bool_is():
   optax_dls.dynamic_loss_scale(INNER, consecutive_hysteresis=np.bool_(True))
   optax_dls.compat.deepspeed_policy(consecutive_hysteresis=np.bool_(True))
-  optax_dls.fallback_value_and_grad(lambda x: x, lambda x: x, has_aux=np.bool_(False))
+  optax_dls.value_and_grad(lambda x: x, optax_dls.dynamic_loss_scale(INNER), has_aux=np.bool_(False))
 
 
 def test_traced_and_non_bool_flags_are_refused():

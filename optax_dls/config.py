@@ -1,4 +1,4 @@
-"""Presets and configuration: loss scaling from a dict or a YAML file.
+"""Presets and configuration: loss scaling from a dict or a YAML file (public submodule).
 
 A configuration is a mapping, or the ``loss_scale`` section of one::
 
@@ -22,6 +22,8 @@ from typing import Any
 import optax
 
 from optax_dls import _fallback, _policies, _transform, _underflow
+
+__all__ = ["from_config", "load_config", "preset", "preset_reason"]
 
 _POLICY_KEYS = frozenset({
     "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
@@ -68,7 +70,7 @@ _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "
 def preset(name: str) -> dict[str, Any]:
   """The :func:`dynamic_loss_scale` arguments of a named preset, as a new dict.
 
-  Use as ``optax_dls.dynamic_loss_scale(inner, **optax_dls.preset("qlora"))``
+  Use as ``optax_dls.dynamic_loss_scale(inner, **optax_dls.config.preset("qlora"))``
   or ``{"loss_scale": {"preset": "qlora"}}`` in a configuration.
 
   Args:
@@ -81,7 +83,7 @@ def preset(name: str) -> dict[str, Any]:
 
   Example:
     >>> import optax_dls
-    >>> optax_dls.preset("qlora")
+    >>> optax_dls.config.preset("qlora")
     {'init_scale': 65536.0, 'growth_interval': 1000, 'max_scale': 16777216.0}
   """
   if not isinstance(name, str) or _ALIASES.get(name, name) not in _PRESETS:
