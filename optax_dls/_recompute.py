@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from optax_dls import _access, _skip
