@@ -55,7 +55,7 @@ def test_api_reference_lists_every_public_name():
   missing = [n for n in optax_dls.__all__ if f"optax_dls.{n}" not in documented]
   assert not missing, f"add '::: optax_dls.NAME' to docs/api.md for: {missing}"
   assert "optax_dls.flax" in documented
-  submodules = {"compat", "group_scale", "checkpoint", "writers", "flax", "cli"}  # public submodules
+  submodules = {"compat", "config", "group_scale", "checkpoint", "writers", "flax", "cli"}  # public submodules
   unknown = [d for d in documented if d.split(".")[1] not in set(optax_dls.__all__) | submodules]
   assert not unknown, f"docs/api.md documents names that are not public: {unknown}"
 
