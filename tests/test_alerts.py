@@ -95,6 +95,31 @@ def test_one_warning_under_pmap(caplog):
   assert len(_warnings(caplog)) == 1
 
 
+def test_one_warning_under_shard_map(caplog):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t)
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
+  state_spec = jax.tree.map(lambda _: P(), tx.init(PARAMS))
+  update = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(P("data"), state_spec, P("data")),
+                                 out_specs=(P("data"), state_spec)))
+  _run(tx, [I, I, I], optax_dls.SkipAlerts(), update=update, put=put)
+  assert len(_warnings(caplog)) == 1
+
+
+def test_each_member_of_a_vmapped_ensemble_gets_its_own_alerts(caplog):
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  states = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
+  update = jax.jit(jax.vmap(tx.update, in_axes=(0, 0, None)))
+  alerts = [optax_dls.SkipAlerts(alert_after=2) for _ in range(2)]
+  for step in range(3):  # member 0 overflows every step, member 1 never
+    grads = jax.tree.map(lambda i, f: jnp.stack([i, f]), _grads(I), _grads(F))
+    _, states = update(grads, states, PARAMS)
+    m = optax_dls.metrics(states)
+    for member, a in enumerate(alerts):
+      a(step, jax.tree.map(lambda x, member=member: x[member], m))
+  assert len(alerts[0].fired) == 1 and alerts[1].fired == [] and len(_warnings(caplog)) == 1
+
+
 def test_the_jitted_step_holds_no_callback():
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
   state = tx.init(PARAMS)
