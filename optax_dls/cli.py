@@ -540,7 +540,9 @@ def _lost_gradients(rows: list[dict[str, Any]], summary: dict[str, Any],
       symptom += ", with no loss scaling" if unscaled else ""
       return [(symptom, _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"])]
   at_max = summary.get("steps_at_max_scale", 0) / len(rows)
-  if at_max > 0.5 and summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0:
+  # Overflows recomputed inside the step (optax_dls.value_and_grad) skip nothing but are overflows.
+  recomputed = _last_known(_counter(_column(rows, "recompute_tries")))
+  if at_max > 0.5 and summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0 and not recomputed:
     symptom = (f"scale pinned at {_scale_text(summary['scale_max'])}, the highest logged, for "
                f"{at_max:.0%} of the logged steps, with no skipped step")
     return [(symptom, _ADVICE["scale pinned"])]

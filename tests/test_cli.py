@@ -144,6 +144,18 @@ def test_healthy_run_has_no_diagnosis(tmp_path, capsys):
   assert report["diagnosis"] == [] and report["summary"]["scale_increases"] == 3
 
 
+def test_a_scale_held_by_recomputed_overflows_is_not_pinned(tmp_path, capsys):
+  pinned = tmp_path / "pinned"
+  _write(pinned, [_row(i, 2.0**24) for i in range(200)])
+  found = [d["symptom"] for d in _inspect_json(pinned, capsys)["pinned"]["diagnosis"]]
+  assert len(found) == 1 and found[0].startswith("scale pinned"), found
+  # The same scale, held there by overflows that were recomputed instead of skipped.
+  held = tmp_path / "held"
+  _write(held, [_row(i, 2.0**24, recompute_tries=(i + 5) // 20, recomputed_steps=(i + 5) // 20)
+                for i in range(200)])
+  assert _inspect_json(held, capsys)["held"]["diagnosis"] == []
+
+
 @pytest.mark.skipif(not os.path.exists(EXAMPLE), reason="examples/train_lm.py not present")
 def test_inspect_logs_of_the_main_example(tmp_path, capsys):
   sys.path.insert(0, os.path.dirname(EXAMPLE))
