@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping
 
 PYTHON_MIN = "3.11"
-JAX_MIN = "0.7.0"
-JAXLIB_MIN = "0.7.0"
+JAX_MIN = "0.7.1"
+JAXLIB_MIN = "0.7.1"
 OPTAX_MIN = "0.2.5"
 FLAX_MIN = "0.11.0"  # optax_dls.flax only
 

@@ -22,6 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from optax_dls import _versions
+
+_versions.check_flax()  # before flax is used: a clear ImportError when it is too old
+
 from flax import nnx
 
 from optax_dls import _access
