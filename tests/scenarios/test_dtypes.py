@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 
 import optax_dls
+from _compat import enable_x64
 
 S = 2.0**12
 
@@ -38,8 +39,7 @@ def test_f32_params_with_low_precision_grads_match_bare_adam(gdtype, lowering):
 
 
 def test_f64_grads_unscaled_in_f64_under_x64(lowering):
-  # jax.experimental.enable_x64 is gone in jax 0.10; jax.enable_x64 is the context manager.
-  with jax.enable_x64(True):
+  with enable_x64(True):
     params = {"w": jnp.array([0.5, -1.0], jnp.float64)}
     g = jnp.array([1.0 / 3.0, 1e-300], jnp.float64) * S  # 1e-300 is below float32 range
     tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=S, skip_lowering=lowering)

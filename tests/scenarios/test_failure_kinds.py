@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 
 import optax_dls
+from _compat import enable_x64
 
 P = {"w": jnp.zeros(3, jnp.float32)}
 FINITE = {"w": jnp.ones(3, jnp.float32)}
@@ -118,7 +119,7 @@ def test_7_round_trip_keeps_every_field_and_the_next_step(round_trip, lowering):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 def test_8_nonfinite_detected_in_every_float_dtype(dtype, lowering):
-  with jax.enable_x64(dtype == "float64"):
+  with enable_x64(dtype == "float64"):
     tx = optax_dls.static_loss_scale(optax.identity(), 2.0, skip_lowering=lowering)
 
     @jax.jit

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
+from _compat import pcast_varying
 
 BAD = (3, 1)  # mesh coordinates (data, model) of the one device whose shard gets the inf
 AXES = ("data", "model")
@@ -49,7 +50,7 @@ def _sharded_update(tx, mesh, check_vma=True):
     fields = (state.loss_scale, state.last_step_finite, state.num_skipped, state.grad_norm)
     per_device = jnp.stack([jnp.asarray(f, jnp.float32) for f in fields])[None]
     if check_vma:
-      per_device = lax.pcast(per_device, AXES, to="varying")
+      per_device = pcast_varying(per_device, AXES)
     return updates, state, per_device
 
   fn = jax.shard_map(update, mesh=mesh, in_specs=(PSPECS, state_specs, PSPECS),

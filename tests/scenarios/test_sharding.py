@@ -71,7 +71,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_clean_steps_match_single_device_and_keep_shardings(layout, lowering):
   shape, names, pspecs = LAYOUTS[layout]
-  mesh = jax.make_mesh(shape, names)
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
   tx = _tx(lowering=lowering)
   params = _put(_init(), mesh, pspecs)
   state = tx.init(params)

@@ -1,0 +1,47 @@
+"""What the tests use from JAX and optax that moved between the supported versions.
+
+The library supports the floors in pyproject.toml up to the newest releases,
+and CI runs the tests at both ends. The helpers here pick the spelling the
+installed version has; ``requires_jax`` / ``requires_optax`` skip a test, with
+the reason shown in the summary, where it needs a newer release than the floor.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+from jax import lax
+
+from optax_dls._versions import parse
+
+JAX = parse(jax.__version__)
+OPTAX = parse(optax.__version__)
+
+
+def requires_jax(version: str, reason: str):
+  """Skips the test on jax older than ``version``, saying why."""
+  return pytest.mark.skipif(
+      JAX < parse(version), reason=f"needs jax>={version} (jax {jax.__version__} here): {reason}")
+
+
+def requires_optax(version: str, reason: str):
+  """Skips the test on optax older than ``version``, saying why."""
+  return pytest.mark.skipif(
+      OPTAX < parse(version), reason=f"needs optax>={version} (optax {optax.__version__} here): {reason}")
+
+
+def enable_x64(on: bool = True):
+  """Context manager for 64-bit mode: ``jax.enable_x64`` (jax>=0.8), ``jax.experimental``'s before."""
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(on)
+  from jax import experimental
+  return experimental.enable_x64(on)
+
+
+def pcast_varying(x, axes):
+  """``lax.pcast(x, axes, to="varying")`` (jax>=0.8.2), ``lax.pvary`` before it."""
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, axes, to="varying")
+  return lax.pvary(x, axes)
+
