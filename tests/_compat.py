@@ -44,4 +44,3 @@ def pcast_varying(x, axes):
   if hasattr(lax, "pcast"):
     return lax.pcast(x, axes, to="varying")
   return lax.pvary(x, axes)
-
