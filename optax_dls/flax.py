@@ -6,7 +6,9 @@ with :func:`optax_dls.dynamic_loss_scale` and hand it to
 ``TrainState.create(tx=...)`` or ``nnx.Optimizer(model, tx, wrt=nnx.Param)``;
 ``TrainState.apply_gradients(grads=grads)`` and
 ``nnx.Optimizer.update(model, grads)`` then unscale, check, skip and adapt
-with no extra arguments.
+with no extra arguments. ``value_and_grad(..., max_tries=k)`` recomputes an
+overflowing step at a backed-off scale inside the jitted step instead of
+skipping it (:func:`optax_dls.value_and_grad`).
 
 Step counts: ``TrainState.step`` and ``nnx.Optimizer.step`` advance on every
 call, skipped steps included (flax knows nothing of skips). The number of

@@ -256,6 +256,7 @@ def test_linen_float32_last_resort_when_every_float16_try_overflows():
   m = optax_dls.metrics(new)
   assert int(m["skip_count"]) == 0 and int(m["recompute_tries"]) == 2 and _applied(new) == 1
   assert float(m["loss_scale"]) == S0 / 4
+  np.testing.assert_allclose(loss, fit32(state.params, None, X, Y_BIG), rtol=1e-6)  # the float32 loss
   expected = jax.grad(lambda p: _fit(p, model32.apply, X, Y_BIG) * S0 / 4)(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), grads, expected)
 
