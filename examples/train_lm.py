@@ -1,14 +1,23 @@
 """Train a small byte-level transformer LM in fp32, fp16, and fp16 with dynamic loss scaling.
 
-    python examples/train_lm.py                        # defaults: about 2.5 minutes on 2 CPU cores
+    python examples/train_lm.py                        # defaults: about 3 minutes on 2 CPU cores
     python examples/train_lm.py --runs fp32 --replicas 1 --out runs/control
 
-Three runs share one initialisation and one data order; only the precision and
+Four runs share one initialisation and one data order; only the precision and
 the loss scaling differ (Micikevicius et al. 2018, *Mixed Precision Training*):
 
-  fp32      float32 everywhere, ``optax_dls.no_loss_scale``
-  fp16      float16 matmuls/activations, float32 master weights, no loss scaling
-  fp16-dls  as fp16, with ``optax_dls.dynamic_loss_scale``
+  fp32                float32 everywhere, ``optax_dls.no_loss_scale``
+  fp16                float16 matmuls/activations, float32 master weights, no loss scaling
+  fp16-dls            as fp16, with ``optax_dls.dynamic_loss_scale``: an overflowing step is
+                      skipped (its batch is lost) and the scale halved
+  fp16-dls-recompute  as fp16-dls, the gradients from ``optax_dls.value_and_grad``: an
+                      overflowing step is recomputed at the halved scale inside the same
+                      jitted step (up to ``--max-tries`` times), so no batch is lost
+
+Both fp16-dls runs start at 2**15 and double the scale after every
+``--growth-interval`` (10) clean steps, up to ``--max-scale`` (2**32): the scale
+keeps probing upward and overflows every dozen steps or so once it has reached
+the largest one the gradients allow, as dynamic scaling does over a long run.
 
 The optimizer step is one of data-parallel training: its loss is the mean
 over a global batch of ``--replicas`` x ``--micro-batches`` x ``--batch-size``
@@ -52,7 +61,12 @@ from lm.model import Transformer, loss_fn, loss_sum
 from lm.precision import FP16, FP32
 from optax_dls.writers import JSONL_NAME, MetricsWriter
 
-RUNS = {"fp32": FP32, "fp16": FP16, "fp16-dls": FP16}
+RUNS = {"fp32": FP32, "fp16": FP16, "fp16-dls": FP16, "fp16-dls-recompute": FP16}
+RECOMPUTED = ("fp16-dls-recompute",)  # runs whose overflowing steps are recomputed
+# The fp16-dls runs' scale: the scale probes upward every 10 clean steps, about 30 probes in 300
+# steps, as many as a 2,000-step interval makes in 60,000 steps; the steps' gradients, p / 65,536
+# per token, take scales above optax_dls's default cap of 2**24 before they overflow.
+INIT_SCALE, GROWTH_INTERVAL, MAX_SCALE = 2.0**15, 10, 2.0**32
 SIZES = ("steps", "replicas", "micro_batches", "batch_size", "seq_len", "d_model", "layers", "heads",
          "growth_interval", "eval_every", "eval_batches")
 
@@ -66,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   or a ``--text`` file that is missing, empty, not UTF-8 or too short.
   """
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--runs", default="fp32,fp16,fp16-dls", help="comma-separated subset of " + ",".join(RUNS))
+  p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
   p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
   p.add_argument("--replicas", type=int, default=64,
                  help="data-parallel replicas whose tokens the loss is averaged over; one is computed "
@@ -79,8 +93,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
   p.add_argument("--heads", type=int, default=4, help="attention heads, dividing --d-model (default 4)")
   p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
-  p.add_argument("--growth-interval", type=int, default=50,
-                 help="clean steps before the loss scale grows, fp16-dls (default 50)")
+  p.add_argument("--init-scale", type=float, default=INIT_SCALE,
+                 help=f"initial loss scale, fp16-dls runs (default 2**{math.log2(INIT_SCALE):g})")
+  p.add_argument("--growth-interval", type=int, default=GROWTH_INTERVAL,
+                 help=f"clean steps before the loss scale doubles, fp16-dls runs (default {GROWTH_INTERVAL})")
+  p.add_argument("--max-scale", type=float, default=MAX_SCALE,
+                 help=f"largest loss scale, fp16-dls runs (default 2**{math.log2(MAX_SCALE):g})")
+  p.add_argument("--max-tries", type=int, default=3,
+                 help="float16 recomputations of an overflowing step, fp16-dls-recompute (default 3)")
   p.add_argument("--eval-every", type=int, default=25, help="steps between validation passes (default 25)")
   p.add_argument("--eval-batches", type=int, default=8,
                  help="fixed held-out batches of --batch-size sequences per validation pass (default 8)")
@@ -97,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
   if args.d_model % args.heads:
     p.error(f"argument --heads: must divide --d-model {args.d_model}, got {args.heads}")
+  if not 1.0 <= args.init_scale <= 2.0**126:
+    p.error(f"argument --init-scale: must be in [1, 2**126], got {args.init_scale}")
+  if not args.init_scale <= args.max_scale <= 2.0**126:
+    p.error(f"argument --max-scale: must be in [--init-scale, 2**126], got {args.max_scale}")
+  if not 0 <= args.max_tries <= 64:
+    p.error(f"argument --max-tries: must be in [0, 64], got {args.max_tries}")
   if not 0 < args.lr < math.inf:
     p.error(f"argument --lr: must be finite and > 0, got {args.lr}")
   if not 0 <= args.seed <= 2**32 - 1:
@@ -127,12 +153,13 @@ def make_optimizer(name, args):
   # of the bytes absent from the step's batch).
   inner = optax.chain(optax_dls.underflow_stats(), optax.clip_by_global_norm(1.0),
                       optax.adamw(lr, weight_decay=0.01))
-  if name == "fp16-dls":
-    return optax_dls.dynamic_loss_scale(inner, growth_interval=args.growth_interval)
+  if name.startswith("fp16-dls"):
+    return optax_dls.dynamic_loss_scale(inner, init_scale=args.init_scale, growth_interval=args.growth_interval,
+                                        max_scale=args.max_scale)
   return optax_dls.no_loss_scale(inner)
 
 
-def make_train_step(model, tx, args):
+def make_train_step(model, tx, args, max_tries=None):
   """Jitted ``(params, opt_state, batches) -> (params, opt_state, metrics)`` for one optimizer step.
 
   ``batches`` is int32 ``[micro_batches, batch_size, seq_len + 1]``. Each
@@ -140,23 +167,42 @@ def make_train_step(model, tx, args):
   times the loss scale; the micro-batch gradients are summed in float32, and
   the sum is multiplied by ``args.replicas`` in place of the sum over
   replicas. ``metrics["loss"]`` is the mean token loss of the step's batch.
+
+  With ``max_tries`` (an int), each micro-batch's gradients come from
+  ``optax_dls.value_and_grad``: a micro-batch whose gradients overflow is
+  recomputed at the backed-off scale inside the step, and the sum of the
+  micro-batches before it is brought to the new scale (a power-of-two ratio:
+  exact), so the step is applied instead of skipped.
   """
   n = tokens_per_step(args)
 
-  def micro_batch_grads(params, opt_state, batch):
+  def micro_batch_loss(p, batch):
+    return loss_sum(model, p, batch) / n
+
+  def micro_batch_grads(opt_state, params, batch):
     def scaled_loss(p):
-      loss = loss_sum(model, p, batch) / n
+      loss = micro_batch_loss(p, batch)
       return optax_dls.scale_loss(loss, opt_state), loss
 
-    return jax.grad(scaled_loss, has_aux=True)(params)
+    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    return (loss, grads), opt_state
+
+  if max_tries is not None:
+    micro_batch_grads = optax_dls.value_and_grad(micro_batch_loss, tx, max_tries=max_tries)
 
   @jax.jit
   def train_step(params, opt_state, batches):
-    def accumulate(total, batch):
-      grads, loss = micro_batch_grads(params, opt_state, batch)
-      return jax.tree.map(jnp.add, total, grads), loss
+    def accumulate(carry, batch):
+      total, opt_state = carry
+      before = optax_dls.loss_scale(opt_state)
+      (loss, grads), opt_state = micro_batch_grads(opt_state, params, batch)
+      if max_tries is not None:  # this micro-batch backed the scale off: the earlier ones follow
+        ratio = optax_dls.loss_scale(opt_state) / before
+        total = jax.tree.map(lambda t: t * ratio, total)
+      return (jax.tree.map(jnp.add, total, grads), opt_state), loss
 
-    grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batches)
+    (grads, opt_state), losses = jax.lax.scan(accumulate, (jax.tree.map(jnp.zeros_like, params), opt_state),
+                                              batches)
     grads = jax.tree.map(lambda g: g * args.replicas, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     m = {"loss": losses.sum() * args.replicas, **optax_dls.metrics(opt_state)}
@@ -174,20 +220,24 @@ def run_writers(out: str, name: str) -> tuple[MetricsWriter, MetricsWriter]:
 class Progress:
   """A tqdm bar when stderr is a terminal; otherwise a plain line every quarter of the run."""
 
-  def __init__(self, name: str, steps: int):
-    self.name, self.steps = name, steps
-    self.bar = tqdm(total=steps, desc=f"{name:>8}", unit="step", mininterval=1.0) if sys.stderr.isatty() else None
+  def __init__(self, name: str, steps: int, recomputes: bool = False):
+    self.name, self.steps, self.recomputes = name, steps, recomputes
+    self.width = max(map(len, RUNS))  # the names aligned
+    self.bar = (tqdm(total=steps, desc=f"{name:>{self.width}}", unit="step", mininterval=1.0)
+                if sys.stderr.isatty() else None)
 
   def update(self, step: int, m: dict) -> None:
+    counts = {"skipped": int(m["skip_count"])}
+    if self.recomputes:
+      counts["recomputed"] = int(m["recomputed_steps"])
     if self.bar is not None:
       self.bar.update(1)
       if step % 10 == 0:
-        self.bar.set_postfix(loss=f"{m['loss']:.3f}", scale=report.fmt_scale(m["loss_scale"]),
-                             skipped=int(m["skip_count"]))
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", scale=report.fmt_scale(m["loss_scale"]), **counts)
     elif step % max(1, self.steps // 4) == 0 or step == self.steps:
-      print(f"{self.name:>8}: step {step}/{self.steps}  loss {m['loss']:.3f}  "
+      print(f"{self.name:>{self.width}}: step {step}/{self.steps}  loss {m['loss']:.3f}  "
             f"zero grads {m['underflow/zero_frac']:.1%}  loss scale {report.fmt_scale(m['loss_scale'])}  "
-            f"skipped {int(m['skip_count'])}", flush=True)
+            + "  ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
 
   def close(self) -> None:
     if self.bar is not None:
@@ -199,14 +249,15 @@ def train_run(name, args, params):
   window = args.seq_len + 1
   model = Transformer(args.d_model, args.layers, args.heads, args.seq_len, RUNS[name])
   tx = make_optimizer(name, args)
-  train_step = make_train_step(model, tx, args)
+  train_step = make_train_step(model, tx, args, args.max_tries if name in RECOMPUTED else None)
   evaluate = jax.jit(lambda p, b: loss_fn(model, p, b))
   val_batch = data.gather(args.val, data.eval_starts(args.val.size, window, args.eval_batches, args.batch_size),
                           window).reshape(-1, window)
   order = data.batch_starts(args.train.size, window, args.steps * args.micro_batches, args.batch_size, args.seed)
   order = order.reshape(args.steps, args.micro_batches, args.batch_size)
   opt_state = jax.jit(tx.init)(params)
-  hist = {k: [] for k in ("step", "loss", "loss_scale", "skipped", "zero_frac", "eval_step", "val_loss")}
+  hist = {k: [] for k in ("step", "loss", "loss_scale", "skipped", "recomputed_steps", "zero_frac", "eval_step",
+                          "val_loss")}
   t0 = time.perf_counter()
   writers = run_writers(args.out, name)
 
@@ -221,12 +272,12 @@ def train_run(name, args, params):
     log(step, {"val_loss": v})
 
   validate(0)
-  progress = Progress(name, args.steps)
+  progress = Progress(name, args.steps, recomputes=name in RECOMPUTED)
   for step in range(1, args.steps + 1):
     params, opt_state, m = train_step(params, opt_state, data.gather(args.train, order[step - 1], window))
     m = jax.device_get(m)
     log(step, m)
-    for k in ("loss", "loss_scale", "skipped"):
+    for k in ("loss", "loss_scale", "skipped", "recomputed_steps"):
       hist[k].append(m[k])
     hist["zero_frac"].append(m["underflow/zero_frac"])
     hist["step"].append(step)
@@ -237,10 +288,14 @@ def train_run(name, args, params):
   for w in writers:
     w.close()
   hist = {k: np.asarray(v) for k, v in hist.items()}
+  recomputes = name in RECOMPUTED  # the other runs have no recomputation to report (None)
   row = {"train_loss": float(np.mean(hist["loss"][-20:])), "val_loss": float(hist["val_loss"][-1]),
          "zero_frac": float(np.median(hist["zero_frac"][len(hist["zero_frac"]) // 2:])),
-         "skipped": int(m["skip_count"]), "loss_scale": float(m["loss_scale"]),
-         "wall_s": time.perf_counter() - t0}
+         "skipped": int(m["skip_count"]),
+         "recomputed": int(m["recomputed_steps"]) if recomputes else None,
+         # Extra forward and backward passes over the run's steps x micro-batches passes.
+         "extra_passes": int(m["recompute_tries"]) / (args.steps * args.micro_batches) if recomputes else None,
+         "loss_scale": float(m["loss_scale"]), "wall_s": time.perf_counter() - t0}
   return row, hist
 
 

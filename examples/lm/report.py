@@ -17,7 +17,8 @@ def fmt_scale(s: float) -> str:
   return f"2^{e - 1}" if m == 0.5 and e > 1 else f"{s:g}"
 
 
-COLUMNS = ("run", "val loss", "vs fp32", "train loss", "zero grads", "skipped", "loss scale", "wall s")
+COLUMNS = ("run", "val loss", "vs fp32", "train loss", "zero grads", "skipped", "recomputed", "extra passes",
+           "loss scale", "wall s")
 
 
 def table(results: dict, reference: str = "fp32") -> str:
@@ -25,27 +26,34 @@ def table(results: dict, reference: str = "fp32") -> str:
 
   ``vs fp32`` is the relative difference of the validation loss to the
   ``reference`` run's (blank without one); ``zero grads`` the median share of
-  zero parameter-gradient entries over the second half of the run.
+  zero parameter-gradient entries over the second half of the run;
+  ``recomputed`` the steps recomputed after an overflow and ``extra passes``
+  the forward and backward passes this cost, as a share of the run's
+  (``-`` for a run that does not recompute: its row's values are None).
   """
   ref = results.get(reference)
+  na = lambda x, fmt: "-" if x is None else fmt.format(x)
   rows = [COLUMNS] + [
       (name, f"{r['val_loss']:.4f}", f"{r['val_loss'] / ref['val_loss'] - 1:+.1%}" if ref else "",
-       f"{r['train_loss']:.4f}", f"{r['zero_frac']:.1%}", str(r["skipped"]), fmt_scale(r["loss_scale"]),
-       f"{r['wall_s']:.1f}")
+       f"{r['train_loss']:.4f}", f"{r['zero_frac']:.1%}", str(r["skipped"]), na(r.get("recomputed"), "{}"),
+       na(r.get("extra_passes"), "{:.1%}"), fmt_scale(r["loss_scale"]), f"{r['wall_s']:.1f}")
       for name, r in results.items()]
   widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
   lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
   return "\n".join([lines[0], "-" * len(lines[0])] + lines[1:])
 
 
-COLORS = {"fp32": "0.55", "fp16": "tab:red", "fp16-dls": "tab:blue"}
-LABELS = {"fp32": "fp32", "fp16": "fp16, no loss scaling", "fp16-dls": "fp16 + dynamic loss scaling"}
+COLORS = {"fp32": "0.55", "fp16": "tab:red", "fp16-dls": "tab:blue", "fp16-dls-recompute": "tab:green"}
+LABELS = {"fp32": "fp32", "fp16": "fp16, no loss scaling", "fp16-dls": "fp16 + dynamic loss scaling",
+          "fp16-dls-recompute": "fp16 + dynamic loss scaling, overflows recomputed"}
 WIDTHS = {"fp32": 6.0}  # drawn wide, so that a run on top of it stays visible
+DASHED = ("fp16-dls-recompute",)  # drawn dashed, so that fp16-dls under it stays visible
+SCALED = ("fp16-dls", "fp16-dls-recompute")
 
 
 def _style(name: str) -> dict:
   return {"color": COLORS.get(name), "lw": WIDTHS.get(name, 1.6), "alpha": 0.6 if name in WIDTHS else 1.0,
-          "zorder": 1 if name in WIDTHS else 2}
+          "zorder": 1 if name in WIDTHS else 2, "ls": "--" if name in DASHED else "-"}
 
 
 def _smooth(y: np.ndarray, k: int) -> np.ndarray:
@@ -86,45 +94,57 @@ def _zero_panel(ax, histories: dict, k: int, reference: str) -> None:
   ax.legend(fontsize=8, loc="upper left")
 
 
-def _scale_panel(ax, histories: dict, scaled_run: str) -> None:
-  """The loss scale of ``scaled_run`` after each step, its skipped steps marked."""
-  ax.set_title(f"loss scale S of {scaled_run} (fp32 and fp16 are not scaled: S = 1)", fontsize=9)
-  h = histories.get(scaled_run)
-  if h is None:
-    ax.text(0.5, 0.5, f"no {scaled_run} run", ha="center", transform=ax.transAxes)
+def _scale_panel(ax, histories: dict, scaled_runs: tuple[str, ...]) -> None:
+  """The loss scale of each of ``scaled_runs`` after each step, its skipped and recomputed steps marked."""
+  ax.set_title("loss scale S after each step (fp32 and fp16 are not scaled: S = 1)", fontsize=9)
+  runs = [name for name in scaled_runs if name in histories]
+  if not runs:
+    ax.text(0.5, 0.5, f"no {' or '.join(scaled_runs)} run", ha="center", transform=ax.transAxes)
     return
-  step, scale, skipped = (np.asarray(h[key]) for key in ("step", "loss_scale", "skipped"))
-  skipped = skipped.astype(bool)
-  ax.step(step, scale, where="post", color=COLORS.get(scaled_run), label="S after the step")
-  ax.plot(step[skipped], scale[skipped], "x", color="tab:orange", ms=7, mew=2,
-          label=f"skipped steps: gradient overflow, S halved ({int(skipped.sum())})")
+  for name in runs:
+    h = histories[name]
+    step, scale, skipped = (np.asarray(h[key]) for key in ("step", "loss_scale", "skipped"))
+    skipped = skipped.astype(bool)
+    recomputed = np.diff(np.asarray(h["recomputed_steps"]), prepend=0) > 0
+    style = {k: v for k, v in _style(name).items() if k in ("color", "ls")}
+    ax.step(step, scale, where="post", label=f"{name}", **style)
+    if skipped.any() or name not in DASHED:
+      ax.plot(step[skipped], scale[skipped], "x", color="tab:orange", ms=7, mew=2,
+              label=f"{name}: skipped (overflow, batch lost, S halved): {int(skipped.sum())}")
+    if recomputed.any() or name in DASHED:
+      ax.plot(step[recomputed], scale[recomputed], "o", mfc="none", color="tab:purple", ms=7, mew=1.5,
+              label=f"{name}: recomputed (overflow, S halved, batch kept): {int(recomputed.sum())}")
   ax.set_yscale("log", base=2)
   ax.set_ylabel("loss scale S")
   ax.legend(fontsize=8, loc="lower right")
 
 
-def plot(histories: dict, path: str, tokens: int | None = None, scaled_run: str = "fp16-dls",
+def plot(histories: dict, path: str, tokens: int | None = None, scaled_runs: tuple[str, ...] = SCALED,
          reference: str = "fp32") -> None:
-  """Validation loss of every run, its zero-gradient share, and the loss-scale trace (PNG).
+  """Validation loss of every run, its zero-gradient share, and the loss-scale traces (PNG).
 
   Args:
-    histories: ``{run: {"step", "loss", "loss_scale", "skipped", "zero_frac",
-      "eval_step", "val_loss"}}`` of 1-D arrays; every run has the same data
+    histories: ``{run: {"step", "loss", "loss_scale", "skipped",
+      "recomputed_steps", "zero_frac", "eval_step", "val_loss"}}`` of 1-D
+      arrays (``recomputed_steps`` cumulative); every run has the same data
       order, so the curves compare like with like.
     path: where to write the PNG.
     tokens: tokens per optimizer step, for the title.
+    scaled_runs: the runs whose loss scale the bottom panel shows.
+    reference: the run the others are compared with.
   """
-  fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), sharex=True, height_ratios=(3, 2, 1.6))
+  fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10.5), sharex=True, height_ratios=(3, 2, 2))
   k = max(1, len(next(iter(histories.values()))["step"]) // 60)
   _val_panel(ax1, histories, reference)
   _zero_panel(ax2, histories, k, reference)
-  _scale_panel(ax3, histories, scaled_run)
+  _scale_panel(ax3, histories, scaled_runs)
   ax3.set_xlabel("optimizer step")
   for ax in (ax1, ax2, ax3):
     ax.grid(alpha=0.3)
   per_step = f", loss averaged over {tokens:,} tokens per step" if tokens else ""
-  fig.suptitle(f"fp32 vs fp16 vs fp16 with dynamic loss scaling\nbyte-level transformer LM{per_step}",
-               fontsize=12)
+  recompute = " (overflowing steps skipped or recomputed)" if any(r in DASHED for r in histories) else ""
+  fig.suptitle(f"fp32 vs fp16 vs fp16 with dynamic loss scaling{recompute}\n"
+               f"byte-level transformer LM{per_step}", fontsize=12)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
