@@ -1,8 +1,12 @@
 """The main example's fp16 train step with dynamic loss scaling vs the no-op wrapper.
 
 Same model (examples/lm, fp16 compute), same batch, same AdamW + clipping; only the
-wrapper differs. Variants are timed in interleaved rounds so that drift in machine
-load hits them alike. Prints one JSON object. Usage::
+wrapper differs. ``dynamic_loss_scale+value_and_grad`` takes the gradients from
+``optax_dls.value_and_grad`` (an overflowing step recomputed inside the step) in its
+common case, no overflow, against ``dynamic_loss_scale`` (``jax.grad`` of
+``scale_loss(loss)``): ``ratio_to_dynamic_loss_scale``. Variants are timed in
+interleaved rounds so that drift in machine load hits them alike. Prints one JSON
+object. Usage::
 
     python benchmarks/train_step_e2e.py [--rounds 7] [--steps 20]
 """
@@ -39,15 +43,21 @@ VARIANTS = {
         inner(), growth_interval=50, skip_lowering="where"),
 }
 FUSED = ("dynamic_loss_scale", "no_loss_scale")  # also timed with optax_dls.apply_step
+RECOMPUTE = "dynamic_loss_scale"  # also timed with optax_dls.value_and_grad
 
 
-def make_step(model, tx, fused=False):
+def make_step(model, tx, fused=False, recompute=False):
+  grad_fn = optax_dls.value_and_grad(lambda p, batch: loss_fn(model, p, batch), tx, max_tries=3)
+
   def step(params, opt_state, batch):
     def scaled_loss(p):
       loss = loss_fn(model, p, batch)
       return optax_dls.scale_loss(loss, opt_state), loss
 
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    if recompute:
+      (loss, grads), opt_state = grad_fn(opt_state, params, batch)
+    else:
+      grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
     if fused:
       params, opt_state = optax_dls.apply_step(tx, grads, opt_state, params)
       return params, opt_state, loss
@@ -72,11 +82,12 @@ def main(argv=None) -> dict:
   params0 = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
   batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32)
   runs = {}
-  variants = [(name, make, False) for name, make in VARIANTS.items()]
-  variants += [(name + "+apply_step", VARIANTS[name], True) for name in FUSED]
-  for name, make, fused in variants:
+  variants = [(name, make, False, False) for name, make in VARIANTS.items()]
+  variants += [(name + "+apply_step", VARIANTS[name], True, False) for name in FUSED]
+  variants += [(RECOMPUTE + "+value_and_grad", VARIANTS[RECOMPUTE], False, True)]
+  for name, make, fused, recompute in variants:
     tx = make()
-    step = make_step(model, tx, fused)
+    step = make_step(model, tx, fused, recompute)
     params = jax.tree.map(jnp.copy, params0)
     state = tx.init(params)
     for _ in range(3):  # compile and warm up
@@ -101,6 +112,12 @@ def main(argv=None) -> dict:
   fused_base = statistics.median(runs["no_loss_scale+apply_step"]["times"])
   out["results"]["dynamic_loss_scale+apply_step"]["ratio_to_no_loss_scale+apply_step"] = (
       statistics.median(runs["dynamic_loss_scale+apply_step"]["times"]) / fused_base)
+  recomputed = out["results"][RECOMPUTE + "+value_and_grad"]
+  recomputed["ratio_to_" + RECOMPUTE] = (statistics.median(runs[RECOMPUTE + "+value_and_grad"]["times"])
+                                         / statistics.median(runs[RECOMPUTE]["times"]))
+  # The common case: no step overflowed, so no pass was recomputed (nor skipped).
+  m = optax_dls.metrics(runs[RECOMPUTE + "+value_and_grad"]["carry"][1])
+  recomputed["recompute_tries"], recomputed["skip_count"] = int(m["recompute_tries"]), int(m["skip_count"])
   print(json.dumps(out, indent=2))
   return out
 
