@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_dls import _access, _skip
+from optax_dls import _access
 from optax_dls import _validation as v
 
 
@@ -38,9 +38,12 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
       (loss, grads), opt_state = grad_fn(opt_state, params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
 
-  Every try runs inside one ``lax.while_loop`` of the compiled step: the
-  common case (no overflow) is one forward and backward pass plus one read of
-  the gradients, and the step compiles once. The policy sees every overflow:
+  The first pass runs as the plain ``jax.grad`` would; the retries run in a
+  ``lax.while_loop`` of the same compiled step, which carries only the scale,
+  the policy state and the last try's outputs. The common case (no overflow)
+  is one forward and backward pass plus one read of the gradients, and the
+  step compiles once (``fun`` is traced twice: for the first pass and for the
+  loop). The policy sees every overflow:
   each failed try counts for growth and hysteresis as a skipped step would,
   and ``tx.update`` then sees the final gradients (finite, or, when every try
   overflowed, non-finite: the step is skipped as usual). ``metrics`` counts
@@ -121,25 +124,31 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
     types = _types(jax.eval_shape(lambda at: attempt(fp16_grads, at), state))
     if fp32_grads is not None:
       types = _types(jax.eval_shape(lambda at: attempt(fp32_grads, at), state), types)
+    # The tries carry the scale and the policy state; the inner state stays out of the loop.
+    light = state._replace(inner_state=())
+
+    def try_at(at):  # one pass at ``at``; on an overflow, the state backed off from it
+      out = _cast(attempt(fp16_grads, at), types)
+      finite, backed_off = back_off(out[1], at)
+      return finite, backed_off, out
 
     def cond(carry):
       tries, finite = carry[:2]
-      return (tries < 0) | (~finite & (tries < max_tries))
+      return ~finite & (tries < max_tries)
 
-    def body(carry):  # one pass at the state to try next; on an overflow, back off from it
+    def body(carry):  # a try at the state the last one backed off to
       tries, _, _, at, _ = carry
-      out = _cast(attempt(fp16_grads, at), types)
-      finite, backed_off = back_off(out[1], at)
+      finite, backed_off, out = try_at(at)
       return tries + 1, finite, at, backed_off, out
 
-    zeros = jax.tree.map(_skip.zeros_like, types)
+    finite, backed_off, out = try_at(light)  # the common case: one pass, outside the loop
     tries, finite, at, backed_off, out = lax.while_loop(
-        cond, body, (jnp.int32(-1), jnp.bool_(False), state, state, zeros))
+        cond, body, (jnp.int32(0), finite, light, backed_off, out))
     if fp32_grads is not None:  # the last resort, at the scale after the last overflow
       last = lambda: (_cast(attempt(fp32_grads, backed_off), types), backed_off, tries + 1)
       out, at, tries = lax.cond(finite, lambda: (out, at, tries), last)
     at = at._replace(recomputed_steps=_add(at.recomputed_steps, (tries > 0).astype(jnp.int32)),
-                     recompute_tries=_add(at.recompute_tries, tries))
+                     recompute_tries=_add(at.recompute_tries, tries), inner_state=state.inner_state)
     return out, _access.replace_state(opt_state, at)
 
   return grad_fn
