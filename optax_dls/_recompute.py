@@ -142,8 +142,10 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
       return tries + 1, finite, at, backed_off, out
 
     finite, backed_off, out = try_at(light)  # the common case: one pass, outside the loop
-    tries, finite, at, backed_off, out = lax.while_loop(
-        cond, body, (jnp.int32(0), finite, light, backed_off, out))
+    tries, at = jnp.int32(0), light
+    if max_tries:  # the loop only on an overflow: on XLA's CPU a while loop slows the step around it
+      tries, finite, at, backed_off, out = lax.cond(
+          finite, lambda c: c, lambda c: lax.while_loop(cond, body, c), (tries, finite, at, backed_off, out))
     if fp32_grads is not None:  # the last resort, at the scale after the last overflow
       last = lambda: (_cast(attempt(fp32_grads, backed_off), types), backed_off, tries + 1)
       out, at, tries = lax.cond(finite, lambda: (out, at, tries), last)
