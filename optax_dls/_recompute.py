@@ -39,8 +39,9 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
       updates, opt_state = tx.update(grads, opt_state, params)
 
   The first pass runs as the plain ``jax.grad`` would; the retries run in a
-  ``lax.while_loop`` of the same compiled step, which carries only the scale,
-  the policy state and the last try's outputs. The common case (no overflow)
+  ``lax.while_loop`` of the same compiled step, entered through a ``lax.cond``
+  only after an overflow, which carries only the scale, the policy state and
+  the last try's outputs. The common case (no overflow)
   is one forward and backward pass plus one read of the gradients, and the
   step compiles once (``fun`` is traced twice: for the first pass and for the
   loop). The policy sees every overflow:
