@@ -36,6 +36,16 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
     return tx
 
 
+# A pytree of its four functions, so that whoever rebuilds it from its leaves (as
+# some flax releases do with an ``nnx.Optimizer``'s ``tx``) keeps the last two.
+_FIELDS = ("init", "update", "fused_step", "back_off")
+jax.tree_util.register_pytree_with_keys(
+    LossScaledTransformation,
+    lambda tx: (tuple((jax.tree_util.GetAttrKey(f), getattr(tx, f)) for f in _FIELDS), None),
+    lambda _, children: LossScaledTransformation(*children),
+    flatten_func=lambda tx: (tuple(getattr(tx, f) for f in _FIELDS), None))
+
+
 def loss_scaled(
     inner: optax.GradientTransformation,
     policy: _policies.LossScalePolicy,

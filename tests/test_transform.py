@@ -123,6 +123,17 @@ def test_a_loss_scaled_transformation_is_an_optax_one_with_its_fused_step():
   assert init is tx.init and update is tx.update
 
 
+def test_rebuilt_from_its_leaves_it_keeps_its_fused_step():
+  """As flax 0.11's ``nnx.Optimizer`` rebuilds its ``tx`` from the leaves."""
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
+  leaves, treedef = jax.tree.flatten(tx)
+  rebuilt = jax.tree.unflatten(treedef, leaves)
+  assert type(rebuilt) is type(tx) and rebuilt == tx
+  assert (rebuilt.fused_step, rebuilt.back_off) == (tx.fused_step, tx.back_off)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tx)[0]]
+  assert paths == [".init", ".update", ".fused_step", ".back_off"]
+
+
 def test_apply_step_warns_when_the_fused_step_is_lost_in_a_chain():
   tx = optax.chain(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0), optax.scale(1.0))
   params = {"w": jnp.ones(2)}
