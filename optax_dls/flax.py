@@ -20,10 +20,12 @@ Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from optax_dls import _versions
 
@@ -34,6 +36,7 @@ from flax import nnx
 from optax_dls import _access
 from optax_dls import _validation as v
 from optax_dls._access import find_state, scale_loss
+from optax_dls._state import LossScaleState
 from optax_dls._recompute import value_and_grad as _recompute_value_and_grad
 from optax_dls._transform import apply_step
 
@@ -221,8 +224,8 @@ def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, o
 
     def pure(f):
       def run(*a, **k):
-        parts = [nnx.State({j: a[i]}) for j, i in enumerate(where) if j in diff]
-        merged = nnx.merge(graphdef, rest, *parts, copy=True) if where else ()
+        parts = [nnx.State({j: a[i].raw_mapping}) for j, i in enumerate(where) if j in diff]
+        merged = _merge(graphdef, rest, *parts) if where else ()
         full = list(a)
         for j, i in enumerate(where):
           full[i] = merged[j]
@@ -238,12 +241,35 @@ def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, o
       nnx.update(modules, new_rest)
     value = (loss, aux) if has_aux else loss
     if is_opt:
-      replaced = _access.replace_state(nnx.as_pure(opt.opt_state), new)
-      nnx.update(opt.opt_state, nnx.state(replaced))
+      _write_in_place(opt.opt_state, new)
       return value, grads
     return (value, grads), opt.replace(opt_state=_access.replace_state(opt.opt_state, new))
 
   return grad_fn
+
+
+def _merge(graphdef: Any, *states: Any) -> Any:
+  """``nnx.merge`` into new Variables (flax >= 0.12 would otherwise reuse those in ``states``)."""
+  return nnx.merge(graphdef, *states, **_MERGE_COPY)
+
+
+_MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameters else {}
+
+
+def _write_in_place(opt_state: Any, new: Any) -> None:
+  """Writes the leaves of ``new`` into the ``nnx.Variable`` leaves of ``opt_state``'s
+  :class:`LossScaleState`, each in its own dtype."""
+  node, = (n for n in jax.tree.leaves(opt_state, is_leaf=_is_loss_scale_state) if _is_loss_scale_state(n))
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  for var, value in zip(jax.tree.leaves(node, is_leaf=is_var), jax.tree.leaves(new), strict=True):
+    if hasattr(var, "set_value"):  # flax >= 0.12
+      var.set_value(jnp.asarray(value, var.get_value().dtype))
+    else:
+      var.value = jnp.asarray(value, var.value.dtype)
+
+
+def _is_loss_scale_state(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
 
 
 def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
