@@ -3,9 +3,12 @@
 Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
 state. Each skip lowering ("cond", "where") on both call paths: ``tx.update`` then
 ``optax.apply_updates`` (what most users and flax's ``TrainState`` call) and
-``optax_dls.apply_step``. Two references: the bare step, and the floor, the bare step on
+``optax_dls.apply_step``. References: the bare step; the floor, the bare step on
 gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
-and the finite check that every loss scaler needs). Prints one JSON object. Usage::
+and the finite check that every loss scaler needs); and the floor with the least skip
+the ``tx.update`` path allows, written by hand (``floor_update_path``,
+``floor_cond_skip``, ``floor_where_skip``: see :func:`floor_step`). Every row has its
+ratio to each reference. Prints one JSON object. Usage::
 
     python benchmarks/step_overhead.py [--steps 30] [--rounds 5] [--trees big,many] [--params 8000000]
 """
@@ -68,9 +71,16 @@ def bare_unscaled_step():
   return init, step
 
 
-def floor_step():
+def floor_step(skip=None):
   """The bare step on unscaled gradients plus one extra read of them (their sum of
-  squares, kept in the state so that it is computed): the least any loss scaler does."""
+  squares, kept in the state so that it is computed): the least any loss scaler does.
+
+  ``skip`` adds the least a skip on the ``tx.update`` path can add, written by hand:
+  ``"barrier"`` only writes the updates out before ``optax.apply_updates`` reads them
+  (an ``optimization_barrier``, as a conditional forces); ``"cond"`` runs the update
+  in a plain ``lax.cond`` (zeros and the old state otherwise); ``"where"`` runs it
+  always and keeps the old state with ``jnp.where`` (flax's and jmp's selection,
+  here of the updates and the inner state only)."""
   tx = inner()
 
   def init(params):
@@ -79,28 +89,21 @@ def floor_step():
   def step(params, state, grads):
     opt_state, scale, _ = state
     read = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
-    inv = 1.0 / scale
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g * inv, grads), opt_state, params)
-    return optax.apply_updates(params, updates), (opt_state, scale, read)
-
-  return init, step
-
-
-def floor_update_path_step():
-  """:func:`floor_step` with its updates written out before ``optax.apply_updates`` reads
-  them (an ``optimization_barrier``): what any skip costs on the ``tx.update`` path on
-  the CPU, where XLA fuses neither across a conditional nor selections in place."""
-  tx = inner()
-
-  def init(params):
-    return tx.init(params), jnp.float32(1.0), jnp.float32(0.0)
-
-  def step(params, state, grads):
-    opt_state, scale, _ = state
-    read = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
-    inv = 1.0 / scale
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g * inv, grads), opt_state, params)
-    updates = jax.lax.optimization_barrier(updates)
+    finite, inv = jnp.isfinite(read), 1.0 / scale
+    unscaled = jax.tree.map(lambda g: g * inv, grads)
+    if skip == "cond":
+      updates, opt_state = jax.lax.cond(
+          finite, lambda g, s: tx.update(g, s, params),
+          lambda g, s: (jax.tree.map(jnp.zeros_like, g), s), unscaled, opt_state)
+    elif skip == "where":
+      safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), unscaled)
+      updates, new_state = tx.update(safe, opt_state, params)
+      updates = jax.tree.map(lambda u: jnp.where(finite, u, 0.0), updates)
+      opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, opt_state)
+    else:
+      updates, opt_state = tx.update(unscaled, opt_state, params)
+      if skip == "barrier":
+        updates = jax.lax.optimization_barrier(updates)
     return optax.apply_updates(params, updates), (opt_state, scale, read)
 
   return init, step
@@ -184,7 +187,9 @@ VARIANTS = {  # name -> (factory, non-finite gradients?)
     "bare_adam": (bare_step, False),
     "bare_adam_unscaled": (bare_unscaled_step, False),
     "floor": (floor_step, False),
-    "floor_update_path": (floor_update_path_step, False),
+    "floor_update_path": (functools.partial(floor_step, "barrier"), False),
+    "floor_cond_skip": (functools.partial(floor_step, "cond"), False),
+    "floor_where_skip": (functools.partial(floor_step, "where"), False),
     **{f"{lowering}_{path}_{kind}": (functools.partial(ours_step, lowering, path == "apply_step"), kind == "nonfinite")
        for lowering in ("cond", "where") for path in ("update", "apply_step") for kind in ("finite", "nonfinite")},
     "jmp_pattern": (jmp_step, False),
@@ -249,7 +254,7 @@ def main(argv=None) -> dict:
     rows = {name: {"median_s": statistics.median(r["times"]), "compile_s": r["compile_s"],
                    "temp_bytes": r["temp_bytes"]} for name, r in runs.items()}
     del runs
-    for ref in ("bare_adam", "floor", "floor_update_path"):
+    for ref in ("bare_adam", "floor", "floor_update_path", "floor_cond_skip", "floor_where_skip"):
       if ref in rows:
         base = rows[ref]["median_s"]
         for r in rows.values():
