@@ -76,7 +76,13 @@ def vary_like(x: jax.Array, like: Any) -> jax.Array:
   missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
   if not missing:
     return x
-  return lax.pcast(x, missing, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, missing)
+  return pcast_varying(x, missing)
+
+
+def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``x`` made to vary over mesh ``axes``: ``lax.pcast(..., to="varying")`` (jax >= 0.8.2),
+  ``lax.pvary`` before it."""
+  return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
 
 
 def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: AxisName) -> None:

@@ -36,7 +36,6 @@ from flax import nnx
 from optax_dls import _access
 from optax_dls import _validation as v
 from optax_dls._access import find_state, scale_loss
-from optax_dls._state import LossScaleState
 from optax_dls._recompute import value_and_grad as _recompute_value_and_grad
 from optax_dls._transform import apply_step
 
@@ -259,17 +258,12 @@ _MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameter
 def _write_in_place(opt_state: Any, new: Any) -> None:
   """Writes the leaves of ``new`` into the ``nnx.Variable`` leaves of ``opt_state``'s
   :class:`LossScaleState`, each in its own dtype."""
-  node, = (n for n in jax.tree.leaves(opt_state, is_leaf=_is_loss_scale_state) if _is_loss_scale_state(n))
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  for var, value in zip(jax.tree.leaves(node, is_leaf=is_var), jax.tree.leaves(new), strict=True):
+  node, = _access._find_all(opt_state)
+  for var, value in zip(jax.tree.leaves(node, is_leaf=_access._is_variable), jax.tree.leaves(new), strict=True):
     if hasattr(var, "set_value"):  # flax >= 0.12
       var.set_value(jnp.asarray(value, var.get_value().dtype))
     else:
       var.value = jnp.asarray(value, var.value.dtype)
-
-
-def _is_loss_scale_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
 
 
 def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:

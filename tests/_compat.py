@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import optax
 import pytest
-from jax import lax
 
+from optax_dls._multi_device import pcast_varying  # noqa: F401 (the tests' spelling of it)
 from optax_dls._versions import parse
 
 JAX = parse(jax.__version__)
@@ -38,9 +38,3 @@ def enable_x64(on: bool = True):
   from jax import experimental
   return experimental.enable_x64(on)
 
-
-def pcast_varying(x, axes):
-  """``lax.pcast(x, axes, to="varying")`` (jax>=0.8.2), ``lax.pvary`` before it."""
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, axes, to="varying")
-  return lax.pvary(x, axes)
