@@ -79,8 +79,9 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   Raises:
     TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not a loss-scaled
       transformation, ``max_tries`` not an int, ``argnums`` / ``has_aux`` of
-      the wrong type; (when called) a non-floating loss.
-    ValueError: ``max_tries`` out of range, a negative ``argnums``; (when
+      the wrong type; (when called) a non-floating loss, fewer positional
+      arguments than ``argnums`` asks for.
+    ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``; (when
       called) ``opt_state`` holding none or several loss-scale states, or
       outputs of ``fun`` and ``fp32_fun`` that differ in structure or shape.
 
@@ -120,6 +121,11 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   fp32_grads = None if fp32_fun is None else grads_of(fp32_fun)
 
   def grad_fn(opt_state, *args, **kwargs):
+    needed = max(argnums) if isinstance(argnums, tuple) else argnums
+    if needed >= len(args):
+      raise TypeError(f"argnums={argnums!r} asks for positional argument {needed} of fun, but "
+                      f"grad_fn(opt_state, *args) was called with {len(args)} positional arguments "
+                      f"after opt_state.")
     state = _access.find_state(opt_state)
     attempt = lambda grads, at: _value_first(grads(at.loss_scale, *args, **kwargs))
     types = _types(jax.eval_shape(lambda at: attempt(fp16_grads, at), state))

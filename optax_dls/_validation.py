@@ -135,7 +135,8 @@ def backoff_factor(name: str, value: Any) -> float:
 
 
 def argnums(value: Any) -> int | tuple[int, ...]:
-  """``argnums`` as in ``jax.grad``: an int >= 0 or a non-empty tuple of them; TypeError otherwise."""
+  """``argnums`` as in ``jax.grad``: an int >= 0 or a non-empty tuple of distinct ones;
+  TypeError (not ints) or ValueError (negative, repeated) otherwise."""
   ok = isinstance(value, (int, np.integer)) or (
       isinstance(value, tuple) and value and all(isinstance(i, (int, np.integer)) for i in value))
   bools = value if isinstance(value, tuple) else (value,)
@@ -145,6 +146,8 @@ def argnums(value: Any) -> int | tuple[int, ...]:
   nums = tuple(int(i) for i in bools)
   if any(i < 0 for i in nums):
     raise ValueError(f"argnums must be >= 0, got argnums={value!r}.")
+  if len(set(nums)) != len(nums):
+    raise ValueError(f"argnums must not repeat an argument, got argnums={value!r}.")
   return nums[0] if not isinstance(value, tuple) else nums
 
 

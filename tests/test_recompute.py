@@ -183,11 +183,18 @@ def test_no_loss_scale_takes_one_pass():
 @pytest.mark.parametrize("kw, error, match", [
     ({"max_tries": -1}, ValueError, "max_tries"), ({"max_tries": 1.5}, TypeError, "max_tries"),
     ({"fp32_fun": 3}, TypeError, "fp32_fun"), ({"has_aux": 1}, TypeError, "has_aux"),
-    ({"argnums": "0"}, TypeError, "argnums"),
+    ({"argnums": "0"}, TypeError, "argnums"), ({"argnums": (0, 0)}, ValueError, r"argnums=\(0, 0\)"),
 ])
 def test_bad_arguments_are_named(kw, error, match):
   with pytest.raises(error, match=match):
     optax_dls.value_and_grad(LOSS16, _tx(), **kw)
+
+
+def test_argnums_beyond_the_arguments_is_named_when_called():
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, argnums=5)
+  with pytest.raises(TypeError, match=r"argnums=5 asks for positional argument 5 .* called with 2"):
+    grad_fn(tx.init(PARAMS), PARAMS, SMALL)
 
 
 def test_tx_must_be_the_loss_scaled_transformation():
