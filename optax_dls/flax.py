@@ -156,11 +156,13 @@ def value_and_grad(
       raise ValueError("fp32_fun is the last resort of a recomputed step: pass max_tries too "
                        "(e.g. max_tries=3), or drop fp32_fun.")
   is_opt = isinstance(opt, nnx.Optimizer)
+  if max_tries is not None:
+    max_tries = v.count("max_tries", max_tries, low=0, high=64)
+    _check_recomputable(opt, is_opt)
   source = opt.opt_state if is_opt else opt
   find_state(source)
   wrt = getattr(opt, "wrt", nnx.Param) if is_opt else nnx.Param
   if max_tries is not None:
-    max_tries = v.count("max_tries", max_tries, low=0, high=64)
     return _recomputing(fun, fp32_fun, opt, is_opt, wrt, argnums, has_aux, max_tries)
 
   def grad_fn(*args, **kwargs):
@@ -194,10 +196,8 @@ def _loss_and_aux(f: Callable[..., Any], has_aux: bool, args: tuple[Any, ...],
   return out if has_aux else (out, None)
 
 
-def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, opt: Any, is_opt: bool,
-                 wrt: Any, argnums: int | tuple[int, ...], has_aux: bool, max_tries: int) -> Callable[..., Any]:
-  """``value_and_grad`` with ``max_tries``: :func:`optax_dls.value_and_grad` on pure
-  functions, the ``nnx.Module`` arguments split outside the loop and merged inside."""
+def _check_recomputable(opt: Any, is_opt: bool) -> None:
+  """TypeError unless ``opt`` carries the loss-scaled ``tx`` that backs the scale off between tries."""
   if not is_opt and not all(hasattr(opt, f) for f in ("tx", "opt_state", "replace")):
     raise TypeError("with max_tries, opt must be a flax TrainState or an nnx.Optimizer (its tx "
                     f"backs the scale off between tries), got {type(opt).__name__}: {repr(opt)[:200]}.")
@@ -205,6 +205,12 @@ def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, o
     raise TypeError("with max_tries, opt.tx must be the loss-scaled transformation itself "
                     "(optax_dls.dynamic_loss_scale, loss_scaled, ...), not a wrapper around it, "
                     f"got {opt.tx!r}.")
+
+
+def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, opt: Any, is_opt: bool,
+                 wrt: Any, argnums: int | tuple[int, ...], has_aux: bool, max_tries: int) -> Callable[..., Any]:
+  """``value_and_grad`` with ``max_tries``: :func:`optax_dls.value_and_grad` on pure
+  functions, the ``nnx.Module`` arguments split outside the loop and merged inside."""
   nums = (argnums,) if isinstance(argnums, int) else argnums
   in_wrt = nnx.filterlib.to_predicate(wrt)
 

@@ -362,6 +362,9 @@ def test_recompute_argument_errors():
     dls_flax.value_and_grad(_fit, state, max_tries=1.5)
   with pytest.raises(TypeError, match="opt must be a flax TrainState or an nnx.Optimizer"):
     dls_flax.value_and_grad(_fit, state.opt_state, max_tries=2)
+  for not_an_optimizer in ("x", None, {}, 3, state.tx):
+    with pytest.raises(TypeError, match="opt must be a flax TrainState or an nnx.Optimizer"):
+      dls_flax.value_and_grad(_fit, not_an_optimizer, max_tries=2)
   chained = state.replace(tx=optax.chain(state.tx), opt_state=(state.opt_state,))
   with pytest.raises(TypeError, match="opt.tx must be the loss-scaled transformation"):
     dls_flax.value_and_grad(_fit, chained, max_tries=2)
