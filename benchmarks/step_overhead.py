@@ -1,13 +1,13 @@
 """Cost of one optimizer step with loss scaling, as a ratio to a bare ``optax.adam`` step.
 
 Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
-state. Each skip lowering ("cond", "where") on both call paths: ``tx.update`` then
+state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both call paths: ``tx.update`` then
 ``optax.apply_updates`` (what most users and flax's ``TrainState`` call) and
 ``optax_dls.apply_step``. References: the bare step; the floor, the bare step on
 gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
-and the finite check that every loss scaler needs); and the floor with the least skip
-the ``tx.update`` path allows, written by hand (``floor_update_path``,
-``floor_cond_skip``, ``floor_where_skip``: see :func:`floor_step`). Every row has its
+and the finite check that every loss scaler needs); and the floor with a skip written
+by hand as a plain ``lax.cond`` or ``jnp.where`` (``floor_cond_skip``,
+``floor_where_skip``: see :func:`floor_step`). Every row has its
 ratio to each reference. Prints one JSON object. Usage::
 
     python benchmarks/step_overhead.py [--steps 30] [--rounds 5] [--trees big,many] [--params 8000000]
@@ -75,9 +75,7 @@ def floor_step(skip=None):
   """The bare step on unscaled gradients plus one extra read of them (their sum of
   squares, kept in the state so that it is computed): the least any loss scaler does.
 
-  ``skip`` adds the least a skip on the ``tx.update`` path can add, written by hand:
-  ``"barrier"`` only writes the updates out before ``optax.apply_updates`` reads them
-  (an ``optimization_barrier``, as a conditional forces); ``"cond"`` runs the update
+  ``skip`` adds a skip written by hand: ``"cond"`` runs the update
   in a plain ``lax.cond`` (zeros and the old state otherwise); ``"where"`` runs it
   always and keeps the old state with ``jnp.where`` (flax's and jmp's selection,
   here of the updates and the inner state only)."""
@@ -102,8 +100,6 @@ def floor_step(skip=None):
       opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, opt_state)
     else:
       updates, opt_state = tx.update(unscaled, opt_state, params)
-      if skip == "barrier":
-        updates = jax.lax.optimization_barrier(updates)
     return optax.apply_updates(params, updates), (opt_state, scale, read)
 
   return init, step
@@ -187,11 +183,11 @@ VARIANTS = {  # name -> (factory, non-finite gradients?)
     "bare_adam": (bare_step, False),
     "bare_adam_unscaled": (bare_unscaled_step, False),
     "floor": (floor_step, False),
-    "floor_update_path": (functools.partial(floor_step, "barrier"), False),
     "floor_cond_skip": (functools.partial(floor_step, "cond"), False),
     "floor_where_skip": (functools.partial(floor_step, "where"), False),
     **{f"{lowering}_{path}_{kind}": (functools.partial(ours_step, lowering, path == "apply_step"), kind == "nonfinite")
-       for lowering in ("cond", "where") for path in ("update", "apply_step") for kind in ("finite", "nonfinite")},
+       for lowering in ("auto", "cond", "where") for path in ("update", "apply_step")
+       for kind in ("finite", "nonfinite")},
     "jmp_pattern": (jmp_step, False),
     "flax_where_pattern": (flax_step, False),
     "apply_if_finite_pattern": (apply_if_finite_step, False),
@@ -254,7 +250,7 @@ def main(argv=None) -> dict:
     rows = {name: {"median_s": statistics.median(r["times"]), "compile_s": r["compile_s"],
                    "temp_bytes": r["temp_bytes"]} for name, r in runs.items()}
     del runs
-    for ref in ("bare_adam", "floor", "floor_update_path", "floor_cond_skip", "floor_where_skip"):
+    for ref in ("bare_adam", "floor", "floor_cond_skip", "floor_where_skip"):
       if ref in rows:
         base = rows[ref]["median_s"]
         for r in rows.values():

@@ -12,11 +12,17 @@ differ in its last bits, see :func:`optax_dls._numerics.finite_and_norm_fused`):
   graph.
 * ``"where"``: the inner update always runs, on gradients replaced by zeros
   on a skipped step, and a ``jnp.where`` selects the new or the old value of
-  every output, fused into the optimizer's own elementwise work. No
-  conditional, so no predicate ever leaves the device.
+  every output, fused into the optimizer's own elementwise work. Each new
+  state value is selected where the inner update computes it, so the updates
+  are computed from the selected state, as a bare optimizer computes them
+  from its new state: nothing is copied, and on the ``tx.update`` +
+  ``optax.apply_updates`` path the updates fuse with the parameter update.
+  No conditional, so no predicate ever leaves the device.
 
-``"auto"`` picks one per platform with ``lax.platform_dependent``, from
-measurements (see ``docs/guide/performance.md``).
+``"auto"`` picks the check and the skip per platform with
+``lax.platform_dependent``, from measurements (see ``docs/guide/performance.md``):
+on the CPU the check of ``"cond"`` and the skip of ``"where"``; ``"where"``
+everywhere else.
 """
 
 from __future__ import annotations
@@ -29,13 +35,16 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.extend import core as jax_core
 
 from optax_dls import _multi_device as md
 from optax_dls import _numerics
 
 LOWERINGS = ("auto", "cond", "where")
-# The default lowering of each platform under "auto"; any other platform gets "where".
-AUTO = {"cpu": "cond"}
+# What "auto" takes on each platform, as (check, skip); any other platform gets "where"'s.
+# On the CPU: the one-read check of "cond" (a conditional costs nothing there, the
+# sibling reductions of the fused check are separate reads) and the skip of "where".
+AUTO = {"cpu": ("cond", "where")}
 
 
 def check_lowering(lowering: Any) -> str:
@@ -100,11 +109,59 @@ def by_cond(finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, i
 def by_where(finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, inner_state: Any,
              params: Any) -> tuple[Any, Any]:
   """The skip as a selection: ``apply`` always runs, on zeros where ``grads`` are
-  not finite, and ``jnp.where`` keeps the old values on a skipped step."""
+  not finite, and ``jnp.where`` keeps the old values on a skipped step.
+
+  Each new state value is selected where ``apply`` computes it
+  (:func:`selected_at_definition`), so that what ``apply`` derives from it
+  (the updates, the new parameters) reads the selected value, as the bare
+  optimizer reads its new moments: the state is written in place and the
+  updates fuse with whatever consumes them. Equal to selecting at the end:
+  on a finite step every selection is the identity; on a skipped step the
+  outputs are replaced by ``skipped`` and the old state anyway."""
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-  out, new_s = apply(safe, inner_state, params)
-  keep = lambda new, old: jnp.where(finite, new, like(old, new))
-  return jax.tree.map(keep, out, skipped(params, out)), jax.tree.map(keep, new_s, inner_state)
+  out, new_s = selected_at_definition(finite, apply, safe, inner_state, params)
+  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), out, skipped(params, out)), new_s
+
+
+def selected_at_definition(finite: jax.Array, apply: Callable, grads: Any, inner_state: Any,
+                           params: Any) -> tuple[Any, Any]:
+  """``apply(grads, inner_state, params) -> (out, new_state)`` with ``new_state``
+  selected, ``jnp.where(finite, new, old)`` leaf by leaf. ``apply`` is evaluated
+  from its jaxpr, each new state leaf selected where it is computed, so that
+  every later use inside ``apply`` reads the selected value.
+
+  Without this, XLA sees the updates read the old state while the new state
+  overwrites it in place (a donated state), and copies the whole state first.
+  A leaf that ``apply`` passes through from its inputs, or returns in two
+  places, is selected at the end instead."""
+  closed = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
+  closed, shapes = closed
+  jaxpr = closed.jaxpr
+  n_out = len(jax.tree.leaves(shapes[0]))
+  state_vars = jaxpr.outvars[n_out:]
+  counts: dict = {}
+  for var in state_vars:
+    counts[var] = counts.get(var, 0) + 1
+  defined = {var for eqn in jaxpr.eqns for var in eqn.outvars}
+  old_of = {var: old for var, old in zip(state_vars, jax.tree.leaves(inner_state))
+            if isinstance(var, jax_core.Var) and var in defined and counts[var] == 1}
+  env: dict = {}
+  read = lambda var: var.val if isinstance(var, jax_core.Literal) else env[var]
+  env.update(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, jax.tree.leaves((grads, inner_state, params))))
+  for eqn in jaxpr.eqns:
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    with eqn.ctx.manager:
+      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
+    for var, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+      if var in old_of:
+        value = jnp.where(finite, value, like(old_of[var], value))
+      env[var] = value
+  out = jax.tree.unflatten(jax.tree.structure(shapes[0]), [read(var) for var in jaxpr.outvars[:n_out]])
+  selected = [read(var) if var in old_of else jnp.where(finite, read(var), like(old, read(var)))
+              for var, old in zip(state_vars, jax.tree.leaves(inner_state))]
+  return out, jax.tree.unflatten(jax.tree.structure(shapes[1]), selected)
 
 
 class Lowering(NamedTuple):
@@ -125,23 +182,24 @@ _BY_NAME = {"cond": COND, "where": WHERE}
 
 
 def lowering(name: Any) -> Lowering:
-  """The :class:`Lowering` named ``name``; ``"auto"`` dispatches each part per
-  platform with ``lax.platform_dependent`` (see :data:`AUTO`)."""
+  """The :class:`Lowering` named ``name``; ``"auto"`` dispatches the check and the
+  skip per platform with ``lax.platform_dependent`` (see :data:`AUTO`)."""
   name = check_lowering(name)
   if name != "auto":
     return _BY_NAME[name]
 
-  def per_platform(run):
-    """``run(lowering, *operands)`` dispatched on the platform the program is compiled for."""
+  def per_platform(part, run):
+    """``run(lowering, *operands)`` dispatched on the platform the program is compiled for,
+    with the lowering :data:`AUTO` names for ``part`` (0: the check, 1: the skip)."""
     branch = lambda how: functools.partial(run, how)
     return lambda *operands: lax.platform_dependent(
-        *operands, default=branch(WHERE), **{p: branch(_BY_NAME[how]) for p, how in AUTO.items()})
+        *operands, default=branch(WHERE), **{p: branch(_BY_NAME[how[part]]) for p, how in AUTO.items()})
 
   def check(grads, scale, axis_name):
-    return per_platform(lambda how, g, s: how.check(g, s, axis_name))(grads, scale)
+    return per_platform(0, lambda how, g, s: how.check(g, s, axis_name))(grads, scale)
 
   def select(finite, apply, skipped, *operands):
-    return per_platform(lambda how, f, *ops: how.select(f, apply, skipped, *ops))(finite, *operands)
+    return per_platform(1, lambda how, f, *ops: how.select(f, apply, skipped, *ops))(finite, *operands)
 
   return Lowering(check, select)
 

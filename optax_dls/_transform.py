@@ -94,8 +94,9 @@ def loss_scaled(
     skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the
       skip is compiled (a ``lax.cond``, or a ``jnp.where`` selection fused
       into the optimizer's elementwise work). Both give the same
-      parameters, states and scales; ``"auto"`` takes ``"cond"`` on the CPU
-      and ``"where"`` on every other platform (see ``docs/design.md``).
+      parameters, states and scales; ``"auto"`` takes ``"where"``'s skip
+      with ``"cond"``'s one-read check on the CPU, and ``"where"`` on every
+      other platform (see ``docs/design.md``).
 
   Returns:
     A :class:`LossScaledTransformation` whose state is a :class:`LossScaleState`.

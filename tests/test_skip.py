@@ -201,14 +201,56 @@ def _compiled(tx):
   return jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
 
 
-def test_auto_picks_cond_on_the_cpu_and_where_elsewhere(monkeypatch):
+def _temp_bytes(tx, n=1 << 16):
+  """Scratch memory of a jitted, donated ``tx.update`` + ``optax.apply_updates`` step."""
+  params = {"a": jnp.ones(n), "b": jnp.ones(n)}
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), params)
+  return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
   build = lambda k: optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering=k)
   assert "conditional" in _compiled(build("cond")) and "conditional" not in _compiled(build("where"))
-  assert _skip.AUTO == {"cpu": "cond"}
-  assert "conditional" in _compiled(build("auto"))  # compiled for the CPU: the cond lowering
-  # A platform missing from AUTO takes the default, the where lowering: no conditional at all.
+  assert _skip.AUTO == {"cpu": ("cond", "where")}
+  assert "conditional" in _compiled(build("auto"))  # compiled for the CPU: the check of "cond"
+  # The skip of "where": the updates are computed from the selected state and fuse
+  # with the parameter update; nothing of a leaf's size is written to scratch
+  # memory (the cond's updates leave the conditional: every leaf's worth).
+  leaf_bytes = 4 << 16
+  assert _temp_bytes(build("cond")) >= 2 * leaf_bytes
+  assert _temp_bytes(build("auto")) < leaf_bytes
+  assert _temp_bytes(build("where")) < 2 * leaf_bytes  # the fused check's reads: one leaf at most
+  # A platform missing from AUTO takes the default, "where": no conditional at all.
   monkeypatch.setattr(_skip, "AUTO", {})
   assert "conditional" not in _compiled(build("auto"))
+
+
+def test_where_skip_selects_each_state_value_where_it_is_computed():
+  """The updates read the selected state: on a skipped step they are built from the
+  old state (then replaced by zeros), on an applied one from the new state."""
+  seen = []
+
+  def update(updates, state, params=None):
+    del params
+    new = jax.tree.map(lambda m, g: m + g, state, updates)
+    seen.append(new)
+    return jax.tree.map(lambda m: m * 1.0, new), new
+
+  inner = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+  finite = jnp.bool_(False)
+  apply = lambda g, s, p: (lambda u, s: (u, s))(*inner.update(g, s, p))
+  grads, state = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([5.0, 6.0])}
+  out, new_state = _skip.selected_at_definition(finite, apply, grads, state, None)
+  np.testing.assert_array_equal(out["w"], state["w"])  # built from the selected (old) state
+  np.testing.assert_array_equal(new_state["w"], state["w"])
+  out, new_state = _skip.selected_at_definition(jnp.bool_(True), apply, grads, state, None)
+  np.testing.assert_array_equal(out["w"], [6.0, 8.0])
+  np.testing.assert_array_equal(new_state["w"], [6.0, 8.0])
 
 
 @pytest.mark.parametrize("bad, error", [("fast", ValueError), (None, TypeError), (1, TypeError)])
