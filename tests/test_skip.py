@@ -221,10 +221,12 @@ def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
   # The skip of "where": the updates are computed from the selected state and fuse
   # with the parameter update; nothing of a leaf's size is written to scratch
   # memory (the cond's updates leave the conditional: every leaf's worth).
+  # XLA releases before jax 0.10's still copy part of the state here.
   leaf_bytes = 4 << 16
   assert _temp_bytes(build("cond")) >= 2 * leaf_bytes
-  assert _temp_bytes(build("auto")) < leaf_bytes
-  assert _temp_bytes(build("where")) < 2 * leaf_bytes  # the fused check's reads: one leaf at most
+  if jax.__version_info__ >= (0, 10):
+    assert _temp_bytes(build("auto")) < leaf_bytes
+    assert _temp_bytes(build("where")) < 2 * leaf_bytes  # the fused check's reads: one leaf at most
   # A platform missing from AUTO takes the default, "where": no conditional at all.
   monkeypatch.setattr(_skip, "AUTO", {})
   assert "conditional" not in _compiled(build("auto"))
