@@ -1,8 +1,13 @@
 """The skip: apply the inner update on a finite step, leave everything untouched otherwise.
 
-Two lowerings, which give bit-identical parameters, optimizer states and scales
-(only the stored gradient norm of a step whose squares overflow float32 may
-differ in its last bits, see :func:`optax_dls._numerics.finite_and_norm_fused`):
+Two lowerings, which make the same skip decisions, keep the same scales and
+counters, and leave everything untouched on a skipped step bit for bit. The
+values of an applied step agree to float32 rounding: XLA fuses, and may
+contract, the optimizer's arithmetic differently in the two, so a few entries
+can differ in their last bit, and such differences carry into later steps (as
+between any two compilations of the same optimizer). The stored gradient norm
+of a step whose squares overflow float32 may differ in its last bits too, see
+:func:`optax_dls._numerics.finite_and_norm_fused`:
 
 * ``"cond"``: a ``lax.cond`` runs the inner update only on a finite step; a
   skipped step does no optimizer work. The updates leave the conditional and

@@ -93,8 +93,9 @@ def loss_scaled(
       one decision; without one each member keeps its own scale.
     skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the
       skip is compiled (a ``lax.cond``, or a ``jnp.where`` selection fused
-      into the optimizer's elementwise work). Both give the same
-      parameters, states and scales; ``"auto"`` takes ``"where"``'s skip
+      into the optimizer's elementwise work). Both make the same skip
+      decisions and scales; applied values agree to float32 rounding (some
+      entries may differ in the last bit); ``"auto"`` takes ``"where"``'s skip
       with ``"cond"``'s one-read check on the CPU, and ``"where"`` on every
       other platform (see ``docs/design.md``).
 
