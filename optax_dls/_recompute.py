@@ -50,7 +50,10 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   overflowed, non-finite: the step is skipped as usual). ``metrics`` counts
   ``recomputed_steps`` and ``recompute_tries`` (the extra passes). The result
   equals a step run directly at the final scale, up to the rounding of the
-  scaled loss and gradients (none when the scales are powers of two).
+  scaled loss and gradients (none when the scales are powers of two); a
+  train step compiled with and without the retries may still differ in the
+  last bit of a parameter, as XLA may contract the optimizer's arithmetic
+  differently in the two programs.
 
   Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
   ``axis_name``, so every device takes the same number of tries. Under ``jit``

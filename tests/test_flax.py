@@ -237,7 +237,11 @@ def test_linen_recomputed_step_equals_a_step_run_directly_at_the_final_scale():
   direct = state.replace(opt_state=optax_dls.reset_scale(state.opt_state, final))
   new_d, loss_d = _linen_fit_step(None)(direct, X, Y_BIG)
   assert float(loss) == float(loss_d)
-  jax.tree.map(np.testing.assert_array_equal, new.params, new_d.params)  # powers of two: no rounding
+  # Powers of two: the gradients are the same bit for bit (tests/test_recompute.py). The two
+  # steps are different compiled programs, and XLA may contract the optimizer's arithmetic
+  # differently in each: the parameters agree to float32 rounding.
+  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-7, atol=0)
+  jax.tree.map(same, new.params, new_d.params)
 
 
 def test_linen_float32_last_resort_when_every_float16_try_overflows():
