@@ -1,9 +1,9 @@
 """Cost of one optimizer step with loss scaling, as a ratio to a bare ``optax.adam`` step.
 
 Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
-state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both call paths: ``tx.update`` then
-``optax.apply_updates`` (what most users and flax's ``TrainState`` call) and
-``optax_dls.apply_step``. References: the bare step; the floor, the bare step on
+state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both
+call paths: ``tx.update`` then ``optax.apply_updates`` (what most users and flax's
+``TrainState`` call) and ``optax_dls.apply_step``. References: the bare step; the floor, the bare step on
 gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
 and the finite check that every loss scaler needs); and the floor with a skip written
 by hand as a plain ``lax.cond`` or ``jnp.where`` (``floor_cond_skip``,

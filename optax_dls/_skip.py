@@ -32,6 +32,7 @@ everywhere else.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -139,17 +140,15 @@ def selected_at_definition(finite: jax.Array, apply: Callable, grads: Any, inner
   overwrites it in place (a donated state), and copies the whole state first.
   A leaf that ``apply`` passes through from its inputs, or returns in two
   places, is selected at the end instead."""
-  closed = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
-  closed, shapes = closed
+  closed, (out_shapes, state_shapes) = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
   jaxpr = closed.jaxpr
-  n_out = len(jax.tree.leaves(shapes[0]))
-  state_vars = jaxpr.outvars[n_out:]
-  counts: dict = {}
-  for var in state_vars:
-    counts[var] = counts.get(var, 0) + 1
+  n_out = len(jax.tree.leaves(out_shapes))
+  state_vars, old_leaves = jaxpr.outvars[n_out:], jax.tree.leaves(inner_state)
+  counts = collections.Counter(state_vars)
   defined = {var for eqn in jaxpr.eqns for var in eqn.outvars}
-  old_of = {var: old for var, old in zip(state_vars, jax.tree.leaves(inner_state))
+  old_of = {var: old for var, old in zip(state_vars, old_leaves)
             if isinstance(var, jax_core.Var) and var in defined and counts[var] == 1}
+  select = lambda new, old: jnp.where(finite, new, like(old, new))
   env: dict = {}
   read = lambda var: var.val if isinstance(var, jax_core.Literal) else env[var]
   env.update(zip(jaxpr.constvars, closed.consts))
@@ -160,13 +159,11 @@ def selected_at_definition(finite: jax.Array, apply: Callable, grads: Any, inner
     with eqn.ctx.manager:
       outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
     for var, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-      if var in old_of:
-        value = jnp.where(finite, value, like(old_of[var], value))
-      env[var] = value
-  out = jax.tree.unflatten(jax.tree.structure(shapes[0]), [read(var) for var in jaxpr.outvars[:n_out]])
-  selected = [read(var) if var in old_of else jnp.where(finite, read(var), like(old, read(var)))
-              for var, old in zip(state_vars, jax.tree.leaves(inner_state))]
-  return out, jax.tree.unflatten(jax.tree.structure(shapes[1]), selected)
+      env[var] = select(value, old_of[var]) if var in old_of else value
+  out = jax.tree.unflatten(jax.tree.structure(out_shapes), [read(var) for var in jaxpr.outvars[:n_out]])
+  new_state = [read(var) if var in old_of else select(read(var), old)
+               for var, old in zip(state_vars, old_leaves)]
+  return out, jax.tree.unflatten(jax.tree.structure(state_shapes), new_state)
 
 
 class Lowering(NamedTuple):
