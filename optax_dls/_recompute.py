@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from optax_dls import _access
 from optax_dls import _validation as v
@@ -41,7 +42,9 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   The first pass runs as the plain ``jax.grad`` would; the retries run in a
   ``lax.while_loop`` of the same compiled step, entered through a ``lax.cond``
   only after an overflow, which carries only the scale, the policy state and
-  the last try's outputs. The common case (no overflow)
+  the last try's outputs. On the CPU every pass's gradients are pinned to
+  the row-major layout, so that the retry branch's layouts do not make the
+  common case transpose them. The common case (no overflow)
   is one forward and backward pass plus one read of the gradients, and the
   step compiles once (``fun`` is traced twice: for the first pass and for the
   loop). The policy sees every overflow:
@@ -130,7 +133,7 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
                       f"grad_fn(opt_state, *args) was called with {len(args)} positional arguments "
                       f"after opt_state.")
     state = _access.find_state(opt_state)
-    attempt = lambda grads, at: _value_first(grads(at.loss_scale, *args, **kwargs))
+    attempt = lambda grads, at: _row_major(_value_first(grads(at.loss_scale, *args, **kwargs)))
     types = _types(jax.eval_shape(lambda at: attempt(fp16_grads, at), state))
     if fp32_grads is not None:
       types = _types(jax.eval_shape(lambda at: attempt(fp32_grads, at), state), types)
@@ -169,6 +172,29 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
 def _value_first(grads_and_out: tuple[Any, Any]) -> tuple[Any, Any]:
   grads, out = grads_and_out
   return out, grads
+
+
+def _row_major(value_and_grads: tuple[Any, Any]) -> tuple[Any, Any]:
+  """``(value, grads)`` with, on the CPU, every gradient of two or more dimensions
+  pinned to the row-major layout, in every pass alike.
+
+  Without the pin, XLA's CPU layout assignment gives the gradients leaving
+  the retry branch the layouts of that branch's transposed products, and
+  the branch that keeps the first pass's gradients then transposes them on
+  every step, overflow or not. Row-major is the layout the optimizer reads
+  and the parameters have, so the first pass costs nothing more. Other
+  platforms choose their own layouts (tiled on TPUs) and are left alone."""
+  value, grads = value_and_grads
+
+  def pin(tree):
+    def one(g):
+      if not hasattr(g, "ndim") or g.ndim < 2 or g.dtype == jax.dtypes.float0:
+        return g
+      return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
+
+    return jax.tree.map(one, tree)
+
+  return value, lax.platform_dependent(grads, cpu=pin, default=lambda tree: tree)
 
 
 def _types(out: Any, other: Any = None) -> Any:

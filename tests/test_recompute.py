@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
@@ -159,6 +159,42 @@ def test_under_jit_with_named_sharding():
     step = _step(tx, optax_dls.value_and_grad(LOSS16, tx))
     _, state, _ = step(PARAMS, tx.init(PARAMS), x)
   assert bool(state.last_step_finite) and int(state.recomputed_steps) == 1
+
+
+MATRIX = {"w": jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float32).reshape(8, 3), "b": jnp.zeros(3)}
+
+
+def _matrix_loss(params, x):
+  """float16 ``x @ w.T``: the gradient of ``w`` is a product, so its layout is XLA's to choose."""
+  y = x.astype(jnp.float16) @ params["w"].T.astype(jnp.float16) + params["b"].astype(jnp.float16)[:1]
+  return jnp.mean(jnp.square(y)).astype(jnp.float32)
+
+
+def _matrix_step(tx):
+  def step(params, opt_state, x):
+    (_, grads), opt_state = optax_dls.value_and_grad(_matrix_loss, tx)(opt_state, params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, grads
+  return step
+
+
+def test_matrix_gradients_keep_their_sharding_and_values_under_explicit_axes_and_vmap():
+  x = jnp.full((4, 3), 4.0)  # overflows float16 at 2**15: recomputed at a lower scale
+  tx = _tx()
+  params, state, _ = jax.jit(_matrix_step(tx))(MATRIX, tx.init(MATRIX), x)
+  assert int(state.recompute_tries) >= 1 and bool(state.last_step_finite)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    sharded = {"w": jax.device_put(MATRIX["w"], NamedSharding(mesh, P("data", None))), "b": MATRIX["b"]}
+    p_sh, s_sh, g_sh = jax.jit(_matrix_step(tx))(sharded, tx.init(sharded), x)
+  for out in (g_sh["w"], p_sh["w"]):
+    assert out.sharding.is_equivalent_to(sharded["w"].sharding, 2)
+  assert int(s_sh.recompute_tries) == int(state.recompute_tries)
+  np.testing.assert_allclose(p_sh["w"], params["w"], rtol=2e-7)
+  batched = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), MATRIX)
+  p_v, s_v, _ = jax.vmap(_matrix_step(tx), in_axes=(0, 0, None))(batched, jax.vmap(tx.init)(batched), x)
+  np.testing.assert_allclose(p_v["w"][0], params["w"], rtol=2e-7)
+  assert np.asarray(s_v.recompute_tries).min() >= 1
 
 
 def test_with_gradient_accumulation_each_micro_batch_is_recomputed():

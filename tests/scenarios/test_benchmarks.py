@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,3 +46,27 @@ def test_the_hand_written_skips_apply_a_finite_step_and_skip_a_non_finite_one():
       kept, (opt_state, _, _) = step(params, state, bad)
       jax.tree.map(np.testing.assert_array_equal, kept, params)
       jax.tree.map(np.testing.assert_array_equal, opt_state, state[0])
+
+
+def _copies(compiled) -> int:
+  """Instructions of the compiled program's entry that copy (or transpose) an array."""
+  text = compiled.as_text()
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  return sum(1 for line in entry.splitlines()
+             if re.search(r"= \S+\{[\d,]*\} (copy\(|fusion\(.*calls=%wrapped_(copy|transpose)_)", line))
+
+
+def test_the_recompute_step_writes_no_more_layout_copies_than_the_plain_step():
+  """The retry branch's second backward pass must not change the gradients' layouts on
+  the common path: on the CPU its transposed products made every step copy them."""
+  e2e = _load("train_step_e2e")
+  model = e2e.Transformer(32, 1, 2, 16, e2e.FP16)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 17)), jnp.int32)
+  counts = {}
+  for recompute in (False, True):
+    tx = e2e.VARIANTS["dynamic_loss_scale"]()
+    counts[recompute] = _copies(e2e.make_step(model, tx, recompute=recompute).lower(
+        params, tx.init(params), batch).compile())
+  assert counts[True] <= counts[False], counts
