@@ -5,12 +5,16 @@ state. Each skip lowering ("auto", the platform's default; "cond"; "where") on b
 call paths: ``tx.update`` then ``optax.apply_updates`` (what most users and flax's
 ``TrainState`` call) and ``optax_dls.apply_step``. References: the bare step; the floor, the bare step on
 gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
-and the finite check that every loss scaler needs); and the floor with a skip written
+and the finite check that every loss scaler needs); ``floor_wait``, the floor whose
+update waits for that read, as any skip's must; and the floor with a skip written
 by hand as a plain ``lax.cond`` or ``jnp.where`` (``floor_cond_skip``,
-``floor_where_skip``: see :func:`floor_step`). Every row has its
-ratio to each reference. Prints one JSON object. Usage::
+``floor_where_skip``: see :func:`floor_step`). Every row has its ratio to each
+reference, as the ratio of the medians over all steps (``ratio_to_*``) and as the
+median over rounds of the ratio of the rounds' medians (``paired_ratio_to_*``:
+each round times every variant back to back, so this one discounts drift in the
+machine's load). Prints one JSON object. Usage::
 
-    python benchmarks/step_overhead.py [--steps 30] [--rounds 5] [--trees big,many] [--params 8000000]
+    python benchmarks/step_overhead.py [--steps 60] [--rounds 20] [--trees big,many] [--params 8000000]
 """
 
 from __future__ import annotations
@@ -75,7 +79,10 @@ def floor_step(skip=None):
   """The bare step on unscaled gradients plus one extra read of them (their sum of
   squares, kept in the state so that it is computed): the least any loss scaler does.
 
-  ``skip`` adds a skip written by hand: ``"cond"`` runs the update
+  ``skip="wait"`` multiplies the gradients by ``1/S`` only where the read is finite
+  (0 otherwise): the same work, but the update now waits for the read, as the
+  update of any skip must wait for the all-finite flag. ``skip`` adds a skip written
+  by hand: ``"cond"`` runs the update
   in a plain ``lax.cond`` (zeros and the old state otherwise); ``"where"`` runs it
   always and keeps the old state with ``jnp.where`` (flax's and jmp's selection,
   here of the updates and the inner state only)."""
@@ -88,6 +95,8 @@ def floor_step(skip=None):
     opt_state, scale, _ = state
     read = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
     finite, inv = jnp.isfinite(read), 1.0 / scale
+    if skip == "wait":
+      inv = jnp.where(finite, inv, 0.0)
     unscaled = jax.tree.map(lambda g: g * inv, grads)
     if skip == "cond":
       updates, opt_state = jax.lax.cond(
@@ -183,6 +192,7 @@ VARIANTS = {  # name -> (factory, non-finite gradients?)
     "bare_adam": (bare_step, False),
     "bare_adam_unscaled": (bare_unscaled_step, False),
     "floor": (floor_step, False),
+    "floor_wait": (functools.partial(floor_step, "wait"), False),
     "floor_cond_skip": (functools.partial(floor_step, "cond"), False),
     "floor_where_skip": (functools.partial(floor_step, "where"), False),
     **{f"{lowering}_{path}_{kind}": (functools.partial(ours_step, lowering, path == "apply_step"), kind == "nonfinite")
@@ -209,24 +219,27 @@ def prepare(factory, params, grads) -> dict:
   for _ in range(3):  # warm-up
     params, state = compiled(params, state, grads)
   jax.block_until_ready(params)
-  return {"compiled": compiled, "carry": (params, state), "grads": grads, "times": [],
+  return {"compiled": compiled, "carry": (params, state), "grads": grads, "times": [], "rounds": [],
           "compile_s": compile_s, "temp_bytes": temp}
 
 
 def time_round(run: dict, steps: int) -> None:
   params, state = run["carry"]
+  times = []
   for _ in range(steps):
     t = time.perf_counter()
     params, state = run["compiled"](params, state, run["grads"])
     jax.block_until_ready((params, state))
-    run["times"].append(time.perf_counter() - t)
+    times.append(time.perf_counter() - t)
   run["carry"] = (params, state)
+  run["times"] += times
+  run["rounds"].append(statistics.median(times))
 
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=30, help="timed steps per variant (>= 20 recommended)")
-  ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
+  ap.add_argument("--steps", type=int, default=60, help="timed steps per variant (>= 20 recommended)")
+  ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds the steps are split into")
   ap.add_argument("--params", type=int, default=8_000_000, help="parameters per tree")
   ap.add_argument("--trees", default="big,many", help="comma list of: big (8 leaves), many (200 leaves)")
   ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
@@ -249,12 +262,13 @@ def main(argv=None) -> dict:
         time_round(run, max(1, args.steps // args.rounds))
     rows = {name: {"median_s": statistics.median(r["times"]), "compile_s": r["compile_s"],
                    "temp_bytes": r["temp_bytes"]} for name, r in runs.items()}
-    del runs
-    for ref in ("bare_adam", "floor", "floor_cond_skip", "floor_where_skip"):
+    for ref in ("bare_adam", "floor", "floor_wait", "floor_cond_skip", "floor_where_skip"):
       if ref in rows:
-        base = rows[ref]["median_s"]
-        for r in rows.values():
-          r[f"ratio_to_{ref}"] = r["median_s"] / base
+        for name, r in rows.items():
+          r[f"ratio_to_{ref}"] = r["median_s"] / rows[ref]["median_s"]
+          r[f"paired_ratio_to_{ref}"] = statistics.median(
+              a / b for a, b in zip(runs[name]["rounds"], runs[ref]["rounds"]))
+    del runs
     out["results"][kind] = {"leaves": len(params), **rows}
   print(json.dumps(out, indent=2))
   return out

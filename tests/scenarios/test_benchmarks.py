@@ -26,18 +26,19 @@ def test_step_overhead_runs_every_variant_and_reports_every_ratio(capsys):
   rows = out["results"]["big"]
   assert set(so.VARIANTS) <= set(rows) and rows["leaves"] == 8
   for name in so.VARIANTS:
-    for ref in ("bare_adam", "floor", "floor_cond_skip", "floor_where_skip"):
-      assert rows[name][f"ratio_to_{ref}"] > 0
+    for ref in ("bare_adam", "floor", "floor_wait", "floor_cond_skip", "floor_where_skip"):
+      assert rows[name][f"ratio_to_{ref}"] > 0 and rows[name][f"paired_ratio_to_{ref}"] > 0
 
 
 def test_the_hand_written_skips_apply_a_finite_step_and_skip_a_non_finite_one():
+  """And the floor (with or without waiting for its read) applies a finite step as bare Adam does."""
   so = _load("step_overhead")
   params = so.make_tree("big", 800)
   finite = jax.tree.map(lambda p: 1e-3 * p, params)
   bad = dict(finite, p000=finite["p000"].at[0].set(jnp.nan))
   init, bare = so.bare_step()
   want, _ = bare(params, init(params), finite)
-  for skip in (None, "cond", "where"):
+  for skip in (None, "wait", "cond", "where"):
     init, step = so.floor_step(skip)
     state = init(params)
     got, _ = step(params, state, finite)
