@@ -42,12 +42,10 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   The first pass runs as the plain ``jax.grad`` would; the retries run in a
   ``lax.while_loop`` of the same compiled step, entered through a ``lax.cond``
   only after an overflow, which carries only the scale, the policy state and
-  the last try's outputs. On the CPU every pass's gradients are pinned to
-  the row-major layout, so that the retry branch's layouts do not make the
-  common case transpose them. The common case (no overflow)
-  is one forward and backward pass plus one read of the gradients, and the
-  step compiles once (``fun`` is traced twice: for the first pass and for the
-  loop). The policy sees every overflow:
+  the last try's outputs. The common case (no overflow) is one forward and
+  backward pass plus one read of the gradients, and the step compiles once
+  (``fun`` is traced twice: for the first pass and for the loop). The
+  policy sees every overflow:
   each failed try counts for growth and hysteresis as a skipped step would,
   and ``tx.update`` then sees the final gradients (finite, or, when every try
   overflowed, non-finite: the step is skipped as usual). ``metrics`` counts
@@ -57,6 +55,12 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   train step compiled with and without the retries may still differ in the
   last bit of a parameter, as XLA may contract the optimizer's arithmetic
   differently in the two programs.
+
+  On the CPU every pass's gradients are pinned to the row-major layout, so
+  that the retry branch's layouts do not make the common case transpose
+  them. The pin is a ``LayoutConstraint`` custom call, which ``jax.export``
+  refuses by default: export a step that calls ``grad_fn`` for the CPU with ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+  "LayoutConstraint")]``.
 
   Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
   ``axis_name``, so every device takes the same number of tries. Under ``jit``

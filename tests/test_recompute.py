@@ -197,6 +197,21 @@ def test_matrix_gradients_keep_their_sharding_and_values_under_explicit_axes_and
   assert np.asarray(s_v.recompute_tries).min() >= 1
 
 
+def test_a_recomputing_step_exports_with_the_layout_constraint_allowed():
+  """On the CPU the gradients' layout pin is a ``LayoutConstraint`` custom call, which
+  ``jax.export`` accepts once told to (as the docstring says); the exported step
+  computes what the jitted one does."""
+  from jax import export
+  x = jnp.full((4, 3), 4.0)
+  tx = _tx()
+  step = jax.jit(_matrix_step(tx))
+  allow = [export.DisabledSafetyCheck.custom_call("LayoutConstraint")]
+  exported = export.export(step, disabled_checks=allow)(MATRIX, tx.init(MATRIX), x)
+  for a, b in zip(jax.tree.leaves(exported.call(MATRIX, tx.init(MATRIX), x)),
+                  jax.tree.leaves(step(MATRIX, tx.init(MATRIX), x))):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
   tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2),
                                     init_scale=2.0**15, growth_interval=1000)
