@@ -59,8 +59,8 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   On the CPU every pass's gradients are pinned to the row-major layout, so
   that the retry branch's layouts do not make the common case transpose
   them. The pin is a ``LayoutConstraint`` custom call, which ``jax.export``
-  refuses by default: export a step that calls ``grad_fn`` for the CPU with ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-  "LayoutConstraint")]``.
+  refuses by default: export a step that calls ``grad_fn`` for the CPU with
+  ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")]``.
 
   Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
   ``axis_name``, so every device takes the same number of tries. Under ``jit``
