@@ -190,15 +190,10 @@ def _row_major(value_and_grads: tuple[Any, Any]) -> tuple[Any, Any]:
   platforms choose their own layouts (tiled on TPUs) and are left alone."""
   value, grads = value_and_grads
 
-  def pin(tree):
-    def one(g):
-      if not hasattr(g, "ndim") or g.ndim < 2 or g.dtype == jax.dtypes.float0:
-        return g
-      return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
+  def pin(g):  # jax.grad's leaves are floating arrays (no float0 without allow_int)
+    return with_layout_constraint(g, Layout(tuple(range(g.ndim)))) if g.ndim >= 2 else g
 
-    return jax.tree.map(one, tree)
-
-  return value, lax.platform_dependent(grads, cpu=pin, default=lambda tree: tree)
+  return value, lax.platform_dependent(grads, cpu=lambda t: jax.tree.map(pin, t), default=lambda t: t)
 
 
 def _types(out: Any, other: Any = None) -> Any:
