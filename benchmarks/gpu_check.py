@@ -48,7 +48,10 @@ def make_tree(total: int, leaves: int) -> dict:
   raw = rng.lognormal(0.0, 1.5, leaves)
   sizes = np.maximum(1, (raw / raw.sum() * total).astype(np.int64)).tolist()
   keys = jax.random.split(jax.random.key(0), leaves)
-  return {f"p{i:03d}": jax.random.normal(k, (n,), jnp.float32) for i, (k, n) in enumerate(zip(keys, sizes))}
+  return {
+    f"p{i:03d}": jax.random.normal(k, (n,), jnp.float32)
+    for i, (k, n) in enumerate(zip(keys, sizes))
+  }
 
 
 def bare(unscaled=False, extra_read=False):
@@ -70,7 +73,9 @@ def bare(unscaled=False, extra_read=False):
 
 
 def ours(lowering, fused):
-  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=1.0, min_scale=1.0, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.adam(1e-3), init_scale=1.0, min_scale=1.0, skip_lowering=lowering
+  )
 
   def step(params, state, grads):
     if fused:
@@ -82,10 +87,17 @@ def ours(lowering, fused):
 
 
 VARIANTS = {
-    "bare_adam": (bare, False),
-    "floor": (functools.partial(bare, unscaled=True, extra_read=True), False),
-    **{f"{lowering}_{path}_{kind}": (functools.partial(ours, lowering, path == "apply_step"), kind == "nonfinite")
-       for lowering in ("cond", "where") for path in ("update", "apply_step") for kind in ("finite", "nonfinite")},
+  "bare_adam": (bare, False),
+  "floor": (functools.partial(bare, unscaled=True, extra_read=True), False),
+  **{
+    f"{lowering}_{path}_{kind}": (
+      functools.partial(ours, lowering, path == "apply_step"),
+      kind == "nonfinite",
+    )
+    for lowering in ("cond", "where")
+    for path in ("update", "apply_step")
+    for kind in ("finite", "nonfinite")
+  },
 }
 
 
@@ -153,10 +165,16 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   params = make_tree(args.params, args.leaves)
   grads = jax.tree.map(lambda p: p * 1e-3, params)
-  out = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
-         "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "params": int(sum(x.size for x in jax.tree.leaves(params))), "leaves": len(params),
-         "steps": args.steps, "results": {}}
+  out = {
+    "backend": jax.default_backend(),
+    "device": str(jax.devices()[0]),
+    "device_kind": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    "leaves": len(params),
+    "steps": args.steps,
+    "results": {},
+  }
   for name in args.variants.split(","):
     out["results"][name] = run_variant(name, params, grads, args.steps)
     print(f"{name}: {out['results'][name]}", file=sys.stderr, flush=True)
@@ -169,8 +187,9 @@ def main(argv=None) -> dict:
   finite = {k: v for k, v in out["results"].items() if k.endswith("_finite")}
   if finite:
     best = min(finite, key=lambda k: finite[k]["pipelined_step_s"])
-    out["fastest_update_path"] = min((k for k in finite if "_update_" in k),
-                                     key=lambda k: finite[k]["pipelined_step_s"])
+    out["fastest_update_path"] = min(
+      (k for k in finite if "_update_" in k), key=lambda k: finite[k]["pipelined_step_s"]
+    )
     out["fastest_overall"] = best
   print(json.dumps(out, indent=2))
   return out

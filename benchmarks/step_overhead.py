@@ -41,7 +41,9 @@ def make_tree(kind: str, total: int) -> dict:
   else:  # 200 leaves of mixed sizes summing to about `total`
     raw = rng.lognormal(0.0, 1.5, 200)
     sizes = np.maximum(1, (raw / raw.sum() * total).astype(int)).tolist()
-  return {f"p{i:03d}": jnp.asarray(rng.standard_normal(n, dtype=np.float32)) for i, n in enumerate(sizes)}
+  return {
+    f"p{i:03d}": jnp.asarray(rng.standard_normal(n, dtype=np.float32)) for i, n in enumerate(sizes)
+  }
 
 
 def inner():
@@ -100,8 +102,12 @@ def floor_step(skip=None):
     unscaled = jax.tree.map(lambda g: g * inv, grads)
     if skip == "cond":
       updates, opt_state = jax.lax.cond(
-          finite, lambda g, s: tx.update(g, s, params),
-          lambda g, s: (jax.tree.map(jnp.zeros_like, g), s), unscaled, opt_state)
+        finite,
+        lambda g, s: tx.update(g, s, params),
+        lambda g, s: (jax.tree.map(jnp.zeros_like, g), s),
+        unscaled,
+        opt_state,
+      )
     elif skip == "where":
       safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), unscaled)
       updates, new_state = tx.update(safe, opt_state, params)
@@ -189,18 +195,24 @@ def apply_if_finite_step():
 
 
 VARIANTS = {  # name -> (factory, non-finite gradients?)
-    "bare_adam": (bare_step, False),
-    "bare_adam_unscaled": (bare_unscaled_step, False),
-    "floor": (floor_step, False),
-    "floor_wait": (functools.partial(floor_step, "wait"), False),
-    "floor_cond_skip": (functools.partial(floor_step, "cond"), False),
-    "floor_where_skip": (functools.partial(floor_step, "where"), False),
-    **{f"{lowering}_{path}_{kind}": (functools.partial(ours_step, lowering, path == "apply_step"), kind == "nonfinite")
-       for lowering in ("auto", "cond", "where") for path in ("update", "apply_step")
-       for kind in ("finite", "nonfinite")},
-    "jmp_pattern": (jmp_step, False),
-    "flax_where_pattern": (flax_step, False),
-    "apply_if_finite_pattern": (apply_if_finite_step, False),
+  "bare_adam": (bare_step, False),
+  "bare_adam_unscaled": (bare_unscaled_step, False),
+  "floor": (floor_step, False),
+  "floor_wait": (functools.partial(floor_step, "wait"), False),
+  "floor_cond_skip": (functools.partial(floor_step, "cond"), False),
+  "floor_where_skip": (functools.partial(floor_step, "where"), False),
+  **{
+    f"{lowering}_{path}_{kind}": (
+      functools.partial(ours_step, lowering, path == "apply_step"),
+      kind == "nonfinite",
+    )
+    for lowering in ("auto", "cond", "where")
+    for path in ("update", "apply_step")
+    for kind in ("finite", "nonfinite")
+  },
+  "jmp_pattern": (jmp_step, False),
+  "flax_where_pattern": (flax_step, False),
+  "apply_if_finite_pattern": (apply_if_finite_step, False),
 }
 PATTERNS = ("jmp_pattern", "flax_where_pattern", "apply_if_finite_pattern")
 
@@ -219,8 +231,15 @@ def prepare(factory, params, grads) -> dict:
   for _ in range(3):  # warm-up
     params, state = compiled(params, state, grads)
   jax.block_until_ready(params)
-  return {"compiled": compiled, "carry": (params, state), "grads": grads, "times": [], "rounds": [],
-          "compile_s": compile_s, "temp_bytes": temp}
+  return {
+    "compiled": compiled,
+    "carry": (params, state),
+    "grads": grads,
+    "times": [],
+    "rounds": [],
+    "compile_s": compile_s,
+    "temp_bytes": temp,
+  }
 
 
 def time_round(run: dict, steps: int) -> None:
@@ -238,14 +257,25 @@ def time_round(run: dict, steps: int) -> None:
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=60, help="timed steps per variant (>= 20 recommended)")
-  ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds the steps are split into")
+  ap.add_argument(
+    "--steps", type=int, default=60, help="timed steps per variant (>= 20 recommended)"
+  )
+  ap.add_argument(
+    "--rounds", type=int, default=20, help="interleaved rounds the steps are split into"
+  )
   ap.add_argument("--params", type=int, default=8_000_000, help="parameters per tree")
-  ap.add_argument("--trees", default="big,many", help="comma list of: big (8 leaves), many (200 leaves)")
+  ap.add_argument(
+    "--trees", default="big,many", help="comma list of: big (8 leaves), many (200 leaves)"
+  )
   ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
   args = ap.parse_args(argv)
-  out = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "params": args.params,
-         "steps": args.steps, "results": {}}
+  out = {
+    "backend": jax.default_backend(),
+    "device": str(jax.devices()[0]),
+    "params": args.params,
+    "steps": args.steps,
+    "results": {},
+  }
   for kind in args.trees.split(","):
     params = make_tree(kind, args.params)
     finite_grads = jax.tree.map(lambda p: p * 1e-3, params)
@@ -256,18 +286,27 @@ def main(argv=None) -> dict:
     for name in args.variants.split(","):
       factory, nonfinite = VARIANTS[name]
       runs[name] = prepare(factory, params, bad_grads if nonfinite else finite_grads)
-      print(f"compiled {kind}/{name} in {runs[name]['compile_s']:.1f} s", file=sys.stderr, flush=True)
+      print(
+        f"compiled {kind}/{name} in {runs[name]['compile_s']:.1f} s", file=sys.stderr, flush=True
+      )
     for _ in range(args.rounds):  # interleaved, so that load drift hits every variant alike
       for run in runs.values():
         time_round(run, max(1, args.steps // args.rounds))
-    rows = {name: {"median_s": statistics.median(r["times"]), "compile_s": r["compile_s"],
-                   "temp_bytes": r["temp_bytes"]} for name, r in runs.items()}
+    rows = {
+      name: {
+        "median_s": statistics.median(r["times"]),
+        "compile_s": r["compile_s"],
+        "temp_bytes": r["temp_bytes"],
+      }
+      for name, r in runs.items()
+    }
     for ref in ("bare_adam", "floor", "floor_wait", "floor_cond_skip", "floor_where_skip"):
       if ref in rows:
         for name, r in rows.items():
           r[f"ratio_to_{ref}"] = r["median_s"] / rows[ref]["median_s"]
           r[f"paired_ratio_to_{ref}"] = statistics.median(
-              a / b for a, b in zip(runs[name]["rounds"], runs[ref]["rounds"]))
+            a / b for a, b in zip(runs[name]["rounds"], runs[ref]["rounds"])
+          )
     del runs
     out["results"][kind] = {"leaves": len(params), **rows}
   print(json.dumps(out, indent=2))

@@ -31,8 +31,8 @@ import optax
 import optax_dls
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from lm.model import Transformer, loss_fn  # noqa: E402
-from lm.precision import FP16  # noqa: E402
+from lm.model import Transformer, loss_fn
+from lm.precision import FP16
 
 
 def inner():
@@ -40,10 +40,11 @@ def inner():
 
 
 VARIANTS = {
-    "no_loss_scale": lambda: optax_dls.no_loss_scale(inner()),
-    "dynamic_loss_scale": lambda: optax_dls.dynamic_loss_scale(inner(), growth_interval=50),
-    "dynamic_loss_scale_where": lambda: optax_dls.dynamic_loss_scale(
-        inner(), growth_interval=50, skip_lowering="where"),
+  "no_loss_scale": lambda: optax_dls.no_loss_scale(inner()),
+  "dynamic_loss_scale": lambda: optax_dls.dynamic_loss_scale(inner(), growth_interval=50),
+  "dynamic_loss_scale_where": lambda: optax_dls.dynamic_loss_scale(
+    inner(), growth_interval=50, skip_lowering="where"
+  ),
 }
 FUSED = ("dynamic_loss_scale", "no_loss_scale")  # also timed with optax_dls.apply_step
 RECOMPUTE = "dynamic_loss_scale"  # also timed with optax_dls.value_and_grad
@@ -83,12 +84,16 @@ def main(argv=None) -> dict:
 
   model = Transformer(args.d_model, args.layers, args.heads, args.seq_len, FP16)
   params0 = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
-  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32)
+  batch = jnp.asarray(
+    np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32
+  )
   runs = {}
   variants = [(name, make, False, False) for name, make in VARIANTS.items()]
   variants += [(name + "+apply_step", VARIANTS[name], True, False) for name in FUSED]
-  variants += [(RECOMPUTE + "+value_and_grad", VARIANTS[RECOMPUTE], False, True),
-               (RECOMPUTE + "+again", VARIANTS[RECOMPUTE], False, False)]
+  variants += [
+    (RECOMPUTE + "+value_and_grad", VARIANTS[RECOMPUTE], False, True),
+    (RECOMPUTE + "+again", VARIANTS[RECOMPUTE], False, False),
+  ]
   for name, make, fused, recompute in variants:
     tx = make()
     step = make_step(model, tx, fused, recompute)
@@ -111,23 +116,35 @@ def main(argv=None) -> dict:
       run["times"] += times
       run["rounds"].append(statistics.median(times))
   base = statistics.median(runs["no_loss_scale"]["times"])
-  out = {"backend": jax.default_backend(), "params": int(sum(x.size for x in jax.tree.leaves(params0))),
-         "batch": [args.batch_size, args.seq_len], "steps_timed": args.rounds * args.steps, "results": {}}
+  out = {
+    "backend": jax.default_backend(),
+    "params": int(sum(x.size for x in jax.tree.leaves(params0))),
+    "batch": [args.batch_size, args.seq_len],
+    "steps_timed": args.rounds * args.steps,
+    "results": {},
+  }
   for name, run in runs.items():
     med = statistics.median(run["times"])
     out["results"][name] = {"median_ms": med * 1e3, "ratio_to_no_loss_scale": med / base}
   fused_base = statistics.median(runs["no_loss_scale+apply_step"]["times"])
   out["results"]["dynamic_loss_scale+apply_step"]["ratio_to_no_loss_scale+apply_step"] = (
-      statistics.median(runs["dynamic_loss_scale+apply_step"]["times"]) / fused_base)
+    statistics.median(runs["dynamic_loss_scale+apply_step"]["times"]) / fused_base
+  )
   for name in (RECOMPUTE + "+value_and_grad", RECOMPUTE + "+again"):
     row, base_run = out["results"][name], runs[RECOMPUTE]
-    row["ratio_to_" + RECOMPUTE] = statistics.median(runs[name]["times"]) / statistics.median(base_run["times"])
+    row["ratio_to_" + RECOMPUTE] = statistics.median(runs[name]["times"]) / statistics.median(
+      base_run["times"]
+    )
     row["paired_ratio_to_" + RECOMPUTE] = statistics.median(
-        a / b for a, b in zip(runs[name]["rounds"], base_run["rounds"]))
+      a / b for a, b in zip(runs[name]["rounds"], base_run["rounds"])
+    )
   recomputed = out["results"][RECOMPUTE + "+value_and_grad"]
   # The common case: no step overflowed, so no pass was recomputed (nor skipped).
   m = optax_dls.metrics(runs[RECOMPUTE + "+value_and_grad"]["carry"][1])
-  recomputed["recompute_tries"], recomputed["skip_count"] = int(m["recompute_tries"]), int(m["skip_count"])
+  recomputed["recompute_tries"], recomputed["skip_count"] = (
+    int(m["recompute_tries"]),
+    int(m["skip_count"]),
+  )
   print(json.dumps(out, indent=2))
   return out
 

@@ -81,14 +81,21 @@ def main(argv=None):
     state, loss, acc = train_step(state, x_tr[idx], y_tr[idx])
     if i % args.log_every == 0 or i == args.steps:
       m = optax_dls.metrics(state.opt_state)
-      print(f"step {int(state.step):4d}  loss {float(loss):.4f}  batch acc {float(acc):.3f}  "
-            f"loss scale {float(m['loss_scale']):.0f}  skipped {int(m['skip_count'])}  "
-            f"applied {int(m['num_steps'] - m['skip_count'])}")
+      print(
+        f"step {int(state.step):4d}  loss {float(loss):.4f}  batch acc {float(acc):.3f}  "
+        f"loss scale {float(m['loss_scale']):.0f}  skipped {int(m['skip_count'])}  "
+        f"applied {int(m['num_steps'] - m['skip_count'])}"
+      )
   test_acc = float(accuracy(state, x_te, y_te))
   print(f"test accuracy {test_acc:.3f}")
   m = optax_dls.metrics(state.opt_state)
-  return {"loss": float(loss), "test_accuracy": test_acc, "steps": int(state.step),
-          "skip_count": int(m["skip_count"]), "loss_scale": float(m["loss_scale"])}
+  return {
+    "loss": float(loss),
+    "test_accuracy": test_acc,
+    "steps": int(state.step),
+    "skip_count": int(m["skip_count"]),
+    "loss_scale": float(m["loss_scale"]),
+  }
 
 
 if __name__ == "__main__":

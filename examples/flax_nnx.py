@@ -27,7 +27,6 @@ import optax_dls.flax
 
 
 class MLP(nnx.Module):
-
   def __init__(self, rngs, hidden=128):
     kw = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
     self.hidden = nnx.Linear(64, hidden, **kw)
@@ -81,14 +80,21 @@ def main(argv=None):
     loss, acc = train_step(model, optimizer, x_tr[idx], y_tr[idx])
     if i % args.log_every == 0 or i == args.steps:
       m = optax_dls.metrics(optimizer.opt_state)
-      print(f"step {int(optimizer.step[...]):4d}  loss {float(loss):.4f}  "
-            f"batch acc {float(acc):.3f}  loss scale {float(m['loss_scale']):.0f}  "
-            f"skipped {int(m['skip_count'])}  applied {int(m['num_steps'] - m['skip_count'])}")
+      print(
+        f"step {int(optimizer.step[...]):4d}  loss {float(loss):.4f}  "
+        f"batch acc {float(acc):.3f}  loss scale {float(m['loss_scale']):.0f}  "
+        f"skipped {int(m['skip_count'])}  applied {int(m['num_steps'] - m['skip_count'])}"
+      )
   test_acc = float(accuracy(model, x_te, y_te))
   print(f"test accuracy {test_acc:.3f}")
   m = optax_dls.metrics(optimizer.opt_state)
-  return {"loss": float(loss), "test_accuracy": test_acc, "steps": int(optimizer.step[...]),
-          "skip_count": int(m["skip_count"]), "loss_scale": float(m["loss_scale"])}
+  return {
+    "loss": float(loss),
+    "test_accuracy": test_acc,
+    "steps": int(optimizer.step[...]),
+    "skip_count": int(m["skip_count"]),
+    "loss_scale": float(m["loss_scale"]),
+  }
 
 
 if __name__ == "__main__":

@@ -50,15 +50,21 @@ def load_data():
 
 def init_base(key):
   keys = jax.random.split(key, len(SIZES) - 1)
-  return [{"w": jax.random.normal(k, (a, b)) * np.sqrt(2.0 / a), "b": jnp.zeros(b)}
-          for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])]
+  return [
+    {"w": jax.random.normal(k, (a, b)) * np.sqrt(2.0 / a), "b": jnp.zeros(b)}
+    for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])
+  ]
 
 
 def init_adapters(key, rank):
   keys = jax.random.split(key, 4)
-  return [{"down": jax.random.normal(keys[2 * i], (SIZES[i], rank)) / np.sqrt(SIZES[i]),
-           "up": jax.random.normal(keys[2 * i + 1], (rank, SIZES[i + 1])) * 1e-2}
-          for i in range(2)]
+  return [
+    {
+      "down": jax.random.normal(keys[2 * i], (SIZES[i], rank)) / np.sqrt(SIZES[i]),
+      "up": jax.random.normal(keys[2 * i + 1], (rank, SIZES[i + 1])) * 1e-2,
+    }
+    for i in range(2)
+  ]
 
 
 def lora_branch(adapter, h):
@@ -97,7 +103,9 @@ def pretrain(x, y, steps=300):
   def step(carry, key):
     base, state = carry
     idx = jax.random.randint(key, (128,), 0, x.shape[0])
-    loss = lambda b: xent(forward(b, {"adapters": [], "head": b[-1]}, x[idx], jnp.float32, 0.0), y[idx])
+    loss = lambda b: xent(
+      forward(b, {"adapters": [], "head": b[-1]}, x[idx], jnp.float32, 0.0), y[idx]
+    )
     updates, state = tx.update(jax.grad(loss)(base), state)
     return (optax.apply_updates(base, updates), state), None
 
@@ -111,8 +119,10 @@ def finetune(base, x, y, args, group_factor):
   trainable = {"adapters": init_adapters(jax.random.key(2), args.rank), "head": base[-1]}
   inner = optax.adam(args.lr)
   if group_factor:
-    is_adapter = lambda p: {"adapters": jax.tree.map(lambda _: True, p["adapters"]),
-                            "head": jax.tree.map(lambda _: False, p["head"])}
+    is_adapter = lambda p: {
+      "adapters": jax.tree.map(lambda _: True, p["adapters"]),
+      "head": jax.tree.map(lambda _: False, p["head"]),
+    }
     inner = optax.chain(optax_dls.group_scale.group_unscale(group_factor, is_adapter), inner)
   tx = optax_dls.dynamic_loss_scale(inner, growth_interval=args.growth_interval)
   y_new = (y + 1) % 10
@@ -121,30 +131,42 @@ def finetune(base, x, y, args, group_factor):
     params, state = carry
     idx = jax.random.randint(key, (args.batch,), 0, x.shape[0])
     xb, yb = x[idx], y_new[idx]
-    loss16 = lambda p: optax_dls.scale_loss(xent(forward(base, p, xb, jnp.float16, scaling, group_factor), yb), state)
+    loss16 = lambda p: optax_dls.scale_loss(
+      xent(forward(base, p, xb, jnp.float16, scaling, group_factor), yb), state
+    )
     grads = jax.grad(loss16)(params)
     exact = jax.grad(lambda p: xent(forward(base, p, xb, jnp.float32, scaling), yb))(params)
     pairs = list(zip(jax.tree.leaves(grads["adapters"]), jax.tree.leaves(exact["adapters"])))
     flushed = sum(jnp.sum((g == 0) & (e != 0)) for g, e in pairs)
     nonzero = sum(jnp.sum(e != 0) for _, e in pairs)
     unscale = 1.0 / (optax_dls.loss_scale(state) * (group_factor or 1.0))
-    err = jnp.sqrt(sum(jnp.sum((g * unscale - e) ** 2) for g, e in pairs) / sum(jnp.sum(e**2) for _, e in pairs))
+    err = jnp.sqrt(
+      sum(jnp.sum((g * unscale - e) ** 2) for g, e in pairs) / sum(jnp.sum(e**2) for _, e in pairs)
+    )
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     finite = ~optax_dls.metrics(state)["skipped"]
-    return (params, state), (jnp.where(finite, flushed / nonzero, jnp.nan), jnp.where(finite, err, jnp.nan),
-                             optax_dls.loss_scale(state))
+    return (params, state), (
+      jnp.where(finite, flushed / nonzero, jnp.nan),
+      jnp.where(finite, err, jnp.nan),
+      optax_dls.loss_scale(state),
+    )
 
   keys = jax.random.split(jax.random.key(3), args.steps)
   (params, state), (flushed, err, scales) = jax.jit(
-      lambda p: lax.scan(step, (p, tx.init(p)), keys))(trainable)
+    lambda p: lax.scan(step, (p, tx.init(p)), keys)
+  )(trainable)
   final = float(xent(forward(base, params, x, jnp.float32, scaling), y_new)) / x.shape[0]
   flushed = np.asarray(flushed)
-  return {"group_factor": group_factor, "flushed_fraction_mean": round(float(np.nanmean(flushed)), 4),
-          "flushed_fraction_last_100": round(float(np.nanmean(flushed[-100:])), 4),
-          "adapter_grad_rel_error_mean": round(float(np.nanmean(np.asarray(err))), 4),
-          "final_mean_loss": round(final, 4), "skipped": int(optax_dls.metrics(state)["skip_count"]),
-          "log2_loss_scale_median": float(np.median(np.log2(np.asarray(scales))))}
+  return {
+    "group_factor": group_factor,
+    "flushed_fraction_mean": round(float(np.nanmean(flushed)), 4),
+    "flushed_fraction_last_100": round(float(np.nanmean(flushed[-100:])), 4),
+    "adapter_grad_rel_error_mean": round(float(np.nanmean(np.asarray(err))), 4),
+    "final_mean_loss": round(final, 4),
+    "skipped": int(optax_dls.metrics(state)["skip_count"]),
+    "log2_loss_scale_median": float(np.median(np.log2(np.asarray(scales)))),
+  }
 
 
 def main():
@@ -153,13 +175,18 @@ def main():
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--lr", type=float, default=1e-2)
   parser.add_argument("--rank", type=int, default=4)
-  parser.add_argument("--alpha", type=float, default=2.0**-30, help="alpha / rank is the adapter scaling")
+  parser.add_argument(
+    "--alpha", type=float, default=2.0**-30, help="alpha / rank is the adapter scaling"
+  )
   parser.add_argument("--growth-interval", type=int, default=50)
   parser.add_argument("--group-factor", type=float, default=2.0**24)
   args = parser.parse_args()
   x, y = load_data()
   base = pretrain(x, y)
-  pre = float(xent(forward(base, {"adapters": [], "head": base[-1]}, x, jnp.float32, 0.0), y)) / x.shape[0]
+  pre = (
+    float(xent(forward(base, {"adapters": [], "head": base[-1]}, x, jnp.float32, 0.0), y))
+    / x.shape[0]
+  )
   print(json.dumps({"pretrained_base_mean_loss": round(pre, 4)}), flush=True)
   for factor in (None, args.group_factor):
     print(json.dumps(finetune(base, x, y, args, factor)), flush=True)

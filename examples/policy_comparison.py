@@ -43,8 +43,10 @@ def load_data():
 
 def init_params(key, sizes=(64, 256, 256, 10)):
   keys = jax.random.split(key, len(sizes) - 1)
-  return [{"w": jax.random.normal(k, (a, b), jnp.float32) * np.sqrt(2.0 / a), "b": jnp.zeros(b)}
-          for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+  return [
+    {"w": jax.random.normal(k, (a, b), jnp.float32) * np.sqrt(2.0 / a), "b": jnp.zeros(b)}
+    for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+  ]
 
 
 def forward(params, x, dtype):
@@ -74,10 +76,10 @@ def schedule(lr, every, length, factor):
 
 
 POLICIES = {
-    "dynamic (default)": lambda: optax_dls.dynamic_policy(),
-    "dynamic (growth_interval=200)": lambda: optax_dls.dynamic_policy(growth_interval=200),
-    "amax (default, margin=2)": lambda: optax_dls.amax_policy(),
-    "amax (margin=1)": lambda: optax_dls.amax_policy(margin=1),
+  "dynamic (default)": lambda: optax_dls.dynamic_policy(),
+  "dynamic (growth_interval=200)": lambda: optax_dls.dynamic_policy(growth_interval=200),
+  "amax (default, margin=2)": lambda: optax_dls.amax_policy(),
+  "amax (margin=1)": lambda: optax_dls.amax_policy(margin=1),
 }
 
 
@@ -106,11 +108,16 @@ def run(policy, args, data):
   final = float(xent(params, jnp.asarray(xte), jnp.asarray(yte), jnp.float32))
   train_loss = float(xent(params, xtr, ytr, jnp.float32))
   acc = float(jnp.mean(jnp.argmax(forward(params, jnp.asarray(xte), jnp.float32), -1) == yte))
-  return {"skipped": int(skipped.sum()), "skipped_first_50": int(skipped[:50].sum()),
-          "final_train_loss": round(train_loss, 4), "final_test_loss": round(final, 4), "test_accuracy": round(acc, 4),
-          "final_loss_scale": float(scales[-1]),
-          "log2_loss_scale_median": float(np.median(np.log2(scales))),
-          "log2_loss_scale_min": float(np.log2(np.min(scales)))}
+  return {
+    "skipped": int(skipped.sum()),
+    "skipped_first_50": int(skipped[:50].sum()),
+    "final_train_loss": round(train_loss, 4),
+    "final_test_loss": round(final, 4),
+    "test_accuracy": round(acc, 4),
+    "final_loss_scale": float(scales[-1]),
+    "log2_loss_scale_median": float(np.median(np.log2(scales))),
+    "log2_loss_scale_min": float(np.log2(np.min(scales))),
+  }
 
 
 def main():

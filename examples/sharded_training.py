@@ -16,13 +16,13 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any other JAX call
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import optax_dls  # noqa: E402
+import optax_dls
 
 STEPS, INF_STEP, BATCH, D_IN, D_HIDDEN = 24, 12, 64, 32, 64
 
@@ -38,20 +38,28 @@ def main():
   param_specs = {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", None)}
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   params = {
-      "w1": jax.random.normal(k1, (D_IN, D_HIDDEN)) / np.sqrt(D_IN),
-      "b1": jnp.zeros((D_HIDDEN,)),
-      "w2": jax.random.normal(k2, (D_HIDDEN, 1)) / np.sqrt(D_HIDDEN),
+    "w1": jax.random.normal(k1, (D_IN, D_HIDDEN)) / np.sqrt(D_IN),
+    "b1": jnp.zeros((D_HIDDEN,)),
+    "w2": jax.random.normal(k2, (D_HIDDEN, 1)) / np.sqrt(D_HIDDEN),
   }
   params = jax.device_put(params, jax.tree.map(shard, param_specs))
   true_w = jax.random.normal(k3, (D_IN, 1))
 
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**15, growth_interval=4)
-  state_specs = optax.tree_map_params(tx, lambda _, s: s, tx.init(params), param_specs,
-                                      transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+  state_specs = optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    tx.init(params),
+    param_specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda x: isinstance(x, P),
+  )
   opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(shard, state_specs))(params)
 
   def loss_fn(p, x, y, opt_state):
-    h = jax.nn.relu(x.astype(jnp.float16) @ p["w1"].astype(jnp.float16) + p["b1"].astype(jnp.float16))
+    h = jax.nn.relu(
+      x.astype(jnp.float16) @ p["w1"].astype(jnp.float16) + p["b1"].astype(jnp.float16)
+    )
     pred = (h @ p["w2"].astype(jnp.float16)).astype(jnp.float32)  # fp16 compute, fp32 loss
     loss = jnp.mean((pred - y) ** 2)
     return optax_dls.scale_loss(loss, opt_state), loss
@@ -63,7 +71,9 @@ def main():
     return optax.apply_updates(params, updates), opt_state, loss
 
   print("parameter shardings:", {k: v.sharding.spec for k, v in params.items()})
-  print("Adam first moment:  ", {k: v.sharding.spec for k, v in opt_state.inner_state[0].mu.items()})
+  print(
+    "Adam first moment:  ", {k: v.sharding.spec for k, v in opt_state.inner_state[0].mu.items()}
+  )
   print("loss scale:          ", opt_state.loss_scale.sharding.spec, "(replicated)")
 
   for step in range(STEPS):
@@ -79,8 +89,10 @@ def main():
     if bool(logs["skipped"]):
       why = "the injected inf" if step == INF_STEP else "fp16 overflow"
       note = f"  <- {why}: skipped on every device"
-    print(f"step {step:2d}  loss {float(loss):10.4f}  loss scale {scale:8.0f} -> "
-          f"{float(logs['loss_scale']):8.0f}  skipped {int(logs['skip_count'])}{note}")
+    print(
+      f"step {step:2d}  loss {float(loss):10.4f}  loss scale {scale:8.0f} -> "
+      f"{float(logs['loss_scale']):8.0f}  skipped {int(logs['skip_count'])}{note}"
+    )
 
   print("parameter shardings after training:", {k: v.sharding.spec for k, v in params.items()})
   print("loss scale sharding after training:", opt_state.loss_scale.sharding.spec)

@@ -53,12 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
-
-import optax_dls
 from lm import data, report
 from lm.model import Transformer, loss_fn, loss_sum
 from lm.precision import FP16, FP32
+from tqdm import tqdm
+
+import optax_dls
 from optax_dls.writers import JSONL_NAME, MetricsWriter
 
 RUNS = {"fp32": FP32, "fp16": FP16, "fp16-dls": FP16, "fp16-dls-recompute": FP16}
@@ -67,8 +67,19 @@ RECOMPUTED = ("fp16-dls-recompute",)  # runs whose overflowing steps are recompu
 # steps, as many as a 2,000-step interval makes in 60,000 steps; the steps' gradients, p / 65,536
 # per token, take scales above optax_dls's default cap of 2**24 before they overflow.
 INIT_SCALE, GROWTH_INTERVAL, MAX_SCALE = 2.0**15, 10, 2.0**32
-SIZES = ("steps", "replicas", "micro_batches", "batch_size", "seq_len", "d_model", "layers", "heads",
-         "growth_interval", "eval_every", "eval_batches")
+SIZES = (
+  "steps",
+  "replicas",
+  "micro_batches",
+  "batch_size",
+  "seq_len",
+  "d_model",
+  "layers",
+  "heads",
+  "growth_interval",
+  "eval_every",
+  "eval_batches",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,38 +91,78 @@ def parse_args(argv=None) -> argparse.Namespace:
   or a ``--text`` file that is missing, empty, not UTF-8 or too short.
   """
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+  p.add_argument(
+    "--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS)
+  )
   p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
-  p.add_argument("--replicas", type=int, default=64,
-                 help="data-parallel replicas whose tokens the loss is averaged over; one is computed "
-                      "(default 64; 1: the loss is the mean over this replica's tokens)")
-  p.add_argument("--micro-batches", type=int, default=1,
-                 help="micro-batches accumulated per replica and step (default 1)")
-  p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch (default 16)")
+  p.add_argument(
+    "--replicas",
+    type=int,
+    default=64,
+    help="data-parallel replicas whose tokens the loss is averaged over; one is computed "
+    "(default 64; 1: the loss is the mean over this replica's tokens)",
+  )
+  p.add_argument(
+    "--micro-batches",
+    type=int,
+    default=1,
+    help="micro-batches accumulated per replica and step (default 1)",
+  )
+  p.add_argument(
+    "--batch-size", type=int, default=16, help="sequences per micro-batch (default 16)"
+  )
   p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
   p.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
   p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-  p.add_argument("--heads", type=int, default=4, help="attention heads, dividing --d-model (default 4)")
+  p.add_argument(
+    "--heads", type=int, default=4, help="attention heads, dividing --d-model (default 4)"
+  )
   p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
-  p.add_argument("--init-scale", type=float, default=INIT_SCALE,
-                 help=f"initial loss scale, fp16-dls runs (default 2**{math.log2(INIT_SCALE):g})")
-  p.add_argument("--growth-interval", type=int, default=GROWTH_INTERVAL,
-                 help=f"clean steps before the loss scale doubles, fp16-dls runs (default {GROWTH_INTERVAL})")
-  p.add_argument("--max-scale", type=float, default=MAX_SCALE,
-                 help=f"largest loss scale, fp16-dls runs (default 2**{math.log2(MAX_SCALE):g})")
-  p.add_argument("--max-tries", type=int, default=3,
-                 help="float16 recomputations of an overflowing step, fp16-dls-recompute (default 3)")
-  p.add_argument("--eval-every", type=int, default=25, help="steps between validation passes (default 25)")
-  p.add_argument("--eval-batches", type=int, default=8,
-                 help="fixed held-out batches of --batch-size sequences per validation pass (default 8)")
+  p.add_argument(
+    "--init-scale",
+    type=float,
+    default=INIT_SCALE,
+    help=f"initial loss scale, fp16-dls runs (default 2**{math.log2(INIT_SCALE):g})",
+  )
+  p.add_argument(
+    "--growth-interval",
+    type=int,
+    default=GROWTH_INTERVAL,
+    help=f"clean steps before the loss scale doubles, fp16-dls runs (default {GROWTH_INTERVAL})",
+  )
+  p.add_argument(
+    "--max-scale",
+    type=float,
+    default=MAX_SCALE,
+    help=f"largest loss scale, fp16-dls runs (default 2**{math.log2(MAX_SCALE):g})",
+  )
+  p.add_argument(
+    "--max-tries",
+    type=int,
+    default=3,
+    help="float16 recomputations of an overflowing step, fp16-dls-recompute (default 3)",
+  )
+  p.add_argument(
+    "--eval-every", type=int, default=25, help="steps between validation passes (default 25)"
+  )
+  p.add_argument(
+    "--eval-batches",
+    type=int,
+    default=8,
+    help="fixed held-out batches of --batch-size sequences per validation pass (default 8)",
+  )
   p.add_argument("--seed", type=int, default=0, help="initialisation and data order (default 0)")
-  p.add_argument("--text", help="train on this UTF-8 text file instead of the Python reference manual")
+  p.add_argument(
+    "--text", help="train on this UTF-8 text file instead of the Python reference manual"
+  )
   p.add_argument("--out", help="output folder (default runs/train_lm-<timestamp>)")
   args = p.parse_args(argv)
   args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
   bad = [r for r in args.runs if r not in RUNS]
   if bad or not args.runs or len(set(args.runs)) != len(args.runs):
-    p.error(f"argument --runs: expected distinct names from {','.join(RUNS)}, got {','.join(args.runs) or '(none)'}")
+    p.error(
+      f"argument --runs: expected distinct names from {','.join(RUNS)}, got {','.join(args.runs) or '(none)'}"
+    )
   for name in SIZES:
     if getattr(args, name) < 1:
       p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -145,17 +196,24 @@ def tokens_per_step(args) -> int:
 
 def make_optimizer(name, args):
   """AdamW with warmup + cosine decay and global-norm clipping, wrapped by optax_dls."""
-  lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+  lr = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10
+  )
   # underflow_stats records the share of exactly-zero entries of the unscaled gradients
   # (underflow/zero_frac in optax_dls.metrics): in the fp16 runs a gradient too small for
   # float16 flushes to 0 in the backward pass, and the float32 parameter gradient it feeds
   # loses it; the fp32 run's share is the floor no precision changes (the embedding rows
   # of the bytes absent from the step's batch).
-  inner = optax.chain(optax_dls.underflow_stats(), optax.clip_by_global_norm(1.0),
-                      optax.adamw(lr, weight_decay=0.01))
+  inner = optax.chain(
+    optax_dls.underflow_stats(), optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.01)
+  )
   if name.startswith("fp16-dls"):
-    return optax_dls.dynamic_loss_scale(inner, init_scale=args.init_scale, growth_interval=args.growth_interval,
-                                        max_scale=args.max_scale)
+    return optax_dls.dynamic_loss_scale(
+      inner,
+      init_scale=args.init_scale,
+      growth_interval=args.growth_interval,
+      max_scale=args.max_scale,
+    )
   return optax_dls.no_loss_scale(inner)
 
 
@@ -201,8 +259,9 @@ def make_train_step(model, tx, args, max_tries=None):
         total = jax.tree.map(lambda t: t * ratio, total)
       return (jax.tree.map(jnp.add, total, grads), opt_state), loss
 
-    (grads, opt_state), losses = jax.lax.scan(accumulate, (jax.tree.map(jnp.zeros_like, params), opt_state),
-                                              batches)
+    (grads, opt_state), losses = jax.lax.scan(
+      accumulate, (jax.tree.map(jnp.zeros_like, params), opt_state), batches
+    )
     grads = jax.tree.map(lambda g: g * args.replicas, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     m = {"loss": losses.sum() * args.replicas, **optax_dls.metrics(opt_state)}
@@ -213,8 +272,10 @@ def make_train_step(model, tx, args, max_tries=None):
 
 def run_writers(out: str, name: str) -> tuple[MetricsWriter, MetricsWriter]:
   """A run's writers: rows appended to ``<out>/metrics.jsonl``, TensorBoard events in ``<out>/tb/<name>``."""
-  return (MetricsWriter(out, run_name=name, tensorboard=False),
-          MetricsWriter(os.path.join(out, "tb", name), jsonl=False))
+  return (
+    MetricsWriter(out, run_name=name, tensorboard=False),
+    MetricsWriter(os.path.join(out, "tb", name), jsonl=False),
+  )
 
 
 class Progress:
@@ -223,8 +284,11 @@ class Progress:
   def __init__(self, name: str, steps: int, recomputes: bool = False):
     self.name, self.steps, self.recomputes = name, steps, recomputes
     self.width = max(map(len, RUNS))  # the names aligned
-    self.bar = (tqdm(total=steps, desc=f"{name:>{self.width}}", unit="step", mininterval=1.0)
-                if sys.stderr.isatty() else None)
+    self.bar = (
+      tqdm(total=steps, desc=f"{name:>{self.width}}", unit="step", mininterval=1.0)
+      if sys.stderr.isatty()
+      else None
+    )
 
   def update(self, step: int, m: dict) -> None:
     counts = {"skipped": int(m["skip_count"])}
@@ -233,11 +297,16 @@ class Progress:
     if self.bar is not None:
       self.bar.update(1)
       if step % 10 == 0:
-        self.bar.set_postfix(loss=f"{m['loss']:.3f}", scale=report.fmt_scale(m["loss_scale"]), **counts)
+        self.bar.set_postfix(
+          loss=f"{m['loss']:.3f}", scale=report.fmt_scale(m["loss_scale"]), **counts
+        )
     elif step % max(1, self.steps // 4) == 0 or step == self.steps:
-      print(f"{self.name:>{self.width}}: step {step}/{self.steps}  loss {m['loss']:.3f}  "
-            f"zero grads {m['underflow/zero_frac']:.1%}  loss scale {report.fmt_scale(m['loss_scale'])}  "
-            + "  ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+      print(
+        f"{self.name:>{self.width}}: step {step}/{self.steps}  loss {m['loss']:.3f}  "
+        f"zero grads {m['underflow/zero_frac']:.1%}  loss scale {report.fmt_scale(m['loss_scale'])}  "
+        + "  ".join(f"{k} {v}" for k, v in counts.items()),
+        flush=True,
+      )
 
   def close(self) -> None:
     if self.bar is not None:
@@ -251,13 +320,27 @@ def train_run(name, args, params):
   tx = make_optimizer(name, args)
   train_step = make_train_step(model, tx, args, args.max_tries if name in RECOMPUTED else None)
   evaluate = jax.jit(lambda p, b: loss_fn(model, p, b))
-  val_batch = data.gather(args.val, data.eval_starts(args.val.size, window, args.eval_batches, args.batch_size),
-                          window).reshape(-1, window)
-  order = data.batch_starts(args.train.size, window, args.steps * args.micro_batches, args.batch_size, args.seed)
+  val_batch = data.gather(
+    args.val, data.eval_starts(args.val.size, window, args.eval_batches, args.batch_size), window
+  ).reshape(-1, window)
+  order = data.batch_starts(
+    args.train.size, window, args.steps * args.micro_batches, args.batch_size, args.seed
+  )
   order = order.reshape(args.steps, args.micro_batches, args.batch_size)
   opt_state = jax.jit(tx.init)(params)
-  hist = {k: [] for k in ("step", "loss", "loss_scale", "skipped", "recomputed_steps", "zero_frac", "eval_step",
-                          "val_loss")}
+  hist = {
+    k: []
+    for k in (
+      "step",
+      "loss",
+      "loss_scale",
+      "skipped",
+      "recomputed_steps",
+      "zero_frac",
+      "eval_step",
+      "val_loss",
+    )
+  }
   t0 = time.perf_counter()
   writers = run_writers(args.out, name)
 
@@ -274,7 +357,9 @@ def train_run(name, args, params):
   validate(0)
   progress = Progress(name, args.steps, recomputes=name in RECOMPUTED)
   for step in range(1, args.steps + 1):
-    params, opt_state, m = train_step(params, opt_state, data.gather(args.train, order[step - 1], window))
+    params, opt_state, m = train_step(
+      params, opt_state, data.gather(args.train, order[step - 1], window)
+    )
     m = jax.device_get(m)
     log(step, m)
     for k in ("loss", "loss_scale", "skipped", "recomputed_steps"):
@@ -289,13 +374,19 @@ def train_run(name, args, params):
     w.close()
   hist = {k: np.asarray(v) for k, v in hist.items()}
   recomputes = name in RECOMPUTED  # the other runs have no recomputation to report (None)
-  row = {"train_loss": float(np.mean(hist["loss"][-20:])), "val_loss": float(hist["val_loss"][-1]),
-         "zero_frac": float(np.median(hist["zero_frac"][len(hist["zero_frac"]) // 2:])),
-         "skipped": int(m["skip_count"]),
-         "recomputed": int(m["recomputed_steps"]) if recomputes else None,
-         # Extra forward and backward passes over the run's steps x micro-batches passes.
-         "extra_passes": int(m["recompute_tries"]) / (args.steps * args.micro_batches) if recomputes else None,
-         "loss_scale": float(m["loss_scale"]), "wall_s": time.perf_counter() - t0}
+  row = {
+    "train_loss": float(np.mean(hist["loss"][-20:])),
+    "val_loss": float(hist["val_loss"][-1]),
+    "zero_frac": float(np.median(hist["zero_frac"][len(hist["zero_frac"]) // 2 :])),
+    "skipped": int(m["skip_count"]),
+    "recomputed": int(m["recomputed_steps"]) if recomputes else None,
+    # Extra forward and backward passes over the run's steps x micro-batches passes.
+    "extra_passes": int(m["recompute_tries"]) / (args.steps * args.micro_batches)
+    if recomputes
+    else None,
+    "loss_scale": float(m["loss_scale"]),
+    "wall_s": time.perf_counter() - t0,
+  }
   return row, hist
 
 
@@ -308,11 +399,16 @@ def main(argv=None) -> int:
   source = args.text or "pydoc_data.topics (the Python reference manual)"
   print(f"data: {source}: {args.train.size} train / {args.val.size} validation bytes")
   model = Transformer(args.d_model, args.layers, args.heads, args.seq_len, FP32)
-  params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+  params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))[
+    "params"
+  ]
   n = tokens_per_step(args)
-  print(f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters; {args.steps} steps per run; "
-        f"loss averaged over {n:,} tokens per step ({args.replicas} replicas x {args.micro_batches} "
-        f"micro-batches x {args.batch_size} x {args.seq_len} bytes), one replica computed", flush=True)
+  print(
+    f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters; {args.steps} steps per run; "
+    f"loss averaged over {n:,} tokens per step ({args.replicas} replicas x {args.micro_batches} "
+    f"micro-batches x {args.batch_size} x {args.seq_len} bytes), one replica computed",
+    flush=True,
+  )
 
   results, histories = {}, {}
   for name in args.runs:

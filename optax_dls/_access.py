@@ -64,13 +64,15 @@ def find_state(opt_state: Any) -> LossScaleState:
   found = _find_all(opt_state)
   if not found:
     raise ValueError(
-        "opt_state holds no LossScaleState: pass the state of an optimizer built with "
-        "optax_dls.dynamic_loss_scale / static_loss_scale / no_loss_scale / loss_scaled, "
-        f"got a {type(opt_state).__name__}.")
+      "opt_state holds no LossScaleState: pass the state of an optimizer built with "
+      "optax_dls.dynamic_loss_scale / static_loss_scale / no_loss_scale / loss_scaled, "
+      f"got a {type(opt_state).__name__}."
+    )
   if len(found) > 1:
     raise ValueError(
-        f"opt_state holds {len(found)} LossScaleStates, so which scale to use is ambiguous: "
-        "wrap the optimizer once, at the outside, or pass the sub-state you mean.")
+      f"opt_state holds {len(found)} LossScaleStates, so which scale to use is ambiguous: "
+      "wrap the optimizer once, at the outside, or pass the sub-state you mean."
+    )
   return _unwrap(found[0])
 
 
@@ -78,8 +80,13 @@ def find_feature(opt_state: Any, kind: type) -> Any:
   """The one node of type ``kind`` (a feature's state, e.g. a policy wrapper's)
   inside the loss-scale state of ``opt_state``, or None when there is none."""
   state = find_state(opt_state)
-  nodes = [x for x in jax.tree.leaves((state.policy_state, state.inner_state),
-                                      is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)]
+  nodes = [
+    x
+    for x in jax.tree.leaves(
+      (state.policy_state, state.inner_state), is_leaf=lambda x: isinstance(x, kind)
+    )
+    if isinstance(x, kind)
+  ]
   return nodes[0] if nodes else None
 
 
@@ -129,12 +136,15 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
   """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a non-floating loss."""
   if loss is None or isinstance(loss, (str, bytes)):
-    raise TypeError(f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}.")
+    raise TypeError(
+      f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."
+    )
   try:
     loss = jnp.asarray(loss)
   except (TypeError, ValueError) as e:
-    raise TypeError(f"loss must be a floating-point array, got {loss!r} of type "
-                    f"{type(loss).__name__}: {e}") from None
+    raise TypeError(
+      f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}: {e}"
+    ) from None
   if not jnp.issubdtype(loss.dtype, jnp.floating):
     raise TypeError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
   dtype = jnp.promote_types(loss.dtype, jnp.float32)
@@ -181,16 +191,16 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
   steps = s.num_steps.astype(jnp.float32)
   applied = steps - s.num_skipped.astype(jnp.float32)
   out = {
-      "loss_scale": s.loss_scale,
-      "skipped": ~s.last_step_finite,
-      "skip_count": s.num_skipped,
-      "consecutive_skips": s.consecutive_skips,
-      "num_steps": s.num_steps,
-      "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
-      "grad_norm": s.grad_norm,
-      "fp32_fallback": jnp.zeros_like(s.last_step_finite),
-      "recomputed_steps": s.recomputed_steps,
-      "recompute_tries": s.recompute_tries,
+    "loss_scale": s.loss_scale,
+    "skipped": ~s.last_step_finite,
+    "skip_count": s.num_skipped,
+    "consecutive_skips": s.consecutive_skips,
+    "num_steps": s.num_steps,
+    "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
+    "grad_norm": s.grad_norm,
+    "fp32_fallback": jnp.zeros_like(s.last_step_finite),
+    "recomputed_steps": s.recomputed_steps,
+    "recompute_tries": s.recompute_tries,
   }
   return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
 
@@ -238,15 +248,18 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   state = find_state(opt_state)
   if isinstance(value, jax.core.Tracer):
     if value.shape != ():
-      raise ValueError(f"value must be a scalar of shape (), got a traced value {value!r} "
-                       f"of shape {value.shape}.")
+      raise ValueError(
+        f"value must be a scalar of shape (), got a traced value {value!r} of shape {value.shape}."
+      )
   else:
     value = v.scale("value", value)
     if not isinstance(state.min_scale, jax.core.Tracer):
       v.scale("value", value, float(state.min_scale), float(state.max_scale))
 
   scale = jnp.clip(jnp.asarray(value, jnp.float32), state.min_scale, state.max_scale)
-  policy_state = jax.tree.map(_restart_growth, state.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker"))
+  policy_state = jax.tree.map(
+    _restart_growth, state.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")
+  )
   return replace_state(opt_state, state._replace(loss_scale=scale, policy_state=policy_state))
 
 
@@ -260,11 +273,14 @@ def replace_state(opt_state: Any, new: LossScaleState) -> Any:
   """``opt_state`` with its one :class:`LossScaleState` replaced by ``new`` (a state of
   the same structure, as :func:`find_state` returns it: each leaf keeps the dtype and
   the wrapper, e.g. an ``nnx.Variable``, of the leaf it replaces)."""
+
   def put(node):
     if not isinstance(node, LossScaleState):
       return node
     old_leaves, treedef = jax.tree.flatten(node, is_leaf=_is_variable)
-    return jax.tree.unflatten(treedef, [_like(o, n) for o, n in zip(old_leaves, jax.tree.leaves(new))])
+    return jax.tree.unflatten(
+      treedef, [_like(o, n) for o, n in zip(old_leaves, jax.tree.leaves(new))]
+    )
 
   return jax.tree.map(put, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
 

@@ -14,12 +14,13 @@ from typing import Any
 import optax
 
 MULTISTEPS_OUTSIDE = (
-    "opt_state is an optax.MultiSteps state wrapping a loss-scaled optimizer, "
-    "MultiSteps(dynamic_loss_scale(...)). This order is not supported: MultiSteps adds every "
-    "micro-batch to its accumulator before the loss scaler can check it, so one non-finite "
-    "micro-batch poisons the accumulator for good (0 * NaN = NaN). Put the loss scaling "
-    "outside: optax_dls.dynamic_loss_scale(optax.MultiSteps(inner, every_k_schedule=k)); "
-    "a non-finite micro-batch is then dropped and the loss scale backs off.")
+  "opt_state is an optax.MultiSteps state wrapping a loss-scaled optimizer, "
+  "MultiSteps(dynamic_loss_scale(...)). This order is not supported: MultiSteps adds every "
+  "micro-batch to its accumulator before the loss scaler can check it, so one non-finite "
+  "micro-batch poisons the accumulator for good (0 * NaN = NaN). Put the loss scaling "
+  "outside: optax_dls.dynamic_loss_scale(optax.MultiSteps(inner, every_k_schedule=k)); "
+  "a non-finite micro-batch is then dropped and the loss scale backs off."
+)
 
 
 def check_inner(inner: Any) -> optax.GradientTransformation:
@@ -28,8 +29,10 @@ def check_inner(inner: Any) -> optax.GradientTransformation:
   if isinstance(inner, optax.MultiSteps):
     inner = inner.gradient_transformation()
   if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(f"inner must be an optax.GradientTransformation, got {inner!r} of type "
-                    f"{type(inner).__name__}.")
+    raise TypeError(
+      f"inner must be an optax.GradientTransformation, got {inner!r} of type "
+      f"{type(inner).__name__}."
+    )
   return inner
 
 

@@ -78,23 +78,27 @@ class SkipAlerts:
       raise TypeError(f"step must be an int, got {step!r} of type {type(step).__name__}.")
     if not isinstance(metrics, Mapping):
       raise TypeError(f"metrics must be a mapping (optax_dls.metrics(opt_state)), got {metrics!r}.")
-    m = jax.device_get({k: metrics[k] for k in ("consecutive_skips", "skip_count", "loss_scale")}
-                       | {k: metrics[k] for k in ("skips_at_min_scale",) if k in metrics})
+    m = jax.device_get(
+      {k: metrics[k] for k in ("consecutive_skips", "skip_count", "loss_scale")}
+      | {k: metrics[k] for k in ("skips_at_min_scale",) if k in metrics}
+    )
     consecutive, scale = int(m["consecutive_skips"]), float(m["loss_scale"])
     episode = int(m["skip_count"]) - consecutive  # skips before this episode: names it
     messages = []
     if consecutive >= self.alert_after and self._episode["skips"] != episode:
       self._episode["skips"] = episode
       messages.append(
-          f"optax_dls: {consecutive} consecutive skipped steps (non-finite gradients) at step {step}; "
-          f"loss scale now {scale:g}. See docs/observability.md for what to check.")
+        f"optax_dls: {consecutive} consecutive skipped steps (non-finite gradients) at step {step}; "
+        f"loss scale now {scale:g}. See docs/observability.md for what to check."
+      )
     if int(m.get("skips_at_min_scale", 0)) >= 1 and self._episode["at_min"] != episode:
       self._episode["at_min"] = episode
       messages.append(
-          f"optax_dls: loss scale stuck at its minimum {scale:g}: step {step} was non-finite even at "
-          f"the minimum scale ({consecutive} consecutive skips). The overflow is not caused by the "
-          "loss scale: check the data, the learning rate, the forward pass, or use the float32 "
-          "fallback.")
+        f"optax_dls: loss scale stuck at its minimum {scale:g}: step {step} was non-finite even at "
+        f"the minimum scale ({consecutive} consecutive skips). The overflow is not caused by the "
+        "loss scale: check the data, the learning rate, the forward pass, or use the float32 "
+        "fallback."
+      )
     if jax.process_index() == 0:
       for message in messages:
         logger.warning(message)

@@ -39,8 +39,13 @@ class FallbackState(NamedTuple):
     return {"fp32_fallback": self.fp32_fallback}
 
 
-def fp32_fallback(policy: _policies.LossScalePolicy, *, after: int = 10, steps: int = 100,
-                  scale: float | None = None) -> _policies.LossScalePolicy:
+def fp32_fallback(
+  policy: _policies.LossScalePolicy,
+  *,
+  after: int = 10,
+  steps: int = 100,
+  scale: float | None = None,
+) -> _policies.LossScalePolicy:
   """Wraps ``policy`` with a float32 fallback for when float16 keeps failing.
 
   When a skipped step makes ``after`` consecutive skips, the state's
@@ -93,10 +98,12 @@ def fp32_fallback(policy: _policies.LossScalePolicy, *, after: int = 10, steps: 
     restart_scale, restart_state = policy.init()
     restart_scale = restart_scale if scale is None else scale
     new_scale = jnp.where(ended, restart_scale, new_scale).astype(jnp.float32)
-    policy_state = jax.tree.map(lambda a, b: jnp.where(ended, a, b).astype(jnp.result_type(b)),
-                                restart_state, policy_state)
-    return new_scale, FallbackState(policy_state, (active & ~ended) | start, left.astype(jnp.int32),
-                                    consecutive.astype(jnp.int32))
+    policy_state = jax.tree.map(
+      lambda a, b: jnp.where(ended, a, b).astype(jnp.result_type(b)), restart_state, policy_state
+    )
+    return new_scale, FallbackState(
+      policy_state, (active & ~ended) | start, left.astype(jnp.int32), consecutive.astype(jnp.int32)
+    )
 
   return policy._replace(init=init, update=update)
 
@@ -111,15 +118,18 @@ def _common_dtypes(fn_a: Callable, fn_b: Callable, args: tuple, kwargs: dict) ->
   out_b = jax.eval_shape(lambda: fn_b(*args, **kwargs))
   if jax.tree.structure(out_a) != jax.tree.structure(out_b):
     raise ValueError(
-        "fp16_fn and fp32_fn must return the same pytree structure, got "
-        f"{jax.tree.structure(out_a)} and {jax.tree.structure(out_b)}.")
+      "fp16_fn and fp32_fn must return the same pytree structure, got "
+      f"{jax.tree.structure(out_a)} and {jax.tree.structure(out_b)}."
+    )
   for a, b in zip(jax.tree.leaves(out_a), jax.tree.leaves(out_b)):
     if a.shape != b.shape:
       raise ValueError(f"fp16_fn and fp32_fn outputs differ in shape: {a.shape} vs {b.shape}.")
   return jax.tree.map(lambda a, b: jnp.promote_types(a.dtype, b.dtype), out_a, out_b)
 
 
-def select_precision(opt_state: Any, fp16_fn: Callable, fp32_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+def select_precision(
+  opt_state: Any, fp16_fn: Callable, fp32_fn: Callable, *args: Any, **kwargs: Any
+) -> Any:
   """Calls ``fp32_fn(*args, **kwargs)`` while the fallback is on, else ``fp16_fn``.
 
   Both functions are traced once and chosen inside the compiled step with
@@ -151,6 +161,7 @@ def select_precision(opt_state: Any, fp16_fn: Callable, fp32_fn: Callable, *args
     def run(operands):
       a, k = operands
       return jax.tree.map(lambda x, d: jnp.asarray(x).astype(d), fn(*a, **k), dtypes)
+
     return run
 
   if flag is None:

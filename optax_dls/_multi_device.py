@@ -23,9 +23,15 @@ def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
   """Returns ``axis_name`` as None, a string or a tuple; TypeError for anything else."""
   if axis_name is None or isinstance(axis_name, str):
     return axis_name
-  if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+  if (
+    isinstance(axis_name, (tuple, list))
+    and axis_name
+    and all(isinstance(a, str) for a in axis_name)
+  ):
     return tuple(axis_name)
-  raise TypeError(f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}.")
+  raise TypeError(
+    f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}."
+  )
 
 
 def axis_names(axis_name: AxisName) -> tuple[str, ...]:
@@ -100,24 +106,28 @@ def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: 
   missing = found - varying_axes(state_leaf) - set(axis_names(axis_name))
   if missing:
     raise ValueError(
-        f"axis_name={axis_name!r} does not cover the mapped axes {sorted(missing)} over which "
-        f"the gradients vary (gradient axes found: {sorted(found)}). "
-        "Without them each device decides alone whether to skip and the loss-scale state "
-        "stops being replicated. Pass axis_name="
-        f"{tuple(sorted(set(axis_names(axis_name)) | missing))!r} to the loss-scaled "
-        "transformation, or give each device its own state (shard it over those axes).")
+      f"axis_name={axis_name!r} does not cover the mapped axes {sorted(missing)} over which "
+      f"the gradients vary (gradient axes found: {sorted(found)}). "
+      "Without them each device decides alone whether to skip and the loss-scale state "
+      "stops being replicated. Pass axis_name="
+      f"{tuple(sorted(set(axis_names(axis_name)) | missing))!r} to the loss-scaled "
+      "transformation, or give each device its own state (shard it over those axes)."
+    )
 
 
 def axis_sizes(axis_name: AxisName) -> dict[str, int]:
   """Size of each named axis; ValueError (at trace time) for a name not mapped here."""
   try:
-    return {n: lax.axis_size(n) if hasattr(lax, "axis_size") else lax.psum(1, n)
-            for n in axis_names(axis_name)}
+    return {
+      n: lax.axis_size(n) if hasattr(lax, "axis_size") else lax.psum(1, n)
+      for n in axis_names(axis_name)
+    }
   except NameError as e:
     raise ValueError(
-        f"axis_name={axis_name!r} names an axis that is not mapped here ({e}). Under jax.jit with "
-        "NamedSharding leave axis_name=None; under pmap / shard_map / vmap pass the names of the "
-        "mapped axes.") from e
+      f"axis_name={axis_name!r} names an axis that is not mapped here ({e}). Under jax.jit with "
+      "NamedSharding leave axis_name=None; under pmap / shard_map / vmap pass the names of the "
+      "mapped axes."
+    ) from e
 
 
 def replicas(leaf: Any, sizes: dict[str, int]) -> int:

@@ -86,13 +86,17 @@ def all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   names = md.axis_names(md.check_axis_name(axis_name))
   for leaf in jax.tree.leaves(tree):
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-      raise TypeError(f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
-                      f"in tree={tree!r}.")
+      raise TypeError(
+        f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
+        f"in tree={tree!r}."
+      )
   # One plain read of each leaf decides the common case (a finite sum of
   # squares proves every entry finite); only a sum that is not finite pays
   # for the entry-by-entry check, in a cond.
   sq = sum_squares(tree, names)
-  return lax.cond(jnp.isfinite(sq), lambda t: jnp.bool_(True), lambda t: exact_all_finite(t, names), tree)
+  return lax.cond(
+    jnp.isfinite(sq), lambda t: jnp.bool_(True), lambda t: exact_all_finite(t, names), tree
+  )
 
 
 def exact_all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
@@ -162,7 +166,9 @@ def sum_squares(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   return md.psum(sq, axis_name)
 
 
-def robust_norm(tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: md.AxisName = None) -> jax.Array:
+def robust_norm(
+  tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: md.AxisName = None
+) -> jax.Array:
   """float32 ``()``: global L2 norm of a finite ``tree`` times ``inv_scale``,
   without overflow in the squares (two reads of each leaf; :func:`sum_squares`
   is one).
@@ -202,8 +208,9 @@ def valid_scale(scale: jax.Array) -> jax.Array:
   return (inv > 0) & (inv < jnp.inf)
 
 
-def finite_and_norm(grads: Any, scale: jax.Array,
-                    axis_name: md.AxisName = None) -> tuple[jax.Array, jax.Array]:
+def finite_and_norm(
+  grads: Any, scale: jax.Array, axis_name: md.AxisName = None
+) -> tuple[jax.Array, jax.Array]:
   """``(finite, norm)`` of ``u = unscale(grads, 1/scale)``: whether ``scale`` is a
   valid loss scale (:func:`valid_scale`) and every entry of ``u`` is finite,
   reduced over ``axis_name``; and the global L2 norm of ``u``.
@@ -253,9 +260,13 @@ def finite_and_norm(grads: Any, scale: jax.Array,
     # is the first entry to overflow when unscaled: checking it is exact, and
     # no array of the leaf's size is written.
     finite = exact_all_finite(g, axis_name) & lax.cond(
-        i > 1, lambda: exact_all_finite(unscale(leaf_amax(float_leaves(g)), i), axis_name),
-        lambda: jnp.bool_(True))
-    norm = lax.cond(finite & ~jnp.isfinite(s), lambda: robust_norm(g, i, axis_name), lambda: jnp.sqrt(s) * i)
+      i > 1,
+      lambda: exact_all_finite(unscale(leaf_amax(float_leaves(g)), i), axis_name),
+      lambda: jnp.bool_(True),
+    )
+    norm = lax.cond(
+      finite & ~jnp.isfinite(s), lambda: robust_norm(g, i, axis_name), lambda: jnp.sqrt(s) * i
+    )
     return finite, norm
 
   finite, norm = lax.cond(fast, quick, exact, grads, inv_scale, sq)
@@ -268,8 +279,9 @@ def finite_and_norm(grads: Any, scale: jax.Array,
 _HI = 2.0**-100
 
 
-def finite_and_norm_fused(grads: Any, scale: jax.Array,
-                          axis_name: md.AxisName = None) -> tuple[jax.Array, jax.Array]:
+def finite_and_norm_fused(
+  grads: Any, scale: jax.Array, axis_name: md.AxisName = None
+) -> tuple[jax.Array, jax.Array]:
   """:func:`finite_and_norm` with no conditional: every statistic is a sibling
   reduction of the same read of each leaf, which XLA fuses into one pass on
   GPUs and TPUs, so no predicate has to reach the host.

@@ -108,11 +108,20 @@ def _dynamic_state(hysteresis: int) -> DynamicScaleState:
   return DynamicScaleState(jnp.zeros([], jnp.int32), jnp.asarray(hysteresis, jnp.int32))
 
 
-def dynamic_rule(*, init_scale: float, min_scale: float, max_scale: float, growth_factor: float,
-                 growth_after: int, backoff_factor: float | None = None,
-                 backoff_divisor: float | None = None, reset_after_growth: int = 0,
-                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
-                 warmup_steps: int = 0) -> LossScalePolicy:
+def dynamic_rule(
+  *,
+  init_scale: float,
+  min_scale: float,
+  max_scale: float,
+  growth_factor: float,
+  growth_after: int,
+  backoff_factor: float | None = None,
+  backoff_divisor: float | None = None,
+  reset_after_growth: int = 0,
+  hysteresis: int = 1,
+  consecutive_hysteresis: bool = False,
+  warmup_steps: int = 0,
+) -> LossScalePolicy:
   """The dynamic rule, with every variation of the established scalers as an option.
 
   Arguments are already checked. Finite step: ``tracker += 1``; with
@@ -134,27 +143,34 @@ def dynamic_rule(*, init_scale: float, min_scale: float, max_scale: float, growt
     grow = finite & (tracker >= growth_after) & (stats.step >= warmup_steps)
     left = jnp.maximum(state.hysteresis_left - 1, 0)
     backoff = ~finite & (left == 0)
-    backed = scale * jnp.float32(backoff_factor) if backoff_divisor is None else scale / jnp.float32(backoff_divisor)
-    new_scale = jnp.where(grow, jnp.minimum(scale * gf, hi), jnp.where(backoff, jnp.maximum(backed, lo), scale))
+    backed = (
+      scale * jnp.float32(backoff_factor)
+      if backoff_divisor is None
+      else scale / jnp.float32(backoff_divisor)
+    )
+    new_scale = jnp.where(
+      grow, jnp.minimum(scale * gf, hi), jnp.where(backoff, jnp.maximum(backed, lo), scale)
+    )
     kept = jnp.asarray(hysteresis, jnp.int32) if consecutive_hysteresis else state.hysteresis_left
     new_state = DynamicScaleState(
-        growth_tracker=jnp.where(grow, reset_after_growth, tracker).astype(jnp.int32),
-        hysteresis_left=jnp.where(finite, jnp.where(grow, hysteresis, kept), left).astype(jnp.int32))
+      growth_tracker=jnp.where(grow, reset_after_growth, tracker).astype(jnp.int32),
+      hysteresis_left=jnp.where(finite, jnp.where(grow, hysteresis, kept), left).astype(jnp.int32),
+    )
     return new_scale.astype(jnp.float32), new_state
 
   return LossScalePolicy(init, update, min_scale=min_scale, max_scale=max_scale)
 
 
 def dynamic_policy(
-    init_scale: float = 2.0**15,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    min_scale: float = 1.0,
-    max_scale: float = 2.0**24,
-    hysteresis: int = 1,
-    consecutive_hysteresis: bool = False,
-    warmup_steps: int = 0,
+  init_scale: float = 2.0**15,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+  min_scale: float = 1.0,
+  max_scale: float = 2.0**24,
+  hysteresis: int = 1,
+  consecutive_hysteresis: bool = False,
+  warmup_steps: int = 0,
 ) -> LossScalePolicy:
   """Dynamic loss scaling (Micikevicius et al. 2018, Mixed Precision Training).
 
@@ -212,13 +228,19 @@ def dynamic_policy(
   backoff_factor = v.backoff_factor("backoff_factor", backoff_factor)
   growth_interval = v.count("growth_interval", growth_interval)
   init_scale, min_scale, max_scale = v.scale_range(
-      ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale))
+    ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+  )
   return dynamic_rule(
-      init_scale=init_scale, min_scale=min_scale, max_scale=max_scale, growth_factor=growth_factor,
-      growth_after=growth_interval, backoff_factor=backoff_factor,
-      hysteresis=v.count("hysteresis", hysteresis),
-      consecutive_hysteresis=v.boolean("consecutive_hysteresis", consecutive_hysteresis),
-      warmup_steps=v.count("warmup_steps", warmup_steps, low=0))
+    init_scale=init_scale,
+    min_scale=min_scale,
+    max_scale=max_scale,
+    growth_factor=growth_factor,
+    growth_after=growth_interval,
+    backoff_factor=backoff_factor,
+    hysteresis=v.count("hysteresis", hysteresis),
+    consecutive_hysteresis=v.boolean("consecutive_hysteresis", consecutive_hysteresis),
+    warmup_steps=v.count("warmup_steps", warmup_steps, low=0),
+  )
 
 
 def static_policy(scale: float) -> LossScalePolicy:
@@ -278,10 +300,18 @@ def _pow2_floor(x: jax.Array) -> jax.Array:
   return jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1)
 
 
-def amax_policy(init_scale: float = 2.0**15, margin: float = 2.0, history_len: int = 16,
-                growth_interval: int = 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                min_scale: float = 1.0, max_scale: float = 2.0**24, max_value: float = 65504.0,
-                statistic: str = "amax") -> LossScalePolicy:
+def amax_policy(
+  init_scale: float = 2.0**15,
+  margin: float = 2.0,
+  history_len: int = 16,
+  growth_interval: int = 16,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  min_scale: float = 1.0,
+  max_scale: float = 2.0**24,
+  max_value: float = 65504.0,
+  statistic: str = "amax",
+) -> LossScalePolicy:
   """Gradient-aware loss scaling: keep the scaled amax ``margin`` octaves below fp16 max.
 
   The dynamic rule learns the largest safe scale only by overflowing. This
@@ -335,7 +365,8 @@ def amax_policy(init_scale: float = 2.0**15, margin: float = 2.0, history_len: i
     TypeError: a wrong type, or a traced value where a static number is needed.
   """
   init_scale, min_scale, max_scale = v.scale_range(
-      ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale))
+    ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+  )
   margin = v.real("margin", margin)
   v.check(0.0 <= margin <= 64.0, "margin", margin, "0 <= value <= 64")
   history_len = v.count("history_len", history_len, high=4096)
@@ -345,8 +376,13 @@ def amax_policy(init_scale: float = 2.0**15, margin: float = 2.0, history_len: i
   max_value = v.real("max_value", max_value)
   v.check(0.0 < max_value < math.inf, "max_value", max_value, "0 < value < inf")
   tiny = float(np.finfo(np.float32).tiny)
-  for name, value in (("max_value", max_value), ("max_value * 2**-margin", max_value * 2.0**-margin)):
-    v.float32(name, value, lambda r: tiny <= r < math.inf, "2**-126 <= value < inf (a normal number)")
+  for name, value in (
+    ("max_value", max_value),
+    ("max_value * 2**-margin", max_value * 2.0**-margin),
+  ):
+    v.float32(
+      name, value, lambda r: tiny <= r < math.inf, "2**-126 <= value < inf (a normal number)"
+    )
   if not isinstance(statistic, str) or statistic not in ("amax", "grad_norm"):
     kind = ValueError if isinstance(statistic, str) else TypeError
     raise kind(f"statistic must be 'amax' or 'grad_norm', got statistic={statistic!r}.")
@@ -354,8 +390,10 @@ def amax_policy(init_scale: float = 2.0**15, margin: float = 2.0, history_len: i
   lo, hi = jnp.float32(min_scale), jnp.float32(max_scale)
 
   def init():
-    return (jnp.asarray(init_scale, jnp.float32),
-            AmaxScaleState(jnp.zeros([history_len], jnp.float32), jnp.zeros([], jnp.int32)))
+    return (
+      jnp.asarray(init_scale, jnp.float32),
+      AmaxScaleState(jnp.zeros([history_len], jnp.float32), jnp.zeros([], jnp.int32)),
+    )
 
   def update(scale: jax.Array, state: AmaxScaleState, stats: GradStats) -> tuple[jax.Array, Any]:
     finite = stats.finite
@@ -369,15 +407,26 @@ def amax_policy(init_scale: float = 2.0**15, margin: float = 2.0, history_len: i
     shrink = finite & (target < scale)
     grow = finite & (target > scale) & (tracker >= growth_interval)
     new_scale = jnp.where(
-        shrink, target,
-        jnp.where(grow, jnp.minimum(scale * jnp.float32(growth_factor), target),
-                  jnp.where(finite, scale, jnp.maximum(scale * jnp.float32(backoff_factor), lo))))
+      shrink,
+      target,
+      jnp.where(
+        grow,
+        jnp.minimum(scale * jnp.float32(growth_factor), target),
+        jnp.where(finite, scale, jnp.maximum(scale * jnp.float32(backoff_factor), lo)),
+      ),
+    )
     moved = shrink | grow
     return new_scale.astype(jnp.float32), AmaxScaleState(
-        history, jnp.where(moved, 0, tracker).astype(jnp.int32))
+      history, jnp.where(moved, 0, tracker).astype(jnp.int32)
+    )
 
-  return LossScalePolicy(init, update, stats=("amax",) if statistic == "amax" else (),
-                         min_scale=min_scale, max_scale=max_scale)
+  return LossScalePolicy(
+    init,
+    update,
+    stats=("amax",) if statistic == "amax" else (),
+    min_scale=min_scale,
+    max_scale=max_scale,
+  )
 
 
 # --- Checking a policy --------------------------------------------------------
@@ -405,8 +454,11 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
     dtype = jnp.result_type(scale)
   except (TypeError, ValueError):
     dtype = None
-  if dtype is None or isinstance(scale, bool) or not (
-      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+  if (
+    dtype is None
+    or isinstance(scale, bool)
+    or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+  ):
     raise ValueError(f"{what} must be a real number castable to float32, got {scale!r}.")
   if np.shape(scale) != ():
     raise ValueError(f"{what} must have shape (), got shape {np.shape(scale)} ({scale!r}).")
@@ -414,19 +466,23 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
     with np.errstate(over="ignore"):
       value = float(np.float32(np.asarray(scale)))
     if not np.float32(policy.min_scale) <= value <= np.float32(policy.max_scale):
-      raise ValueError(f"{what} must be finite and > 0, within the policy's [min_scale, max_scale] = "
-                       f"[{v.scale_text(policy.min_scale)}, {v.scale_text(policy.max_scale)}] in "
-                       f"float32, got {scale!r}.")
+      raise ValueError(
+        f"{what} must be finite and > 0, within the policy's [min_scale, max_scale] = "
+        f"[{v.scale_text(policy.min_scale)}, {v.scale_text(policy.max_scale)}] in "
+        f"float32, got {scale!r}."
+      )
     if policy.passthrough and value != 1.0:
       raise ValueError(
-          f"a policy with passthrough=True must start at loss scale 1 (gradients are not "
-          f"unscaled), got {what} = {scale!r}.")
+        f"a policy with passthrough=True must start at loss scale 1 (gradients are not "
+        f"unscaled), got {what} = {scale!r}."
+      )
   leaves, treedef = jax.tree.flatten(state)
   for leaf in leaves:
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
       raise TypeError(
-          f"the policy state returned by policy.init() ({policy.init!r}) must be a pytree of "
-          f"arrays, got a leaf {leaf!r} of type {type(leaf).__name__}.")
+        f"the policy state returned by policy.init() ({policy.init!r}) must be a pytree of "
+        f"arrays, got a leaf {leaf!r} of type {type(leaf).__name__}."
+      )
   return treedef, [_leaf_spec(x) for x in leaves]
 
 
@@ -438,22 +494,27 @@ def _checked_update(policy: LossScalePolicy, treedef: Any, specs: list) -> Calla
     out = update(scale, state, stats)
     name = _name(policy)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError(f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}.")
+      raise TypeError(
+        f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}."
+      )
     new_scale, new_state = out
     if np.shape(new_scale) != () or not jnp.issubdtype(jnp.result_type(new_scale), jnp.floating):
       raise TypeError(
-          f"policy.update ({name}) must return a floating loss scale of shape (), got "
-          f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}.")
+        f"policy.update ({name}) must return a floating loss scale of shape (), got "
+        f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}."
+      )
     leaves, new_def = jax.tree.flatten(new_state)
     if new_def != treedef:
       raise TypeError(
-          f"policy.update ({name}) must return a policy state with the tree structure of "
-          f"policy.init()'s, {treedef}, got {new_def}.")
+        f"policy.update ({name}) must return a policy state with the tree structure of "
+        f"policy.init()'s, {treedef}, got {new_def}."
+      )
     got = [_leaf_spec(x) for x in leaves]
     if got != specs:
       raise TypeError(
-          f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
-          f"policy.init()'s, {specs}, got {got}.")
+        f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
+        f"policy.init()'s, {specs}, got {got}."
+      )
     return new_scale, new_state
 
   return checked
@@ -478,18 +539,30 @@ def check_policy(policy: Any) -> LossScalePolicy:
       with an initial scale other than 1.
   """
   if not isinstance(policy, LossScalePolicy):
-    raise TypeError(f"policy must be a LossScalePolicy, got {policy!r} of type {type(policy).__name__}.")
+    raise TypeError(
+      f"policy must be a LossScalePolicy, got {policy!r} of type {type(policy).__name__}."
+    )
   if not (callable(policy.init) and callable(policy.update)):
     raise TypeError(f"policy.init and policy.update must be callable, got {policy!r}.")
-  if not isinstance(policy.stats, (tuple, list)) or not all(isinstance(x, str) for x in policy.stats):
-    raise TypeError(f"policy.stats must be a tuple of strings drawn from {sorted(STATS)}, "
-                    f"got {policy.stats!r} of type {type(policy.stats).__name__}.")
+  if not isinstance(policy.stats, (tuple, list)) or not all(
+    isinstance(x, str) for x in policy.stats
+  ):
+    raise TypeError(
+      f"policy.stats must be a tuple of strings drawn from {sorted(STATS)}, "
+      f"got {policy.stats!r} of type {type(policy.stats).__name__}."
+    )
   if set(policy.stats) - STATS:
-    raise ValueError(f"policy.stats must be a tuple drawn from {sorted(STATS)}, got {policy.stats!r}.")
+    raise ValueError(
+      f"policy.stats must be a tuple drawn from {sorted(STATS)}, got {policy.stats!r}."
+    )
   lo = v.scale("policy.min_scale", policy.min_scale)
   hi = v.scale("policy.max_scale", policy.max_scale)
   v.check(lo <= hi, "policy.max_scale", hi, f"policy.max_scale >= policy.min_scale={lo!r}")
-  policy = policy._replace(stats=tuple(policy.stats), min_scale=lo, max_scale=hi,
-                           passthrough=v.boolean("policy.passthrough", policy.passthrough))
+  policy = policy._replace(
+    stats=tuple(policy.stats),
+    min_scale=lo,
+    max_scale=hi,
+    passthrough=v.boolean("policy.passthrough", policy.passthrough),
+  )
   treedef, specs = _check_init(policy)
   return policy._replace(update=_checked_update(policy, treedef, specs))

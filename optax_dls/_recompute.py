@@ -21,9 +21,15 @@ from optax_dls import _access
 from optax_dls import _validation as v
 
 
-def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., Any] | None = None,
-                   max_tries: int = 3, argnums: int | tuple[int, ...] = 0,
-                   has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+  fun: Callable[..., Any],
+  tx: Any,
+  *,
+  fp32_fun: Callable[..., Any] | None = None,
+  max_tries: int = 3,
+  argnums: int | tuple[int, ...] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
   """``jax.value_and_grad`` of a loss-scaled loss that recomputes an overflowing step.
 
   The returned ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S *
@@ -110,8 +116,10 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
     v.function("fp32_fun", fp32_fun)
   back_off = getattr(tx, "back_off", None)
   if not callable(back_off):
-    raise TypeError(f"tx must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
-                    f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}.")
+    raise TypeError(
+      f"tx must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
+      f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
+    )
   max_tries = v.count("max_tries", max_tries, low=0, high=64)
   argnums = v.argnums(argnums)
   has_aux = v.boolean("has_aux", has_aux)
@@ -120,7 +128,9 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
     def scaled(scale, *args, **kwargs):
       out = f(*args, **kwargs)
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(f"with has_aux=True, {getattr(f, '__qualname__', f)!r} must return a (loss, aux) pair.")
+        raise TypeError(
+          f"with has_aux=True, {getattr(f, '__qualname__', f)!r} must return a (loss, aux) pair."
+        )
       loss = out[0] if has_aux else out
       return _access.times_scale(loss, scale), out
 
@@ -133,9 +143,11 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
   def grad_fn(opt_state, *args, **kwargs):
     needed = max(argnums) if isinstance(argnums, tuple) else argnums
     if needed >= len(args):
-      raise TypeError(f"argnums={argnums!r} asks for positional argument {needed} of fun, but "
-                      f"grad_fn(opt_state, *args) was called with {len(args)} positional arguments "
-                      f"after opt_state.")
+      raise TypeError(
+        f"argnums={argnums!r} asks for positional argument {needed} of fun, but "
+        f"grad_fn(opt_state, *args) was called with {len(args)} positional arguments "
+        f"after opt_state."
+      )
     state = _access.find_state(opt_state)
     attempt = lambda grads, at: _row_major(_value_first(grads(at.loss_scale, *args, **kwargs)))
     types = _types(jax.eval_shape(lambda at: attempt(fp16_grads, at), state))
@@ -160,14 +172,23 @@ def value_and_grad(fun: Callable[..., Any], tx: Any, *, fp32_fun: Callable[..., 
 
     finite, backed_off, out = try_at(light)  # the common case: one pass, outside the loop
     tries, at = jnp.int32(0), light
-    if max_tries:  # the loop only on an overflow: on XLA's CPU a while loop slows the step around it
+    if (
+      max_tries
+    ):  # the loop only on an overflow: on XLA's CPU a while loop slows the step around it
       tries, finite, at, backed_off, out = lax.cond(
-          finite, lambda c: c, lambda c: lax.while_loop(cond, body, c), (tries, finite, at, backed_off, out))
+        finite,
+        lambda c: c,
+        lambda c: lax.while_loop(cond, body, c),
+        (tries, finite, at, backed_off, out),
+      )
     if fp32_grads is not None:  # the last resort, at the scale after the last overflow
       last = lambda: (_cast(attempt(fp32_grads, backed_off), types), backed_off, tries + 1)
       out, at, tries = lax.cond(finite, lambda: (out, at, tries), last)
-    at = at._replace(recomputed_steps=_add(at.recomputed_steps, (tries > 0).astype(jnp.int32)),
-                     recompute_tries=_add(at.recompute_tries, tries), inner_state=state.inner_state)
+    at = at._replace(
+      recomputed_steps=_add(at.recomputed_steps, (tries > 0).astype(jnp.int32)),
+      recompute_tries=_add(at.recompute_tries, tries),
+      inner_state=state.inner_state,
+    )
     return out, _access.replace_state(opt_state, at)
 
   return grad_fn
@@ -193,7 +214,9 @@ def _row_major(value_and_grads: tuple[Any, Any]) -> tuple[Any, Any]:
   def pin(g):  # jax.grad's leaves are floating arrays (no float0 without allow_int)
     return with_layout_constraint(g, Layout(tuple(range(g.ndim)))) if g.ndim >= 2 else g
 
-  return value, lax.platform_dependent(grads, cpu=lambda t: jax.tree.map(pin, t), default=lambda t: t)
+  return value, lax.platform_dependent(
+    grads, cpu=lambda t: jax.tree.map(pin, t), default=lambda t: t
+  )
 
 
 def _types(out: Any, other: Any = None) -> Any:
@@ -201,8 +224,10 @@ def _types(out: Any, other: Any = None) -> Any:
   if other is None:
     return out
   if jax.tree.structure(out) != jax.tree.structure(other):
-    raise ValueError("fun and fp32_fun must return the same pytree structure, got "
-                     f"{jax.tree.structure(other)} and {jax.tree.structure(out)}.")
+    raise ValueError(
+      "fun and fp32_fun must return the same pytree structure, got "
+      f"{jax.tree.structure(other)} and {jax.tree.structure(out)}."
+    )
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(other)):
     if a.shape != b.shape:
       raise ValueError(f"fun and fp32_fun outputs differ in shape: {b.shape} vs {a.shape}.")

@@ -14,11 +14,11 @@ _POLICY_ARGS = inspect.signature(_policies.dynamic_policy).parameters
 
 
 def dynamic_loss_scale(
-    inner: optax.GradientTransformation,
-    *,
-    axis_name: str | tuple[str, ...] | None = None,
-    skip_lowering: str = "auto",
-    **policy_options: Any,
+  inner: optax.GradientTransformation,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+  skip_lowering: str = "auto",
+  **policy_options: Any,
 ) -> LossScaledTransformation:
   """Dynamic loss scaling around any optax transformation.
 
@@ -60,23 +60,32 @@ def dynamic_loss_scale(
   """
   unknown = sorted(set(policy_options) - set(_POLICY_ARGS))
   if unknown:
-    raise TypeError(f"dynamic_loss_scale got unknown keyword argument(s) {unknown}; it takes "
-                    f"axis_name, skip_lowering and the arguments of dynamic_policy: {list(_POLICY_ARGS)}.")
-  return loss_scaled(inner, _policies.dynamic_policy(**policy_options), axis_name=axis_name,
-                     skip_lowering=skip_lowering)
+    raise TypeError(
+      f"dynamic_loss_scale got unknown keyword argument(s) {unknown}; it takes "
+      f"axis_name, skip_lowering and the arguments of dynamic_policy: {list(_POLICY_ARGS)}."
+    )
+  return loss_scaled(
+    inner,
+    _policies.dynamic_policy(**policy_options),
+    axis_name=axis_name,
+    skip_lowering=skip_lowering,
+  )
 
 
-dynamic_loss_scale.__signature__ = inspect.signature(dynamic_loss_scale).replace(parameters=[
+dynamic_loss_scale.__signature__ = inspect.signature(dynamic_loss_scale).replace(
+  parameters=[
     p for p in inspect.signature(dynamic_loss_scale).parameters.values() if p.kind != p.VAR_KEYWORD
-] + [p.replace(kind=p.KEYWORD_ONLY) for p in _POLICY_ARGS.values()])
+  ]
+  + [p.replace(kind=p.KEYWORD_ONLY) for p in _POLICY_ARGS.values()]
+)
 
 
 def static_loss_scale(
-    inner: optax.GradientTransformation,
-    scale: float,
-    *,
-    axis_name: str | tuple[str, ...] | None = None,
-    skip_lowering: str = "auto",
+  inner: optax.GradientTransformation,
+  scale: float,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+  skip_lowering: str = "auto",
 ) -> LossScaledTransformation:
   """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
@@ -99,14 +108,15 @@ def static_loss_scale(
     >>> updates['w']
     Array([-1.], dtype=float32)
   """
-  return loss_scaled(inner, _policies.static_policy(scale), axis_name=axis_name,
-                     skip_lowering=skip_lowering)
+  return loss_scaled(
+    inner, _policies.static_policy(scale), axis_name=axis_name, skip_lowering=skip_lowering
+  )
 
 
 def no_loss_scale(
-    inner: optax.GradientTransformation,
-    *,
-    axis_name: str | tuple[str, ...] | None = None,
+  inner: optax.GradientTransformation,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
 ) -> LossScaledTransformation:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 

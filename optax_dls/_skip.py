@@ -56,8 +56,10 @@ AUTO = {"cpu": ("cond", "where")}
 def check_lowering(lowering: Any) -> str:
   """``lowering`` if it is one of :data:`LOWERINGS`; TypeError / ValueError otherwise."""
   if not isinstance(lowering, str):
-    raise TypeError(f"skip_lowering must be one of {LOWERINGS}, got {lowering!r} of type "
-                    f"{type(lowering).__name__}.")
+    raise TypeError(
+      f"skip_lowering must be one of {LOWERINGS}, got {lowering!r} of type "
+      f"{type(lowering).__name__}."
+    )
   if lowering not in LOWERINGS:
     raise ValueError(f"skip_lowering must be one of {LOWERINGS}, got skip_lowering={lowering!r}.")
   return lowering
@@ -100,8 +102,9 @@ def params_skipped(params: Any, out: Any) -> Any:
   return params  # bit for bit (adding zeros would turn -0.0 into 0.0)
 
 
-def by_cond(finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, inner_state: Any,
-            params: Any) -> tuple[Any, Any]:
+def by_cond(
+  finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
   """The skip as a ``lax.cond``: ``apply(grads, inner_state, params) -> (out, inner_state)``
   runs only when ``finite``; otherwise ``(skipped(params, out), inner_state)``."""
 
@@ -112,8 +115,9 @@ def by_cond(finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, i
   return lax.cond(finite, apply, skip, grads, inner_state, params)
 
 
-def by_where(finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, inner_state: Any,
-             params: Any) -> tuple[Any, Any]:
+def by_where(
+  finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
   """The skip as a selection: ``apply`` always runs, on zeros where ``grads`` are
   not finite, and ``jnp.where`` keeps the old values on a skipped step.
 
@@ -126,11 +130,14 @@ def by_where(finite: jax.Array, apply: Callable, skipped: Callable, grads: Any, 
   outputs are replaced by ``skipped`` and the old state anyway."""
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
   out, new_s = selected_at_definition(finite, apply, safe, inner_state, params)
-  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), out, skipped(params, out)), new_s
+  return jax.tree.map(
+    lambda new, old: jnp.where(finite, new, old), out, skipped(params, out)
+  ), new_s
 
 
-def selected_at_definition(finite: jax.Array, apply: Callable, grads: Any, inner_state: Any,
-                           params: Any) -> tuple[Any, Any]:
+def selected_at_definition(
+  finite: jax.Array, apply: Callable, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
   """``apply(grads, inner_state, params) -> (out, new_state)`` with ``new_state``
   selected, ``jnp.where(finite, new, old)`` leaf by leaf. ``apply`` is evaluated
   from its jaxpr, each new state leaf selected where it is computed, so that
@@ -140,14 +147,19 @@ def selected_at_definition(finite: jax.Array, apply: Callable, grads: Any, inner
   overwrites it in place (a donated state), and copies the whole state first.
   A leaf that ``apply`` passes through from its inputs, or returns in two
   places, is selected at the end instead."""
-  closed, (out_shapes, state_shapes) = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
+  closed, (out_shapes, state_shapes) = jax.make_jaxpr(apply, return_shape=True)(
+    grads, inner_state, params
+  )
   jaxpr = closed.jaxpr
   n_out = len(jax.tree.leaves(out_shapes))
   state_vars, old_leaves = jaxpr.outvars[n_out:], jax.tree.leaves(inner_state)
   counts = collections.Counter(state_vars)
   defined = {var for eqn in jaxpr.eqns for var in eqn.outvars}
-  old_of = {var: old for var, old in zip(state_vars, old_leaves)
-            if isinstance(var, jax_core.Var) and var in defined and counts[var] == 1}
+  old_of = {
+    var: old
+    for var, old in zip(state_vars, old_leaves)
+    if isinstance(var, jax_core.Var) and var in defined and counts[var] == 1
+  }
   select = lambda new, old: jnp.where(finite, new, like(old, new))
   env: dict = {}
   read = lambda var: var.val if isinstance(var, jax_core.Literal) else env[var]
@@ -160,9 +172,13 @@ def selected_at_definition(finite: jax.Array, apply: Callable, grads: Any, inner
       outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
     for var, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
       env[var] = select(value, old_of[var]) if var in old_of else value
-  out = jax.tree.unflatten(jax.tree.structure(out_shapes), [read(var) for var in jaxpr.outvars[:n_out]])
-  new_state = [read(var) if var in old_of else select(read(var), old)
-               for var, old in zip(state_vars, old_leaves)]
+  out = jax.tree.unflatten(
+    jax.tree.structure(out_shapes), [read(var) for var in jaxpr.outvars[:n_out]]
+  )
+  new_state = [
+    read(var) if var in old_of else select(read(var), old)
+    for var, old in zip(state_vars, old_leaves)
+  ]
   return out, jax.tree.unflatten(jax.tree.structure(state_shapes), new_state)
 
 
@@ -195,13 +211,18 @@ def lowering(name: Any) -> Lowering:
     with the lowering :data:`AUTO` names for ``part`` (0: the check, 1: the skip)."""
     branch = lambda how: functools.partial(run, how)
     return lambda *operands: lax.platform_dependent(
-        *operands, default=branch(WHERE), **{p: branch(_BY_NAME[how[part]]) for p, how in AUTO.items()})
+      *operands,
+      default=branch(WHERE),
+      **{p: branch(_BY_NAME[how[part]]) for p, how in AUTO.items()},
+    )
 
   def check(grads, scale, axis_name):
     return per_platform(0, lambda how, g, s: how.check(g, s, axis_name))(grads, scale)
 
   def select(finite, apply, skipped, *operands):
-    return per_platform(1, lambda how, f, *ops: how.select(f, apply, skipped, *ops))(finite, *operands)
+    return per_platform(1, lambda how, f, *ops: how.select(f, apply, skipped, *ops))(
+      finite, *operands
+    )
 
   return Lowering(check, select)
 

@@ -61,43 +61,52 @@ class LossScaleState(NamedTuple):
   inner_state: Any
 
 
-def init_state(loss_scale: Any, scale_range: tuple[float, float], policy_state: Any,
-               inner_state: Any) -> LossScaleState:
+def init_state(
+  loss_scale: Any, scale_range: tuple[float, float], policy_state: Any, inner_state: Any
+) -> LossScaleState:
   """Builds the state before the first step, with every field at its fixed dtype.
 
   Each field is its own buffer, so the state can be donated to a jitted step.
   """
   return LossScaleState(
-      loss_scale=jnp.array(loss_scale, jnp.float32),
-      min_scale=jnp.array(scale_range[0], jnp.float32),
-      max_scale=jnp.array(scale_range[1], jnp.float32),
-      num_steps=jnp.zeros([], jnp.int32),
-      num_skipped=jnp.zeros([], jnp.int32),
-      consecutive_skips=jnp.zeros([], jnp.int32),
-      last_step_finite=jnp.ones([], jnp.bool_),
-      recomputed_steps=jnp.zeros([], jnp.int32),
-      recompute_tries=jnp.zeros([], jnp.int32),
-      grad_norm=jnp.full([], jnp.nan, jnp.float32),
-      policy_state=jax.tree.map(jnp.array, policy_state),
-      inner_state=inner_state,
+    loss_scale=jnp.array(loss_scale, jnp.float32),
+    min_scale=jnp.array(scale_range[0], jnp.float32),
+    max_scale=jnp.array(scale_range[1], jnp.float32),
+    num_steps=jnp.zeros([], jnp.int32),
+    num_skipped=jnp.zeros([], jnp.int32),
+    consecutive_skips=jnp.zeros([], jnp.int32),
+    last_step_finite=jnp.ones([], jnp.bool_),
+    recomputed_steps=jnp.zeros([], jnp.int32),
+    recompute_tries=jnp.zeros([], jnp.int32),
+    grad_norm=jnp.full([], jnp.nan, jnp.float32),
+    policy_state=jax.tree.map(jnp.array, policy_state),
+    inner_state=inner_state,
   )
 
 
 def with_scale(state: LossScaleState, loss_scale: jax.Array, policy_state: Any) -> LossScaleState:
   """``state`` with a new scale (kept within ``[min_scale, max_scale]``) and policy state."""
   return state._replace(
-      loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), state.min_scale, state.max_scale),
-      policy_state=policy_state)
+    loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), state.min_scale, state.max_scale),
+    policy_state=policy_state,
+  )
 
 
-def advance(state: LossScaleState, finite: jax.Array, grad_norm: jax.Array, loss_scale: jax.Array,
-            policy_state: Any, inner_state: Any) -> LossScaleState:
+def advance(
+  state: LossScaleState,
+  finite: jax.Array,
+  grad_norm: jax.Array,
+  loss_scale: jax.Array,
+  policy_state: Any,
+  inner_state: Any,
+) -> LossScaleState:
   """The state after one update: the new scale (kept in range), policy and inner
   states, and the step counters moved by whether the step was ``finite``."""
   return with_scale(state, loss_scale, policy_state)._replace(
-      num_steps=optax.safe_increment(state.num_steps),
-      num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
-      consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
-      last_step_finite=finite,
-      grad_norm=grad_norm,
-      inner_state=inner_state)
+    num_steps=optax.safe_increment(state.num_steps),
+    num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
+    consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
+    last_step_finite=finite,
+    grad_norm=grad_norm,
+    inner_state=inner_state,
+  )

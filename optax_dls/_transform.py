@@ -40,18 +40,19 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
 # some flax releases do with an ``nnx.Optimizer``'s ``tx``) keeps the last two.
 _FIELDS = ("init", "update", "fused_step", "back_off")
 jax.tree_util.register_pytree_with_keys(
-    LossScaledTransformation,
-    lambda tx: (tuple((jax.tree_util.GetAttrKey(f), getattr(tx, f)) for f in _FIELDS), None),
-    lambda _, children: LossScaledTransformation(*children),
-    flatten_func=lambda tx: (tuple(getattr(tx, f) for f in _FIELDS), None))
+  LossScaledTransformation,
+  lambda tx: (tuple((jax.tree_util.GetAttrKey(f), getattr(tx, f)) for f in _FIELDS), None),
+  lambda _, children: LossScaledTransformation(*children),
+  flatten_func=lambda tx: (tuple(getattr(tx, f) for f in _FIELDS), None),
+)
 
 
 def loss_scaled(
-    inner: optax.GradientTransformation,
-    policy: _policies.LossScalePolicy,
-    *,
-    axis_name: str | tuple[str, ...] | None = None,
-    skip_lowering: str = "auto",
+  inner: optax.GradientTransformation,
+  policy: _policies.LossScalePolicy,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+  skip_lowering: str = "auto",
 ) -> LossScaledTransformation:
   """Wraps ``inner`` with loss scaling driven by ``policy``.
 
@@ -130,8 +131,9 @@ def loss_scaled(
 
   def init_fn(params):
     scale, policy_state = policy.init()
-    return init_state(scale, (policy.min_scale, policy.max_scale), policy_state,
-                      _skip.settled_init(inner, params))
+    return init_state(
+      scale, (policy.min_scale, policy.max_scale), policy_state, _skip.settled_init(inner, params)
+    )
 
   def step(grads, state, params, extra_args, out, skipped):
     _check_state(state)
@@ -142,7 +144,9 @@ def loss_scaled(
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 
     def apply(g, inner_state, p):
-      updates, inner_state = inner.update(_numerics.unscale(g, inv_scale), inner_state, p, **extra_args)
+      updates, inner_state = inner.update(
+        _numerics.unscale(g, inv_scale), inner_state, p, **extra_args
+      )
       return out(p, updates), inner_state
 
     result, inner_state = skip.select(finite, apply, skipped, grads, state.inner_state, params)
@@ -155,7 +159,8 @@ def loss_scaled(
     amax = _numerics.global_amax(grads, axis_name) if "amax" in policy.stats else None
     stats = _policies.GradStats(finite, state.num_steps, grad_norm, amax)
     new_scale, policy_state = policy.update(
-        jnp.where(valid, state.loss_scale, init_scale), state.policy_state, stats)
+      jnp.where(valid, state.loss_scale, init_scale), state.policy_state, stats
+    )
     return jnp.where(valid, new_scale, init_scale), policy_state
 
   def back_off(grads, state):
@@ -164,8 +169,9 @@ def loss_scaled(
     finite, grad_norm = skip.check(grads, state.loss_scale, axis_name)
     new_scale, policy_state = policy_step(grads, state, finite, grad_norm)
     keep = lambda old, new: jnp.where(finite, old, new)
-    return finite, with_scale(state, keep(state.loss_scale, new_scale),
-                              jax.tree.map(keep, state.policy_state, policy_state))
+    return finite, with_scale(
+      state, keep(state.loss_scale, new_scale), jax.tree.map(keep, state.policy_state, policy_state)
+    )
 
   def update_fn(grads, state, params=None, **extra_args):
     return step(grads, state, params, extra_args, _skip.updates_out, _skip.updates_skipped)
@@ -176,8 +182,12 @@ def loss_scaled(
   return LossScaledTransformation(init_fn, update_fn, fused_step, back_off)
 
 
-def _passthrough(inner: optax.GradientTransformationExtraArgs, policy: _policies.LossScalePolicy,
-                 axis_name: Any, skip: _skip.Lowering) -> LossScaledTransformation:
+def _passthrough(
+  inner: optax.GradientTransformationExtraArgs,
+  policy: _policies.LossScalePolicy,
+  axis_name: Any,
+  skip: _skip.Lowering,
+) -> LossScaledTransformation:
   """The transformation of a ``passthrough`` policy (S = 1): gradients go to
   ``inner`` unchanged, nothing is checked or skipped; the state keeps the
   loss-scaled layout, and ``grad_norm`` is measured (without overflow)."""
@@ -191,27 +201,36 @@ def _passthrough(inner: optax.GradientTransformationExtraArgs, policy: _policies
     _, grad_norm = skip.check(grads, jnp.float32(1.0), axis_name)
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     finite = jnp.ones([], jnp.bool_)
-    return out(params, updates), advance(state, finite, grad_norm, state.loss_scale, state.policy_state,
-                                         inner_state)
+    return out(params, updates), advance(
+      state, finite, grad_norm, state.loss_scale, state.policy_state, inner_state
+    )
 
   def back_off(grads, state):
     _check_state(state)
     return jnp.ones([], jnp.bool_), state  # nothing is checked: no overflow to back off from
 
   return LossScaledTransformation(
-      init_fn, lambda grads, state, params=None, **extra: step(grads, state, params, extra, _skip.updates_out),
-      lambda grads, state, params, **extra: step(grads, state, params, extra, _skip.params_out), back_off)
+    init_fn,
+    lambda grads, state, params=None, **extra: step(grads, state, params, extra, _skip.updates_out),
+    lambda grads, state, params, **extra: step(grads, state, params, extra, _skip.params_out),
+    back_off,
+  )
 
 
 def _check_state(state: Any) -> None:
   if not isinstance(state, LossScaleState):
     raise TypeError(
-        f"opt_state must be the state this loss-scaled transformation's init returned (a "
-        f"LossScaleState), got a {type(state).__name__}: {repr(state)[:200]}.")
+      f"opt_state must be the state this loss-scaled transformation's init returned (a "
+      f"LossScaleState), got a {type(state).__name__}: {repr(state)[:200]}."
+    )
 
 
 def apply_step(
-    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any,
+  tx: optax.GradientTransformation,
+  grads: Any,
+  opt_state: Any,
+  params: Any,
+  **extra_args: Any,
 ) -> tuple[Any, Any]:
   """One optimizer step returning new parameters: ``update`` and ``apply_updates`` fused.
 
@@ -255,18 +274,24 @@ def apply_step(
     Array([0.5, 0.5], dtype=float32)
   """
   if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(f"tx must be an optax.GradientTransformation, got {tx!r} of type {type(tx).__name__}.")
+    raise TypeError(
+      f"tx must be an optax.GradientTransformation, got {tx!r} of type {type(tx).__name__}."
+    )
   if params is None:
     raise TypeError("apply_step needs params (the parameters to update), got params=None.")
   fused = getattr(tx, "fused_step", None)
   if fused is not None:
     return fused(grads, opt_state, params, **extra_args)
-  if any(isinstance(x, LossScaleState) for x in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))):
+  if any(
+    isinstance(x, LossScaleState)
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+  ):
     warnings.warn(
-        "apply_step: tx has no fused step but its state holds a LossScaleState (a loss-scaled "
-        "transformation wrapped in another one, e.g. optax.chain); running tx.update and "
-        "optax.apply_updates instead. Call apply_step on the loss-scaled transformation itself "
-        "(put it outermost) to keep the fused form.", stacklevel=2)
+      "apply_step: tx has no fused step but its state holds a LossScaleState (a loss-scaled "
+      "transformation wrapped in another one, e.g. optax.chain); running tx.update and "
+      "optax.apply_updates instead. Call apply_step on the loss-scaled transformation itself "
+      "(put it outermost) to keep the fused form.",
+      stacklevel=2,
+    )
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state

@@ -47,7 +47,9 @@ def _check_labels(labels: Any) -> Any:
     return labels
   leaves = jax.tree.leaves(labels)
   if not leaves:
-    raise ValueError(f"labels must be None, a callable or a non-empty pytree of strings, got {labels!r}.")
+    raise ValueError(
+      f"labels must be None, a callable or a non-empty pytree of strings, got {labels!r}."
+    )
   for label in leaves:
     _check_label(label)
   return labels
@@ -55,12 +57,14 @@ def _check_labels(labels: Any) -> Any:
 
 def _check_label(label: Any) -> str:
   if not isinstance(label, str):
-    raise TypeError(f"underflow_stats labels must be strings, got label {label!r} of type "
-                    f"{type(label).__name__}.")
+    raise TypeError(
+      f"underflow_stats labels must be strings, got label {label!r} of type {type(label).__name__}."
+    )
   if not label or "/" in label or label in _RESERVED:
     raise ValueError(
-        f"underflow_stats labels must be non-empty strings without '/' and other than "
-        f"{_RESERVED}, got label {label!r}.")
+      f"underflow_stats labels must be non-empty strings without '/' and other than "
+      f"{_RESERVED}, got label {label!r}."
+    )
   return label
 
 
@@ -71,7 +75,9 @@ def _groups(labels: Any, tree: Any) -> dict[str, list[jax.Array]]:
   try:
     subtrees = treedef.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"underflow_stats labels do not match the gradient tree structure: {e}") from None
+    raise ValueError(
+      f"underflow_stats labels do not match the gradient tree structure: {e}"
+    ) from None
   groups: dict[str, list[jax.Array]] = {}
   for label, sub in zip(label_leaves, subtrees):
     groups.setdefault(_check_label(label), []).extend(_numerics.float_leaves(sub))
@@ -82,9 +88,13 @@ def _fractions(leaves: list[jax.Array], axis_name: Any) -> dict[str, jax.Array]:
   counts = jnp.zeros([3], jnp.float32).at[2].set(sum(int(x.size) for x in leaves))
   for x in leaves:
     a = jnp.abs(x.astype(_numerics.compute_dtype(x.dtype)))
-    counts = counts + jnp.stack([jnp.sum(a == 0, dtype=jnp.float32),
-                                 jnp.sum((a > 0) & (a < F16_MIN_NORMAL), dtype=jnp.float32),
-                                 jnp.zeros([], jnp.float32)])
+    counts = counts + jnp.stack(
+      [
+        jnp.sum(a == 0, dtype=jnp.float32),
+        jnp.sum((a > 0) & (a < F16_MIN_NORMAL), dtype=jnp.float32),
+        jnp.zeros([], jnp.float32),
+      ]
+    )
   counts = _multi_device.psum(counts, axis_name)
   denom = jnp.maximum(counts[2], 1.0)
   return {"zero_frac": counts[0] / denom, "subnormal_frac": counts[1] / denom}
@@ -98,8 +108,11 @@ def _all_fractions(labels: Any, tree: Any, axis_name: Any) -> dict[str, Any]:
   return out
 
 
-def underflow_stats(labels: Any = None, *, axis_name: str | tuple[str, ...] | None = None,
-                    ) -> optax.GradientTransformation:
+def underflow_stats(
+  labels: Any = None,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+) -> optax.GradientTransformation:
   """Records the fractions of zero and of float16-subnormal gradient entries.
 
   An identity transformation (updates pass through unchanged) whose state
@@ -152,4 +165,3 @@ def underflow_stats(labels: Any = None, *, axis_name: str | tuple[str, ...] | No
     return updates, UnderflowState(_all_fractions(labels, updates, axis_name))
 
   return optax.GradientTransformation(init_fn, update_fn)
-

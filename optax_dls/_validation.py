@@ -14,9 +14,10 @@ import numpy as np
 def _concrete(name: str, value: Any) -> Any:
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
-        f"{name} must be a static Python number, got a traced value {value!r}. "
-        "Hyperparameters are fixed when the transformation is built: build it "
-        "outside jax.jit / vmap / grad, or close over a Python number.")
+      f"{name} must be a static Python number, got a traced value {value!r}. "
+      "Hyperparameters are fixed when the transformation is built: build it "
+      "outside jax.jit / vmap / grad, or close over a Python number."
+    )
   if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
     return value.item()
   return value
@@ -43,8 +44,9 @@ def boolean(name: str, value: Any) -> bool:
   """
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
-        f"{name} must be a static bool, got a traced value {value!r}. It is fixed when the "
-        "transformation is built: build it outside jax.jit / vmap / grad, or pass a Python bool.")
+      f"{name} must be a static bool, got a traced value {value!r}. It is fixed when the "
+      "transformation is built: build it outside jax.jit / vmap / grad, or pass a Python bool."
+    )
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}.")
   return bool(value)
@@ -60,8 +62,9 @@ def float32(name: str, value: float, ok: Callable[[float], bool], rule: str) -> 
     rounded = float(np.float32(value))
   if not ok(rounded):
     raise ValueError(
-        f"{name} must satisfy {rule} in float32, got {name}={value!r}, which rounds to "
-        f"{rounded!r} in float32.")
+      f"{name} must satisfy {rule} in float32, got {name}={value!r}, which rounds to "
+      f"{rounded!r} in float32."
+    )
   return value
 
 
@@ -103,7 +106,9 @@ def scale(name: str, value: Any, low: float = SCALE_MIN, high: float = SCALE_MAX
   return value
 
 
-def scale_range(init: tuple[str, Any], low: tuple[str, Any], high: tuple[str, Any]) -> tuple[float, float, float]:
+def scale_range(
+  init: tuple[str, Any], low: tuple[str, Any], high: tuple[str, Any]
+) -> tuple[float, float, float]:
   """Checks ``low <= init <= high``, each a ``(name, value)`` loss scale; returns the three floats."""
   (i_name, i), (lo_name, lo), (hi_name, hi) = init, low, high
   lo, hi = scale(lo_name, lo), scale(hi_name, hi)
@@ -138,11 +143,14 @@ def argnums(value: Any) -> int | tuple[int, ...]:
   """``argnums`` as in ``jax.grad``: an int >= 0 or a non-empty tuple of distinct ones;
   TypeError (not ints) or ValueError (negative, repeated) otherwise."""
   ok = isinstance(value, (int, np.integer)) or (
-      isinstance(value, tuple) and value and all(isinstance(i, (int, np.integer)) for i in value))
+    isinstance(value, tuple) and value and all(isinstance(i, (int, np.integer)) for i in value)
+  )
   bools = value if isinstance(value, tuple) else (value,)
   if not ok or any(isinstance(i, (bool, np.bool_)) for i in bools):
-    raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {value!r} "
-                    f"of type {type(value).__name__}.")
+    raise TypeError(
+      f"argnums must be an int or a non-empty tuple of ints, got {value!r} "
+      f"of type {type(value).__name__}."
+    )
   nums = tuple(int(i) for i in bools)
   if any(i < 0 for i in nums):
     raise ValueError(f"argnums must be >= 0, got argnums={value!r}.")

@@ -39,9 +39,11 @@ def parse(version: str) -> tuple[int, ...]:
 
 def too_old(installed: Mapping[str, str], required: Mapping[str, str]) -> list[str]:
   """``"name>=floor, but name X is installed"`` for each package below its floor."""
-  return [f"{name}>={floor}, but {name} {installed[name]} is installed"
-          for name, floor in required.items()
-          if name in installed and parse(installed[name]) < parse(floor)]
+  return [
+    f"{name}>={floor}, but {name} {installed[name]} is installed"
+    for name, floor in required.items()
+    if name in installed and parse(installed[name]) < parse(floor)
+  ]
 
 
 def _installed() -> dict[str, str]:
@@ -49,13 +51,18 @@ def _installed() -> dict[str, str]:
   import jax  # jax checks that its jaxlib is one it can run with
   import jaxlib
 
-  found = {"python": "{}.{}.{}".format(*sys.version_info[:3]),
-           "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+  found = {
+    "python": "{}.{}.{}".format(*sys.version_info[:3]),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+  }
   try:
     from importlib.metadata import version
+
     found["optax"] = version("optax")
   except Exception:  # no metadata (e.g. a source checkout on sys.path): optax's own
     import optax
+
     found["optax"] = optax.__version__
   return found
 
@@ -68,8 +75,9 @@ def check(installed: Mapping[str, str] | None = None) -> None:
   installed = _installed() if installed is None else installed
   problems = too_old(installed, {"python": PYTHON_MIN, **REQUIRED})
   if problems:
-    upgrade = " ".join(f"'{n}>={REQUIRED[n]}'" for n in REQUIRED
-                       if parse(installed.get(n, "0")) < parse(REQUIRED[n]))
+    upgrade = " ".join(
+      f"'{n}>={REQUIRED[n]}'" for n in REQUIRED if parse(installed.get(n, "0")) < parse(REQUIRED[n])
+    )
     hint = f": pip install -U {upgrade}" if upgrade else ""
     raise ImportError(f"optax_dls needs {'; '.join(problems)}{hint}")
 
@@ -78,7 +86,10 @@ def check_flax(version: str | None = None) -> None:
   """Raises ImportError when flax is older than :data:`FLAX_MIN` (for ``optax_dls.flax``)."""
   if version is None:
     import flax
+
     version = flax.__version__
   if parse(version) < parse(FLAX_MIN):
-    raise ImportError(f"optax_dls.flax needs flax>={FLAX_MIN}, but flax {version} is installed: "
-                      f"pip install -U 'flax>={FLAX_MIN}'")
+    raise ImportError(
+      f"optax_dls.flax needs flax>={FLAX_MIN}, but flax {version} is installed: "
+      f"pip install -U 'flax>={FLAX_MIN}'"
+    )

@@ -20,9 +20,14 @@ _FIELDS_KEYS = ("loss_scale", "inner_state")
 
 
 def _target_layouts(tree: Any) -> dict[str, tuple[str, ...]]:
-  paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
-  return {jax.tree_util.keystr(p): LossScaleState._fields for p, x in paths
-          if isinstance(x, LossScaleState)}
+  paths, _ = jax.tree_util.tree_flatten_with_path(
+    tree, is_leaf=lambda x: isinstance(x, LossScaleState)
+  )
+  return {
+    jax.tree_util.keystr(p): LossScaleState._fields
+    for p, x in paths
+    if isinstance(x, LossScaleState)
+  }
 
 
 def _saved_layouts(tree: Any, path: str = "") -> dict[str, tuple[str, ...]]:
@@ -45,25 +50,28 @@ def _explain(saved: dict, target: dict, step: int, directory: Any) -> str:
   head = f"The checkpoint at step {step} in {directory} does not have the target's layout. "
   if target and not saved:
     return head + (
-        f"The target holds a loss-scale state (LossScaleState) at {', '.join(target)}; the "
-        "checkpoint holds none: it was saved from an optimizer without loss scaling. To start "
-        "loss scaling from it, restore with a target built by the unwrapped optimizer "
-        "(e.g. optax.adam(...).init(params)), then put the restored state in place of the "
-        "inner state: opt_state = tx.init(params)._replace(inner_state=restored_inner). "
-        "The loss scale then starts at init_scale.")
+      f"The target holds a loss-scale state (LossScaleState) at {', '.join(target)}; the "
+      "checkpoint holds none: it was saved from an optimizer without loss scaling. To start "
+      "loss scaling from it, restore with a target built by the unwrapped optimizer "
+      "(e.g. optax.adam(...).init(params)), then put the restored state in place of the "
+      "inner state: opt_state = tx.init(params)._replace(inner_state=restored_inner). "
+      "The loss scale then starts at init_scale."
+    )
   if saved and not target:
     return head + (
-        f"The checkpoint holds a loss-scale state at {', '.join(saved)}; the target holds "
-        "none. Restore with a target built by the same loss-scaled optimizer "
-        "(optax_dls.dynamic_loss_scale(...).init(params)); to drop loss scaling, keep "
-        "optax_dls.find_state(restored).inner_state.")
+      f"The checkpoint holds a loss-scale state at {', '.join(saved)}; the target holds "
+      "none. Restore with a target built by the same loss-scaled optimizer "
+      "(optax_dls.dynamic_loss_scale(...).init(params)); to drop loss scaling, keep "
+      "optax_dls.find_state(restored).inner_state."
+    )
   if saved and target:
     lines = [f"checkpoint {p}: fields {', '.join(f)}" for p, f in saved.items()]
     lines += [f"target {p}: fields {', '.join(sorted(f))}" for p, f in target.items()]
     return head + (
-        "Both hold a loss-scale state but their layouts differ (a different policy, inner "
-        "optimizer or optax_dls version): " + "; ".join(lines) + ". Build the target with "
-        "the optimizer and version the checkpoint was saved with.")
+      "Both hold a loss-scale state but their layouts differ (a different policy, inner "
+      "optimizer or optax_dls version): " + "; ".join(lines) + ". Build the target with "
+      "the optimizer and version the checkpoint was saved with."
+    )
   return head + "Neither holds a loss-scale state; see the Orbax message below."
 
 
@@ -71,12 +79,16 @@ def _check_target(target: Any) -> None:
   """TypeError unless ``target`` is a non-empty pytree of arrays, numbers or ``jax.ShapeDtypeStruct``."""
   leaves = jax.tree_util.tree_leaves_with_path(target)
   if not leaves:
-    raise TypeError(f"target must be a pytree of arrays or jax.ShapeDtypeStruct with the layout to "
-                    f"restore (e.g. {{'params': params, 'opt_state': tx.init(params)}}), got {target!r}.")
+    raise TypeError(
+      f"target must be a pytree of arrays or jax.ShapeDtypeStruct with the layout to "
+      f"restore (e.g. {{'params': params, 'opt_state': tx.init(params)}}), got {target!r}."
+    )
   for path, leaf in leaves:
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, jax.ShapeDtypeStruct)):
-      raise TypeError(f"target must be a pytree of arrays or jax.ShapeDtypeStruct, got the leaf {leaf!r} "
-                      f"of type {type(leaf).__name__} at target{jax.tree_util.keystr(path)}.")
+      raise TypeError(
+        f"target must be a pytree of arrays or jax.ShapeDtypeStruct, got the leaf {leaf!r} "
+        f"of type {type(leaf).__name__} at target{jax.tree_util.keystr(path)}."
+      )
 
 
 def _check_step(manager: Any, step: Any) -> int:
@@ -96,8 +108,10 @@ def _check_step(manager: Any, step: Any) -> int:
     raise ValueError(f"step must be >= 0, got step={step!r}.")
   saved = list(manager.all_steps())
   if int(step) not in saved:
-    raise FileNotFoundError(f"no checkpoint at step {int(step)} in {manager.directory}; saved steps: "
-                            f"{sorted(saved) or 'none'}.")
+    raise FileNotFoundError(
+      f"no checkpoint at step {int(step)} in {manager.directory}; saved steps: "
+      f"{sorted(saved) or 'none'}."
+    )
   return int(step)
 
 
@@ -135,8 +149,10 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
   import orbax.checkpoint as ocp  # optional dependency: only needed here
 
   if not isinstance(manager, ocp.CheckpointManager):
-    raise TypeError(f"manager must be an orbax.checkpoint.CheckpointManager, got {manager!r} of type "
-                    f"{type(manager).__name__}.")
+    raise TypeError(
+      f"manager must be an orbax.checkpoint.CheckpointManager, got {manager!r} of type "
+      f"{type(manager).__name__}."
+    )
   _check_target(target)
   step = _check_step(manager, step)
 
@@ -149,5 +165,6 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
     if "structure" not in str(err):
       raise
     saved = _saved_layouts(manager.item_metadata(step).tree)
-    raise ValueError(_explain(saved, _target_layouts(target), step, manager.directory)
-                     + f"\nOrbax: {err}") from err
+    raise ValueError(
+      _explain(saved, _target_layouts(target), step, manager.directory) + f"\nOrbax: {err}"
+    ) from err

@@ -45,16 +45,25 @@ import numpy as np
 
 from optax_dls import writers
 
-_KEYS = ("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps",
-         "update_ratio", "grad_norm", "fp32_fallback", "loss")
+_KEYS = (
+  "loss_scale",
+  "skipped",
+  "skip_count",
+  "consecutive_skips",
+  "num_steps",
+  "update_ratio",
+  "grad_norm",
+  "fp32_fallback",
+  "loss",
+)
 
 # Diagnosis thresholds.
-OVERFLOW_RATE = 0.01      # provable excess skips per update, second half of the logged rows
+OVERFLOW_RATE = 0.01  # provable excess skips per update, second half of the logged rows
 NO_GROWTH_UPDATES = 1000  # updates proven without any growth before "never grows"
-ZERO_RISE = 0.10          # rise of the share of exactly-zero unscaled gradients over the run
-STUCK_MIN_SKIPS = 3       # steps proven skipped at a loss scale <= 1
-DIVERGE_FACTOR = 1.5      # last-tenth mean loss over first-tenth mean loss
-_SHOWN = 5                # line numbers / offsets listed in a warning
+ZERO_RISE = 0.10  # rise of the share of exactly-zero unscaled gradients over the run
+STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
+DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
+_SHOWN = 5  # line numbers / offsets listed in a warning
 
 
 class NoLogsError(Exception):
@@ -67,7 +76,7 @@ class NoLogsError(Exception):
 def _canonical(key: str) -> str:
   """Maps tags such as ``train/loss_scale`` or ``optax_dls/underflow/zero_frac`` to our keys."""
   if "underflow/" in key:
-    return key[key.index("underflow/"):]
+    return key[key.index("underflow/") :]
   for k in _KEYS:
     if key == k or key.endswith("/" + k):
       return k
@@ -118,8 +127,11 @@ def _read(path: str, kind: str) -> list[dict[str, Any]]:
     _warn(path, f"unreadable ({type(e).__name__}: {e})")
     return []
   if bad and kind == "jsonl":
-    _warn(path, f"skipped {len(bad)} line(s) that are not JSON objects with a 'step' "
-                f"({_listing(bad, 'line')})")
+    _warn(
+      path,
+      f"skipped {len(bad)} line(s) that are not JSON objects with a 'step' "
+      f"({_listing(bad, 'line')})",
+    )
   elif bad:
     _warn(path, f"skipped {len(bad)} corrupt record(s) ({_listing(bad, 'at byte')})")
   rows, malformed = [], 0
@@ -176,13 +188,15 @@ def load_runs(run_dir: str) -> dict[str, list[dict[str, Any]]]:
   runs = {k: _merge_steps(_train_rows(v)) for k, v in runs.items() if v}
   if not runs and files:
     raise NoLogsError(
-        f"the logs under {run_dir!r} exist but are unreadable: none of {len(files)} file(s) "
-        f"({', '.join(p for p, _ in files[:3])}{', ...' if len(files) > 3 else ''}) holds a row "
-        "with a whole-number 'step'.")
+      f"the logs under {run_dir!r} exist but are unreadable: none of {len(files)} file(s) "
+      f"({', '.join(p for p, _ in files[:3])}{', ...' if len(files) > 3 else ''}) holds a row "
+      "with a whole-number 'step'."
+    )
   if not runs:
     raise NoLogsError(
-        f"no metrics logs under {run_dir!r}: expected *.jsonl files with a 'step' key "
-        "(optax_dls.writers.MetricsWriter) or TensorBoard event files (events.out.tfevents.*).")
+      f"no metrics logs under {run_dir!r}: expected *.jsonl files with a 'step' key "
+      "(optax_dls.writers.MetricsWriter) or TensorBoard event files (events.out.tfevents.*)."
+    )
   return runs
 
 
@@ -229,8 +243,12 @@ def _skips(rows: list[dict[str, Any]]) -> np.ndarray:
   n_logged = _counter(_column(rows, "num_steps"))
   with np.errstate(invalid="ignore"):
     derived = n_logged * (1.0 - ratio)
-    exact = ((n_logged < 2.0**22) & (derived > -0.25) & (derived < n_logged + 0.25)
-             & (np.abs(derived - np.round(derived)) < 0.25))
+    exact = (
+      (n_logged < 2.0**22)
+      & (derived > -0.25)
+      & (derived < n_logged + 0.25)
+      & (np.abs(derived - np.round(derived)) < 0.25)
+    )
   return np.where(np.isnan(s) & exact, np.round(derived), s)
 
 
@@ -253,6 +271,7 @@ class _Intervals(NamedTuple):
   growth_ub``, a lower bound on the skips that no growth in the interval
   explains.
   """
+
   known: np.ndarray
   dn: np.ndarray
   ds: np.ndarray
@@ -345,9 +364,12 @@ def _counts(rows: list[dict[str, Any]], iv: _Intervals) -> dict[str, Any]:
     streak = _longest_true_run(flags > 0)
   else:
     streak = None
-  return {"updates": None if updates is None else int(updates),
-          "skips": None if skips is None else int(skips),
-          "update_ratio": ratio, "longest_skip_streak": streak}
+  return {
+    "updates": None if updates is None else int(updates),
+    "skips": None if skips is None else int(skips),
+    "update_ratio": ratio,
+    "longest_skip_streak": streak,
+  }
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -364,14 +386,24 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
   steps = _column(rows, "step")
   scale = _column(rows, "loss_scale")
   iv = _intervals(rows)
-  out = {"logged_steps": len(rows), "first_step": int(steps[0]), "last_step": int(steps[-1]),
-         "every_update_logged": _every_update_logged(iv), **_counts(rows, iv),
-         "fp32_fallback_steps": int(np.nansum(_flag(rows, "fp32_fallback")))}
+  out = {
+    "logged_steps": len(rows),
+    "first_step": int(steps[0]),
+    "last_step": int(steps[-1]),
+    "every_update_logged": _every_update_logged(iv),
+    **_counts(rows, iv),
+    "fp32_fallback_steps": int(np.nansum(_flag(rows, "fp32_fallback"))),
+  }
   s = scale[np.isfinite(scale)]
   if s.size:
-    out.update(scale_min=float(s.min()), scale_median=float(np.median(s)), scale_max=float(s.max()),
-               steps_at_min_scale=int((s == s.min()).sum()), steps_at_max_scale=int((s == s.max()).sum()),
-               scale_increases=int((np.diff(s) > 0).sum()))
+    out.update(
+      scale_min=float(s.min()),
+      scale_median=float(np.median(s)),
+      scale_max=float(s.max()),
+      steps_at_min_scale=int((s == s.min()).sum()),
+      steps_at_max_scale=int((s == s.max()).sum()),
+      scale_increases=int((np.diff(s) > 0).sum()),
+    )
   return out
 
 
@@ -379,38 +411,45 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # What to do about each symptom.
 _ADVICE = {
-    "frequent overflow": (
-        "Gradients or activations overflow float16 again and again. Lower the learning rate or add "
-        "warm-up, clip gradients (optax.clip_by_global_norm inside the loss-scaled optimizer), use "
-        "hysteresis=2 to ride out isolated spikes, keep softmax / normalisation / loss in float32, or "
-        "train in bfloat16."),
-    "scale never grows": (
-        "Either growth_interval (or warmup_steps) is longer than the run, the scale started at "
-        "max_scale, or overflows keep resetting the growth tracker. Shorten growth_interval "
-        "(e.g. 1000), check warmup_steps, or raise max_scale."),
-    "gradients too small": (
-        "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
-        "init_scale and max_scale (optax_dls.config.preset('qlora') starts at 2**16), watch each "
-        "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
-        "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
-        "bfloat16."),
-    "gradients lost, no loss scaling": (
-        "The run does not scale its loss, so float16 flushes small gradients to zero. Wrap the "
-        "optimizer in optax_dls.dynamic_loss_scale and multiply the loss by "
-        "optax_dls.scale_loss (or train in bfloat16)."),
-    "scale pinned": (
-        "The gradients are small enough that the scale never overflows; if max_scale caps it, "
-        "raise max_scale and chain optax_dls.underflow_stats() inside to see whether gradients "
-        "underflow."),
-    "stuck at the minimum": (
-        "Non-finite values even at the smallest scale come from the forward pass or the data, not "
-        "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
-        "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
-        "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."),
-    "diverging loss": (
-        "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
-        "order and the labels. Loss scaling skips non-finite steps, but it cannot undo finite "
-        "updates that are too large."),
+  "frequent overflow": (
+    "Gradients or activations overflow float16 again and again. Lower the learning rate or add "
+    "warm-up, clip gradients (optax.clip_by_global_norm inside the loss-scaled optimizer), use "
+    "hysteresis=2 to ride out isolated spikes, keep softmax / normalisation / loss in float32, or "
+    "train in bfloat16."
+  ),
+  "scale never grows": (
+    "Either growth_interval (or warmup_steps) is longer than the run, the scale started at "
+    "max_scale, or overflows keep resetting the growth tracker. Shorten growth_interval "
+    "(e.g. 1000), check warmup_steps, or raise max_scale."
+  ),
+  "gradients too small": (
+    "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
+    "init_scale and max_scale (optax_dls.config.preset('qlora') starts at 2**16), watch each "
+    "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
+    "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
+    "bfloat16."
+  ),
+  "gradients lost, no loss scaling": (
+    "The run does not scale its loss, so float16 flushes small gradients to zero. Wrap the "
+    "optimizer in optax_dls.dynamic_loss_scale and multiply the loss by "
+    "optax_dls.scale_loss (or train in bfloat16)."
+  ),
+  "scale pinned": (
+    "The gradients are small enough that the scale never overflows; if max_scale caps it, "
+    "raise max_scale and chain optax_dls.underflow_stats() inside to see whether gradients "
+    "underflow."
+  ),
+  "stuck at the minimum": (
+    "Non-finite values even at the smallest scale come from the forward pass or the data, not "
+    "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
+    "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
+    "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."
+  ),
+  "diverging loss": (
+    "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
+    "order and the labels. Loss scaling skips non-finite steps, but it cannot undo finite "
+    "updates that are too large."
+  ),
 }
 
 
@@ -437,8 +476,8 @@ def _overflow_excess(rows: list[dict[str, Any]], iv: _Intervals) -> tuple[int, i
   excess = updates = 0
   first = last = None
   for seg in _segments(iv.known, start=len(rows) // 2):
-    excess += max(int(np.sum(iv.excess[seg.start:seg.stop])) - 1, 0)
-    updates += int(np.sum(iv.dn[seg.start:seg.stop]))
+    excess += max(int(np.sum(iv.excess[seg.start : seg.stop])) - 1, 0)
+    updates += int(np.sum(iv.dn[seg.start : seg.stop]))
     first = int(steps[seg.start]) if first is None else first
     last = int(steps[seg.stop])
   return excess, updates, first, last
@@ -454,7 +493,9 @@ def _skips_at_scale_at_most_1(rows: list[dict[str, Any]], iv: _Intervals) -> int
   scale = _column(rows, "loss_scale")[:-1]
   growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
   with np.errstate(invalid="ignore", over="ignore"):
-    low = iv.known & np.isfinite(scale) & (scale * np.exp2(np.nan_to_num(growths, nan=np.inf)) <= 1.0)
+    low = (
+      iv.known & np.isfinite(scale) & (scale * np.exp2(np.nan_to_num(growths, nan=np.inf)) <= 1.0)
+    )
   return int(np.sum(iv.ds[low]))
 
 
@@ -469,8 +510,9 @@ def _applied(rows: list[dict[str, Any]], iv: _Intervals) -> np.ndarray:
 
 def _present(rows: list[dict[str, Any]], key: str) -> np.ndarray:
   """Whether each row has a number (NaN and inf included) under ``key``."""
-  return np.array([isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
-                   for r in rows])
+  return np.array(
+    [isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) for r in rows]
+  )
 
 
 _Found = list[tuple[str, str]]
@@ -480,9 +522,11 @@ def _frequent_overflow(rows: list[dict[str, Any]], iv: _Intervals, stuck: bool) 
   excess, updates, first, last = _overflow_excess(rows, iv)
   if stuck or not updates or excess / updates <= OVERFLOW_RATE:
     return []
-  symptom = (f"frequent overflow: at least {excess} of the {updates} updates from step {first} to step "
-             f"{last} ({excess / updates:.1%}) were skipped beyond the one overflow per growth that "
-             "dynamic scaling uses to probe")
+  symptom = (
+    f"frequent overflow: at least {excess} of the {updates} updates from step {first} to step "
+    f"{last} ({excess / updates:.1%}) were skipped beyond the one overflow per growth that "
+    "dynamic scaling uses to probe"
+  )
   return [(symptom, _ADVICE["frequent overflow"])]
 
 
@@ -492,9 +536,15 @@ def _never_grows(rows: list[dict[str, Any]], iv: _Intervals, summary: dict[str, 
   span = int(np.sum(iv.dn))
   if span < NO_GROWTH_UPDATES:
     return []
-  cap = f" (the scale stays at or below {_scale_text(summary['scale_max'])})" if "scale_max" in summary else ""
-  symptom = (f"scale never grows: no increase in the {span} updates from step {summary['first_step']} "
-             f"to step {summary['last_step']}{cap}")
+  cap = (
+    f" (the scale stays at or below {_scale_text(summary['scale_max'])})"
+    if "scale_max" in summary
+    else ""
+  )
+  symptom = (
+    f"scale never grows: no increase in the {span} updates from step {summary['first_step']} "
+    f"to step {summary['last_step']}{cap}"
+  )
   return [(symptom, _ADVICE["scale never grows"])]
 
 
@@ -507,15 +557,18 @@ def zero_floor(runs: dict[str, list[dict[str, Any]]]) -> tuple[str, float] | Non
   """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest
   such share among ``runs`` (runs logged beside each other train the same model on the
   same data), or None when fewer than two runs logged it."""
-  medians = {name: float(np.median(z)) for name, rows in runs.items() if len(z := _zero_shares(rows)) >= 4}
+  medians = {
+    name: float(np.median(z)) for name, rows in runs.items() if len(z := _zero_shares(rows)) >= 4
+  }
   if len(medians) < 2:
     return None
   name = min(medians, key=medians.get)
   return name, medians[name]
 
 
-def _lost_gradients(rows: list[dict[str, Any]], summary: dict[str, Any],
-                    floor: tuple[str, float] | None = None) -> _Found:
+def _lost_gradients(
+  rows: list[dict[str, Any]], summary: dict[str, Any], floor: tuple[str, float] | None = None
+) -> _Found:
   """Gradient entries flushed to zero in float16 show up as exact zeros of the unscaled
   gradients. The logs prove lost signal when the share of zeros rises well above the
   run's own early level, or stays well above that of a run logged beside it (``floor``,
@@ -524,27 +577,40 @@ def _lost_gradients(rows: list[dict[str, Any]], summary: dict[str, Any],
   zero = _column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
-    early = float(np.median(zero[known[:max(1, len(known) // 10)]]))
-    late_rows = known[len(known) // 2:]
+    early = float(np.median(zero[known[: max(1, len(known) // 10)]]))
+    late_rows = known[len(known) // 2 :]
     late = float(np.median(zero[late_rows]))
     since = f"logged steps from step {rows[late_rows[0]]['step']}"
     unscaled = summary.get("scale_max") == 1.0
     symptom = None
     if floor is not None and late - floor[1] >= ZERO_RISE:
-      symptom = (f"gradients lost to underflow: a median {late:.1%} of the gradient entries are exactly "
-                 f"zero ({since}), against {floor[1]:.1%} in run {floor[0]!r} logged beside it")
+      symptom = (
+        f"gradients lost to underflow: a median {late:.1%} of the gradient entries are exactly "
+        f"zero ({since}), against {floor[1]:.1%} in run {floor[0]!r} logged beside it"
+      )
     elif late - early >= ZERO_RISE and late >= 2 * early:
-      symptom = (f"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
-                 f"{early:.1%} (first logged steps) to a median {late:.1%} ({since})")
+      symptom = (
+        f"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
+        f"{early:.1%} (first logged steps) to a median {late:.1%} ({since})"
+      )
     if symptom:
       symptom += ", with no loss scaling" if unscaled else ""
-      return [(symptom, _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"])]
+      return [
+        (symptom, _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"])
+      ]
   at_max = summary.get("steps_at_max_scale", 0) / len(rows)
   # Overflows recomputed inside the step (optax_dls.value_and_grad) skip nothing but are overflows.
   recomputed = _last_known(_counter(_column(rows, "recompute_tries")))
-  if at_max > 0.5 and summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0 and not recomputed:
-    symptom = (f"scale pinned at {_scale_text(summary['scale_max'])}, the highest logged, for "
-               f"{at_max:.0%} of the logged steps, with no skipped step")
+  if (
+    at_max > 0.5
+    and summary.get("scale_max", 0) >= 2.0**24
+    and summary["skips"] == 0
+    and not recomputed
+  ):
+    symptom = (
+      f"scale pinned at {_scale_text(summary['scale_max'])}, the highest logged, for "
+      f"{at_max:.0%} of the logged steps, with no skipped step"
+    )
     return [(symptom, _ADVICE["scale pinned"])]
   return []
 
@@ -552,8 +618,10 @@ def _lost_gradients(rows: list[dict[str, Any]], summary: dict[str, Any],
 def _stuck(count: int, summary: dict[str, Any]) -> _Found:
   if count < STUCK_MIN_SKIPS:
     return []
-  symptom = (f"stuck at the minimum: at least {count} updates were skipped with the loss scale at or "
-             f"below 1 (lowest logged {_scale_text(summary['scale_min'])})")
+  symptom = (
+    f"stuck at the minimum: at least {count} updates were skipped with the loss scale at or "
+    f"below 1 (lowest logged {_scale_text(summary['scale_min'])})"
+  )
   return [(symptom, _ADVICE["stuck at the minimum"])]
 
 
@@ -567,25 +635,37 @@ def _diverging(rows: list[dict[str, Any]], iv: _Intervals) -> _Found:
   first, last = idx[:tenth], idx[-tenth:]
   bad = last[~np.isfinite(loss[last])]
   if bad.size:
-    symptom = (f"diverging loss: non-finite loss on {bad.size} applied step(s) at the end of the run "
-               f"(first at step {int(steps[bad[0]])})")
-  elif np.isfinite(loss[first]).all() and np.mean(loss[last]) > DIVERGE_FACTOR * abs(np.mean(loss[first])):
-    symptom = (f"diverging loss: the mean loss of the applied steps rose from {np.mean(loss[first]):.4g} "
-               f"(steps {int(steps[first[0]])}..{int(steps[first[-1]])}) to {np.mean(loss[last]):.4g} "
-               f"(steps {int(steps[last[0]])}..{int(steps[last[-1]])})")
+    symptom = (
+      f"diverging loss: non-finite loss on {bad.size} applied step(s) at the end of the run "
+      f"(first at step {int(steps[bad[0]])})"
+    )
+  elif np.isfinite(loss[first]).all() and np.mean(loss[last]) > DIVERGE_FACTOR * abs(
+    np.mean(loss[first])
+  ):
+    symptom = (
+      f"diverging loss: the mean loss of the applied steps rose from {np.mean(loss[first]):.4g} "
+      f"(steps {int(steps[first[0]])}..{int(steps[first[-1]])}) to {np.mean(loss[last]):.4g} "
+      f"(steps {int(steps[last[0]])}..{int(steps[last[-1]])})"
+    )
   else:
     return []
   return [(symptom, _ADVICE["diverging loss"])]
 
 
-def diagnose(rows: list[dict[str, Any]], summary: dict[str, Any],
-             zero_floor: tuple[str, float] | None = None) -> list[tuple[str, str]]:
+def diagnose(
+  rows: list[dict[str, Any]], summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
+) -> list[tuple[str, str]]:
   """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove;
   ``zero_floor`` (see :func:`zero_floor`) is what runs logged beside it prove."""
   iv = _intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
-  return (_frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS) + _never_grows(rows, iv, summary)
-          + _lost_gradients(rows, summary, zero_floor) + _stuck(stuck, summary) + _diverging(rows, iv))
+  return (
+    _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS)
+    + _never_grows(rows, iv, summary)
+    + _lost_gradients(rows, summary, zero_floor)
+    + _stuck(stuck, summary)
+    + _diverging(rows, iv)
+  )
 
 
 # --- Output -------------------------------------------------------------------------------------
@@ -599,17 +679,25 @@ def _fmt(summary: dict[str, Any]) -> list[str]:
   streak = _or_unknown(summary["longest_skip_streak"])
   if summary["longest_skip_streak"] is not None and not summary["every_update_logged"]:
     streak = f"at least {streak}"  # a longer one may lie between two logged rows
-  steps = (f"  steps        {summary['first_step']}..{summary['last_step']} "
-           f"({summary['logged_steps']} logged, {_or_unknown(summary['updates'])} updates)")
-  skips = (f"  skips        {_or_unknown(summary['skips'])}  (update ratio "
-           f"{_or_unknown(summary['update_ratio'], '{:.4f}')}, longest streak {streak})")
+  steps = (
+    f"  steps        {summary['first_step']}..{summary['last_step']} "
+    f"({summary['logged_steps']} logged, {_or_unknown(summary['updates'])} updates)"
+  )
+  skips = (
+    f"  skips        {_or_unknown(summary['skips'])}  (update ratio "
+    f"{_or_unknown(summary['update_ratio'], '{:.4f}')}, longest streak {streak})"
+  )
   lines = [steps, skips]
   if "scale_min" in summary:
-    lines.append(f"  loss scale   lowest {_scale_text(summary['scale_min'])} / median "
-                 f"{_scale_text(summary['scale_median'])} / highest {_scale_text(summary['scale_max'])} "
-                 "(logged)")
-    lines.append(f"  logged steps {summary['steps_at_min_scale']} at the lowest scale, "
-                 f"{summary['steps_at_max_scale']} at the highest")
+    lines.append(
+      f"  loss scale   lowest {_scale_text(summary['scale_min'])} / median "
+      f"{_scale_text(summary['scale_median'])} / highest {_scale_text(summary['scale_max'])} "
+      "(logged)"
+    )
+    lines.append(
+      f"  logged steps {summary['steps_at_min_scale']} at the lowest scale, "
+      f"{summary['steps_at_max_scale']} at the highest"
+    )
   if summary["fp32_fallback_steps"]:
     lines.append(f"  fp32 fallback on at {summary['fp32_fallback_steps']} logged steps")
   return lines
@@ -618,6 +706,7 @@ def _fmt(summary: dict[str, Any]) -> list[str]:
 def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
   """Draws the loss scale (log2 axis, skipped steps marked) and the cumulative skips into ``out``."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -625,7 +714,7 @@ def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
   for name, rows in runs.items():
     steps, scale = _column(rows, "step"), _column(rows, "loss_scale")
     skipped = _flag(rows, "skipped") > 0
-    line, = ax_s.plot(steps, scale, label=name)
+    (line,) = ax_s.plot(steps, scale, label=name)
     ax_s.plot(steps[skipped], scale[skipped], "x", color=line.get_color())
     count = _skips(rows)
     if np.isfinite(count).any():
@@ -640,8 +729,9 @@ def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
   plt.close(fig)
 
 
-def inspect(run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None,
-            as_json: bool = False) -> str:
+def inspect(
+  run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
+) -> str:
   """The report printed by ``optax-dls inspect``.
 
   Args:
@@ -664,11 +754,16 @@ def inspect(run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = No
   for name, rows in runs.items():
     summary = summarize(rows)
     found = diagnose(rows, summary, floor if floor and floor[0] != name else None)
-    report[name] = {"summary": summary, "diagnosis": [{"symptom": s, "advice": a} for s, a in found]}
+    report[name] = {
+      "summary": summary,
+      "diagnosis": [{"symptom": s, "advice": a} for s, a in found],
+    }
   if plot_path:
     plot(runs, plot_path)
   if as_json:
-    return json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
+    return json.dumps(
+      report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x
+    )
   lines = []
   for name, r in report.items():
     lines.append(f"run {name}")
@@ -694,8 +789,10 @@ def _check_plot_path(parser: argparse.ArgumentParser, path: str) -> None:
   ext = os.path.splitext(path)[1].lstrip(".").lower()
   kinds = FigureCanvasBase.get_supported_filetypes()
   if ext not in kinds:
-    parser.error(f"argument --plot: unsupported image extension {ext or '(none)'!r} in {path!r}; "
-                 f"use one of {', '.join(sorted(kinds))}")
+    parser.error(
+      f"argument --plot: unsupported image extension {ext or '(none)'!r} in {path!r}; "
+      f"use one of {', '.join(sorted(kinds))}"
+    )
 
 
 def _print(text: str) -> int:
@@ -713,11 +810,18 @@ def _print(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of the ``optax-dls`` command; returns the exit code."""
-  parser = argparse.ArgumentParser(prog="optax-dls", description="Tools for optax_dls loss-scaled training runs.")
+  parser = argparse.ArgumentParser(
+    prog="optax-dls", description="Tools for optax_dls loss-scaled training runs."
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("inspect", help="summarise and diagnose the loss-scale logs of a run folder")
-  p.add_argument("run_dir", help="folder with metrics.jsonl files or TensorBoard event files (searched recursively)")
-  p.add_argument("--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image")
+  p.add_argument(
+    "run_dir",
+    help="folder with metrics.jsonl files or TensorBoard event files (searched recursively)",
+  )
+  p.add_argument(
+    "--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image"
+  )
   p.add_argument("--json", action="store_true", help="print the summary and diagnosis as JSON")
   args = parser.parse_args(argv)
   if args.plot:

@@ -25,12 +25,19 @@ from optax_dls import _validation as v
 from optax_dls._policies import LossScalePolicy, dynamic_rule
 from optax_dls._validation import SCALE_MAX, SCALE_MIN
 
-__all__ = ["deepspeed_policy", "flax_policy", "jmp_policy", "keras_policy", "megatron_policy",
-           "torch_policy"]
+__all__ = [
+  "deepspeed_policy",
+  "flax_policy",
+  "jmp_policy",
+  "keras_policy",
+  "megatron_policy",
+  "torch_policy",
+]
 
 
-def _rule(*, init: tuple[str, Any], low: tuple[str, Any] = ("min_scale", SCALE_MIN),
-          **options: Any) -> LossScalePolicy:
+def _rule(
+  *, init: tuple[str, Any], low: tuple[str, Any] = ("min_scale", SCALE_MIN), **options: Any
+) -> LossScalePolicy:
   """:func:`optax_dls._policies.dynamic_rule` with a checked ``low <= init`` pair (each
   a ``(name, value)``) and no ceiling below ``2**126``, as in the references."""
   init_scale, min_scale, _ = v.scale_range(init, low, ("max_scale", SCALE_MAX))
@@ -41,8 +48,12 @@ def _window(name: str, value: Any, low: int = 1) -> int:
   return v.count(name, value, low=low, high=v.INT32_MAX - 1)
 
 
-def torch_policy(init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> LossScalePolicy:
+def torch_policy(
+  init_scale: float = 2.0**16,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+) -> LossScalePolicy:
   """The scale trajectory of PyTorch ``torch.amp.GradScaler``.
 
   Grows on the ``growth_interval``-th consecutive finite step, backs off on
@@ -69,12 +80,17 @@ def torch_policy(init_scale: float = 2.0**16, growth_factor: float = 2.0,
     ValueError: a value out of range (the message names it).
     TypeError: a wrong or traced value.
   """
-  return _rule(init=("init_scale", init_scale), growth_factor=v.growth_factor("growth_factor", growth_factor),
-               backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
-               growth_after=_window("growth_interval", growth_interval))
+  return _rule(
+    init=("init_scale", init_scale),
+    growth_factor=v.growth_factor("growth_factor", growth_factor),
+    backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+    growth_after=_window("growth_interval", growth_interval),
+  )
 
 
-def keras_policy(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> LossScalePolicy:
+def keras_policy(
+  initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000
+) -> LossScalePolicy:
   """The scale trajectory of Keras 3 ``keras.optimizers.LossScaleOptimizer``.
 
   Doubles on the ``dynamic_growth_steps``-th consecutive finite step, halves
@@ -89,12 +105,17 @@ def keras_policy(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 200
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  return _rule(init=("initial_scale", initial_scale), growth_factor=2.0, backoff_factor=0.5,
-               growth_after=_window("dynamic_growth_steps", dynamic_growth_steps))
+  return _rule(
+    init=("initial_scale", initial_scale),
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_after=_window("dynamic_growth_steps", dynamic_growth_steps),
+  )
 
 
-def jmp_policy(loss_scale: float, period: int = 2000, factor: float = 2,
-               min_loss_scale: float = 1.0) -> LossScalePolicy:
+def jmp_policy(
+  loss_scale: float, period: int = 2000, factor: float = 2, min_loss_scale: float = 1.0
+) -> LossScalePolicy:
   """The scale trajectory of jmp ``jmp.DynamicLossScale``.
 
   Multiplies by ``factor`` on the ``period``-th consecutive finite step and
@@ -113,12 +134,22 @@ def jmp_policy(loss_scale: float, period: int = 2000, factor: float = 2,
     ValueError / TypeError: as :func:`torch_policy`.
   """
   factor = v.growth_factor("factor", factor)
-  return _rule(init=("loss_scale", loss_scale), low=("min_loss_scale", min_loss_scale), growth_factor=factor,
-               backoff_divisor=factor, growth_after=_window("period", period))
+  return _rule(
+    init=("loss_scale", loss_scale),
+    low=("min_loss_scale", min_loss_scale),
+    growth_factor=factor,
+    backoff_divisor=factor,
+    growth_after=_window("period", period),
+  )
 
 
-def flax_policy(growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
-                scale: float = 65536.0, minimum_scale: float | None = SCALE_MIN) -> LossScalePolicy:
+def flax_policy(
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+  scale: float = 65536.0,
+  minimum_scale: float | None = SCALE_MIN,
+) -> LossScalePolicy:
   """The scale trajectory of flax ``flax.training.dynamic_scale.DynamicScale``.
 
   flax grows on the ``growth_interval + 1``-th consecutive finite step (its
@@ -140,15 +171,23 @@ def flax_policy(growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_
   """
   floor = SCALE_MIN if minimum_scale is None else minimum_scale
   interval = _window("growth_interval", growth_interval, low=0)
-  return _rule(init=("scale", scale), low=("minimum_scale", floor),
-               growth_factor=v.growth_factor("growth_factor", growth_factor),
-               backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
-               growth_after=min(interval + 1, v.INT32_MAX - 1))
+  return _rule(
+    init=("scale", scale),
+    low=("minimum_scale", floor),
+    growth_factor=v.growth_factor("growth_factor", growth_factor),
+    backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+    growth_after=min(interval + 1, v.INT32_MAX - 1),
+  )
 
 
-def megatron_policy(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
-                    backoff_factor: float = 0.5, growth_interval: int = 1000,
-                    hysteresis: int = 2) -> LossScalePolicy:
+def megatron_policy(
+  initial_scale: float = 2.0**32,
+  min_scale: float = 1.0,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 1000,
+  hysteresis: int = 2,
+) -> LossScalePolicy:
   """The scale trajectory of Megatron-LM ``DynamicGradScaler``.
 
   Grows on the ``growth_interval``-th consecutive finite step and then refills
@@ -170,15 +209,23 @@ def megatron_policy(initial_scale: float = 2.0**32, min_scale: float = 1.0, grow
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  return _rule(init=("initial_scale", initial_scale), low=("min_scale", min_scale),
-               growth_factor=v.growth_factor("growth_factor", growth_factor),
-               backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
-               growth_after=_window("growth_interval", growth_interval),
-               hysteresis=_window("hysteresis", hysteresis))
+  return _rule(
+    init=("initial_scale", initial_scale),
+    low=("min_scale", min_scale),
+    growth_factor=v.growth_factor("growth_factor", growth_factor),
+    backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+    growth_after=_window("growth_interval", growth_interval),
+    hysteresis=_window("hysteresis", hysteresis),
+  )
 
 
-def deepspeed_policy(init_scale: float = 2.0**16, scale_window: int = 1000, min_scale: float = 1.0,
-                     delayed_shift: int = 2, consecutive_hysteresis: bool = False) -> LossScalePolicy:
+def deepspeed_policy(
+  init_scale: float = 2.0**16,
+  scale_window: int = 1000,
+  min_scale: float = 1.0,
+  delayed_shift: int = 2,
+  consecutive_hysteresis: bool = False,
+) -> LossScalePolicy:
   """The scale trajectory of DeepSpeed ``DynamicLossScaler`` (fp16 engine).
 
   DeepSpeed (0.19) grows by 2 when ``stable = cur_iter - last_overflow_iter - 1``
@@ -208,7 +255,13 @@ def deepspeed_policy(init_scale: float = 2.0**16, scale_window: int = 1000, min_
     ValueError / TypeError: as :func:`torch_policy`.
   """
   window = v.count("scale_window", scale_window, high=v.INT32_MAX - 2)
-  return _rule(init=("init_scale", init_scale), low=("min_scale", min_scale), growth_factor=2.0,
-               backoff_divisor=2.0, growth_after=window + 1, reset_after_growth=1,
-               hysteresis=_window("delayed_shift", delayed_shift),
-               consecutive_hysteresis=v.boolean("consecutive_hysteresis", consecutive_hysteresis))
+  return _rule(
+    init=("init_scale", init_scale),
+    low=("min_scale", min_scale),
+    growth_factor=2.0,
+    backoff_divisor=2.0,
+    growth_after=window + 1,
+    reset_after_growth=1,
+    hysteresis=_window("delayed_shift", delayed_shift),
+    consecutive_hysteresis=v.boolean("consecutive_hysteresis", consecutive_hysteresis),
+  )

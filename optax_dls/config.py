@@ -25,44 +25,69 @@ from optax_dls import _fallback, _policies, _transform, _underflow
 
 __all__ = ["from_config", "load_config", "preset", "preset_reason"]
 
-_POLICY_KEYS = frozenset({
-    "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
-    "max_scale", "hysteresis", "consecutive_hysteresis", "warmup_steps"})
-_WRAPPER_KEYS = frozenset({
-    "axis_name", "skip_lowering", "underflow_stats", "fallback_after", "fallback_steps",
-    "fallback_scale"})
+_POLICY_KEYS = frozenset(
+  {
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "warmup_steps",
+  }
+)
+_WRAPPER_KEYS = frozenset(
+  {
+    "axis_name",
+    "skip_lowering",
+    "underflow_stats",
+    "fallback_after",
+    "fallback_steps",
+    "fallback_scale",
+  }
+)
 _HOST_KEYS = frozenset({"alerts", "alert_after"})
 _KINDS = ("dynamic", "static", "none")
 _NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - {
-    "consecutive_hysteresis", "axis_name", "skip_lowering", "underflow_stats"}
+  "consecutive_hysteresis",
+  "axis_name",
+  "skip_lowering",
+  "underflow_stats",
+}
 _ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
 
 # Each preset: the dynamic_loss_scale arguments, and why (shown in the docs).
 _PRESETS: dict[str, tuple[dict[str, Any], str]] = {
-    "text_llm": (
-        dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2),
-        "Decoder-only text LLMs: gradients are small and well behaved after the first steps, "
-        "so start high (2**16, PyTorch's default) and retry growth every 1000 steps "
-        "(Megatron-LM's window); hysteresis 2 (Megatron, DeepSpeed) rides out the isolated "
-        "overflow of a rare long or odd batch without halving the scale."),
-    "multimodal": (
-        dict(init_scale=2.0**13, growth_interval=1000, warmup_steps=1000, hysteresis=2),
-        "Vision-language and other multimodal models: patch embeddings, projector layers and "
-        "freshly joined towers give large activations and gradient spikes early on, so start "
-        "lower (2**13, between 2**12 and 2**14) and hold growth for the first 1000 updates "
-        "while the projector settles."),
-    "preference": (
-        dict(init_scale=2.0**15, max_scale=2.0**16, growth_interval=1000, hysteresis=2),
-        "Preference / alignment training (DPO, IPO, KTO): the loss is a function of sums of "
-        "per-token log-probabilities of a policy and a reference, whose gradients jump when "
-        "the margin flips; capping the scale at 65536 (2**16) keeps the scaled gradients out "
-        "of float16 overflow after long clean stretches."),
-    "qlora": (
-        dict(init_scale=2.0**16, growth_interval=1000, max_scale=2.0**24),
-        "QLoRA and other adapter fine-tuning: only small low-rank adapters train (LoRA B starts "
-        "at zero), on a frozen quantized base, at a small learning rate; their gradients are "
-        "tiny and underflow float16 easily, so start at 2**16 or more and grow every 1000 steps "
-        "up to 2**24."),
+  "text_llm": (
+    dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2),
+    "Decoder-only text LLMs: gradients are small and well behaved after the first steps, "
+    "so start high (2**16, PyTorch's default) and retry growth every 1000 steps "
+    "(Megatron-LM's window); hysteresis 2 (Megatron, DeepSpeed) rides out the isolated "
+    "overflow of a rare long or odd batch without halving the scale.",
+  ),
+  "multimodal": (
+    dict(init_scale=2.0**13, growth_interval=1000, warmup_steps=1000, hysteresis=2),
+    "Vision-language and other multimodal models: patch embeddings, projector layers and "
+    "freshly joined towers give large activations and gradient spikes early on, so start "
+    "lower (2**13, between 2**12 and 2**14) and hold growth for the first 1000 updates "
+    "while the projector settles.",
+  ),
+  "preference": (
+    dict(init_scale=2.0**15, max_scale=2.0**16, growth_interval=1000, hysteresis=2),
+    "Preference / alignment training (DPO, IPO, KTO): the loss is a function of sums of "
+    "per-token log-probabilities of a policy and a reference, whose gradients jump when "
+    "the margin flips; capping the scale at 65536 (2**16) keeps the scaled gradients out "
+    "of float16 overflow after long clean stretches.",
+  ),
+  "qlora": (
+    dict(init_scale=2.0**16, growth_interval=1000, max_scale=2.0**24),
+    "QLoRA and other adapter fine-tuning: only small low-rank adapters train (LoRA B starts "
+    "at zero), on a frozen quantized base, at a small learning rate; their gradients are "
+    "tiny and underflow float16 easily, so start at 2**16 or more and grow every 1000 steps "
+    "up to 2**24.",
+  ),
 }
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
 
@@ -87,8 +112,10 @@ def preset(name: str) -> dict[str, Any]:
     {'init_scale': 65536.0, 'growth_interval': 1000, 'max_scale': 16777216.0}
   """
   if not isinstance(name, str) or _ALIASES.get(name, name) not in _PRESETS:
-    raise ValueError(f"unknown loss-scale preset {name!r}; known presets: {sorted(_PRESETS)} "
-                     f"(aliases {sorted(_ALIASES)}).")
+    raise ValueError(
+      f"unknown loss-scale preset {name!r}; known presets: {sorted(_PRESETS)} "
+      f"(aliases {sorted(_ALIASES)})."
+    )
   return dict(_PRESETS[_ALIASES.get(name, name)][0])
 
 
@@ -96,8 +123,6 @@ def preset_reason(name: str) -> str:
   """Why the preset ``name`` has its values (one paragraph)."""
   preset(name)
   return _PRESETS[_ALIASES.get(name, name)][1]
-
-
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -125,11 +150,15 @@ def _unique_key_loader(yaml: Any) -> Any:
         duplicate = key in seen
       except TypeError:
         raise yaml.constructor.ConstructorError(
-            "while constructing a mapping", node.start_mark,
-            "found an unhashable key (a sequence or mapping used as a key)", key_node.start_mark) from None
+          "while constructing a mapping",
+          node.start_mark,
+          "found an unhashable key (a sequence or mapping used as a key)",
+          key_node.start_mark,
+        ) from None
       if duplicate:
         raise yaml.constructor.ConstructorError(
-            None, None, f"duplicate key {key!r}", key_node.start_mark)
+          None, None, f"duplicate key {key!r}", key_node.start_mark
+        )
       seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -155,7 +184,9 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     ImportError: PyYAML is not installed.
   """
   if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(f"path must be a str or os.PathLike, got {path!r} of type {type(path).__name__}.")
+    raise TypeError(
+      f"path must be a str or os.PathLike, got {path!r} of type {type(path).__name__}."
+    )
   try:
     import yaml
   except ImportError as e:
@@ -163,13 +194,17 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
   name = os.fspath(path)
   try:
     with open(path, encoding="utf-8") as f:
-      data = yaml.load(f, Loader=_unique_key_loader(yaml))  # noqa: S506 (a SafeLoader subclass)
+      data = yaml.load(f, Loader=_unique_key_loader(yaml))
   except UnicodeDecodeError as e:
-    raise ValueError(f"the configuration file {name!r} is not UTF-8 text (a binary file?): {e}") from None
+    raise ValueError(
+      f"the configuration file {name!r} is not UTF-8 text (a binary file?): {e}"
+    ) from None
   except yaml.YAMLError as e:
     raise ValueError(f"the configuration file {name!r} is not valid YAML: {e}") from None
   if not isinstance(data, Mapping):
-    raise ValueError(f"the configuration file {name!r} must hold a mapping, got {type(data).__name__}.")
+    raise ValueError(
+      f"the configuration file {name!r} must hold a mapping, got {type(data).__name__}."
+    )
   return dict(data)
 
 
@@ -183,8 +218,9 @@ def _section(config: Any) -> dict[str, Any]:
     stray = sorted(k for k in config if k in _ALL_KEYS)
     if stray:
       raise ValueError(
-          f"the configuration has a 'loss_scale' section and also loss-scale keys at the top level, "
-          f"{stray}, which would be ignored: move them into the 'loss_scale' section.")
+        f"the configuration has a 'loss_scale' section and also loss-scale keys at the top level, "
+        f"{stray}, which would be ignored: move them into the 'loss_scale' section."
+      )
   if section is None:
     section = {}
   if not isinstance(section, Mapping):
@@ -199,8 +235,9 @@ def _reject(keys: Any, allowed: frozenset[str], kind: str) -> None:
   for key in sorted(keys):
     if key not in allowed:
       raise ValueError(
-          f"unknown loss-scale configuration key {key!r} for kind={kind!r}; allowed keys: "
-          f"{sorted(allowed)}.")
+        f"unknown loss-scale configuration key {key!r} for kind={kind!r}; allowed keys: "
+        f"{sorted(allowed)}."
+      )
 
 
 def from_config(config: Any, inner: optax.GradientTransformation | None = None) -> Any:
@@ -241,12 +278,15 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
   for key, value in section.items():
     if key in _NUMBER_KEYS and isinstance(value, str):
       raise TypeError(
-          f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
-          "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000.")
+        f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
+        "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000."
+      )
   for key in sorted(_HOST_KEYS & set(section)):
-    raise ValueError(f"loss-scale configuration key {key!r}: alerts are raised on the host from "
-                     "optax_dls.metrics by optax_dls.SkipAlerts(alert_after=...), not configured "
-                     "in the transformation; remove the key.")
+    raise ValueError(
+      f"loss-scale configuration key {key!r}: alerts are raised on the host from "
+      "optax_dls.metrics by optax_dls.SkipAlerts(alert_after=...), not configured "
+      "in the transformation; remove the key."
+    )
   kind = section.pop("kind", "dynamic")
   if kind not in _KINDS:
     raise ValueError(f"loss_scale kind must be one of {_KINDS}, got kind={kind!r}.")
@@ -263,16 +303,24 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
   else:
     _reject(section, frozenset({"axis_name", "skip_lowering", "underflow_stats"}), kind)
     policy = _policies.noop_policy()
-  fallback = {k.removeprefix("fallback_"): section.pop(k) for k in sorted(section) if k.startswith("fallback_")}
+  fallback = {
+    k.removeprefix("fallback_"): section.pop(k)
+    for k in sorted(section)
+    if k.startswith("fallback_")
+  }
   if fallback.get("after") is not None:
     policy = _fallback.fp32_fallback(policy, **fallback)
   elif set(fallback) - {"after"}:
-    raise ValueError(f"loss-scale configuration keys {sorted('fallback_' + k for k in fallback)} "
-                     "need fallback_after (the consecutive skips that start the float32 fallback).")
+    raise ValueError(
+      f"loss-scale configuration keys {sorted('fallback_' + k for k in fallback)} "
+      "need fallback_after (the consecutive skips that start the float32 fallback)."
+    )
   if inner is None:
     for key in sorted(section):
-      raise ValueError(f"loss-scale configuration key {key!r} configures the transformation: pass "
-                       "inner= to from_config to get a transformation, or remove it to get a policy.")
+      raise ValueError(
+        f"loss-scale configuration key {key!r} configures the transformation: pass "
+        "inner= to from_config to get a transformation, or remove it to get a policy."
+      )
     return policy
   stats = section.pop("underflow_stats", False)
   if not isinstance(stats, (bool, type(None))):

@@ -41,7 +41,9 @@ from optax_dls._transform import apply_step
 
 __all__ = ["apply_gradients", "value_and_grad"]
 
-_OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # flax's key for gradient-overwritten (fp8) params
+_OVERWRITE_WITH_GRADIENT = (
+  "_overwrite_with_gradient"  # flax's key for gradient-overwritten (fp8) params
+)
 
 
 def _differentiates_module(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> bool:
@@ -50,13 +52,13 @@ def _differentiates_module(args: tuple[Any, ...], argnums: int | tuple[int, ...]
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
-    opt: Any,
-    *,
-    argnums: int | tuple[int, ...] = 0,
-    has_aux: bool = False,
-    max_tries: int | None = None,
-    fp32_fun: Callable[..., Any] | None = None,
+  fun: Callable[..., Any],
+  opt: Any,
+  *,
+  argnums: int | tuple[int, ...] = 0,
+  has_aux: bool = False,
+  max_tries: int | None = None,
+  fp32_fun: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad`` / ``nnx.value_and_grad``, with the loss scaled by S.
 
@@ -153,8 +155,10 @@ def value_and_grad(
   if fp32_fun is not None:
     v.function("fp32_fun", fp32_fun)
     if max_tries is None:
-      raise ValueError("fp32_fun is the last resort of a recomputed step: pass max_tries too "
-                       "(e.g. max_tries=3), or drop fp32_fun.")
+      raise ValueError(
+        "fp32_fun is the last resort of a recomputed step: pass max_tries too "
+        "(e.g. max_tries=3), or drop fp32_fun."
+      )
   is_opt = isinstance(opt, nnx.Optimizer)
   if max_tries is not None:
     max_tries = v.count("max_tries", max_tries, low=0, high=64)
@@ -175,8 +179,9 @@ def value_and_grad(
     if _differentiates_module(args, argnums):
       nums = (argnums,) if isinstance(argnums, int) else argnums
       diff = tuple(nnx.DiffState(i, wrt) for i in nums)
-      vg = nnx.value_and_grad(scaled, argnums=diff[0] if isinstance(argnums, int) else diff,
-                              has_aux=True)
+      vg = nnx.value_and_grad(
+        scaled, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=True
+      )
     else:
       vg = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
     (_, (loss, aux)), grads = vg(*args, **kwargs)
@@ -185,30 +190,44 @@ def value_and_grad(
   return grad_fn
 
 
-def _loss_and_aux(f: Callable[..., Any], has_aux: bool, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def _loss_and_aux(
+  f: Callable[..., Any], has_aux: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
   out = f(*args, **kwargs)
   if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
     raise TypeError(
-        f"with has_aux=True, fun ({getattr(f, '__qualname__', f)!r}) must return a "
-        "(loss, aux) pair, got "
-        f"{f'an array of shape {out.shape}' if hasattr(out, 'shape') else f'a {type(out).__name__}'}.")
+      f"with has_aux=True, fun ({getattr(f, '__qualname__', f)!r}) must return a "
+      "(loss, aux) pair, got "
+      f"{f'an array of shape {out.shape}' if hasattr(out, 'shape') else f'a {type(out).__name__}'}."
+    )
   return out if has_aux else (out, None)
 
 
 def _check_recomputable(opt: Any, is_opt: bool) -> None:
   """TypeError unless ``opt`` carries the loss-scaled ``tx`` that backs the scale off between tries."""
   if not is_opt and not all(hasattr(opt, f) for f in ("tx", "opt_state", "replace")):
-    raise TypeError("with max_tries, opt must be a flax TrainState or an nnx.Optimizer (its tx "
-                    f"backs the scale off between tries), got {type(opt).__name__}: {repr(opt)[:200]}.")
+    raise TypeError(
+      "with max_tries, opt must be a flax TrainState or an nnx.Optimizer (its tx "
+      f"backs the scale off between tries), got {type(opt).__name__}: {repr(opt)[:200]}."
+    )
   if not callable(getattr(opt.tx, "back_off", None)):
-    raise TypeError("with max_tries, opt.tx must be the loss-scaled transformation itself "
-                    "(optax_dls.dynamic_loss_scale, loss_scaled, ...), not a wrapper around it, "
-                    f"got {opt.tx!r}.")
+    raise TypeError(
+      "with max_tries, opt.tx must be the loss-scaled transformation itself "
+      "(optax_dls.dynamic_loss_scale, loss_scaled, ...), not a wrapper around it, "
+      f"got {opt.tx!r}."
+    )
 
 
-def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, opt: Any, is_opt: bool,
-                 wrt: Any, argnums: int | tuple[int, ...], has_aux: bool, max_tries: int) -> Callable[..., Any]:
+def _recomputing(
+  fun: Callable[..., Any],
+  fp32_fun: Callable[..., Any] | None,
+  opt: Any,
+  is_opt: bool,
+  wrt: Any,
+  argnums: int | tuple[int, ...],
+  has_aux: bool,
+  max_tries: int,
+) -> Callable[..., Any]:
   """``value_and_grad`` with ``max_tries``: :func:`optax_dls.value_and_grad` on pure
   functions, the ``nnx.Module`` arguments split outside the loop and merged inside."""
   nums = (argnums,) if isinstance(argnums, int) else argnums
@@ -216,8 +235,10 @@ def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, o
 
   def grad_fn(*args, **kwargs):
     if max(nums) >= len(args):
-      raise TypeError(f"argnums={argnums!r} asks for positional argument {max(nums)}, but the "
-                      f"function was called with {len(args)} positional arguments.")
+      raise TypeError(
+        f"argnums={argnums!r} asks for positional argument {max(nums)}, but the "
+        f"function was called with {len(args)} positional arguments."
+      )
     where = tuple(i for i, a in enumerate(args) if isinstance(a, nnx.Module))
     diff = frozenset(k for k, i in enumerate(where) if i in nums)  # among the modules
     is_diff = lambda path, x: path[0] in diff and in_wrt(path[1:], x)
@@ -236,11 +257,18 @@ def _recomputing(fun: Callable[..., Any], fp32_fun: Callable[..., Any] | None, o
           full[i] = merged[j]
         loss, aux = _loss_and_aux(f, has_aux, tuple(full), k)
         return loss, (aux, nnx.split(merged, is_diff, ...)[2] if where else None)
+
       return run
 
     tx_state = find_state(opt.opt_state)
-    vg = _recompute_value_and_grad(pure(fun), opt.tx, fp32_fun=None if fp32_fun is None else pure(fp32_fun),
-                                   max_tries=max_tries, argnums=argnums, has_aux=True)
+    vg = _recompute_value_and_grad(
+      pure(fun),
+      opt.tx,
+      fp32_fun=None if fp32_fun is None else pure(fp32_fun),
+      max_tries=max_tries,
+      argnums=argnums,
+      has_aux=True,
+    )
     ((loss, (aux, new_rest)), grads), new = vg(tx_state, *pure_args, **kwargs)
     if where:
       nnx.update(modules, new_rest)
@@ -264,8 +292,10 @@ _MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameter
 def _write_in_place(opt_state: Any, new: Any) -> None:
   """Writes the leaves of ``new`` into the ``nnx.Variable`` leaves of ``opt_state``'s
   :class:`LossScaleState`, each in its own dtype."""
-  node, = _access._find_all(opt_state)
-  for var, value in zip(jax.tree.leaves(node, is_leaf=_access._is_variable), jax.tree.leaves(new), strict=True):
+  (node,) = _access._find_all(opt_state)
+  for var, value in zip(
+    jax.tree.leaves(node, is_leaf=_access._is_variable), jax.tree.leaves(new), strict=True
+  ):
     if hasattr(var, "set_value"):  # flax >= 0.12
       var.set_value(jnp.asarray(value, var.get_value().dtype))
     else:
@@ -307,10 +337,14 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
     (Array([0.5, 0.5], dtype=float32), 1)
   """
   if not all(hasattr(state, f) for f in ("tx", "params", "opt_state", "step", "replace")):
-    raise TypeError(f"state must be a flax TrainState, got {type(state).__name__}: {repr(state)[:200]}.")
+    raise TypeError(
+      f"state must be a flax TrainState, got {type(state).__name__}: {repr(state)[:200]}."
+    )
   overwrite = isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads
   params = state.params["params"] if overwrite else state.params
-  params, opt_state = apply_step(state.tx, grads["params"] if overwrite else grads, state.opt_state, params)
+  params, opt_state = apply_step(
+    state.tx, grads["params"] if overwrite else grads, state.opt_state, params
+  )
   if overwrite:
     params = {"params": params, _OVERWRITE_WITH_GRADIENT: grads[_OVERWRITE_WITH_GRADIENT]}
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -35,14 +35,17 @@ def _arrays(name: str, tree: Any) -> Any:
   """``tree`` if every leaf is an array or a number; TypeError naming ``name`` and the leaf otherwise."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-      raise TypeError(f"{name} must be a pytree of arrays, got the leaf {leaf!r} of type "
-                      f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}.")
+      raise TypeError(
+        f"{name} must be a pytree of arrays, got the leaf {leaf!r} of type "
+        f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}."
+      )
   return tree
 
 
 def _is_bool(leaf: Any) -> bool:
   return isinstance(leaf, (bool, np.bool_)) or (
-      isinstance(leaf, (jax.Array, np.ndarray)) and leaf.shape == () and leaf.dtype == np.bool_)
+    isinstance(leaf, (jax.Array, np.ndarray)) and leaf.shape == () and leaf.dtype == np.bool_
+  )
 
 
 def _mask(mask: Any) -> Any:
@@ -50,11 +53,15 @@ def _mask(mask: Any) -> Any:
   if callable(mask):
     return mask
   if mask is None:
-    raise TypeError("mask must be a pytree of bools or a callable params -> such a pytree, got None.")
+    raise TypeError(
+      "mask must be a pytree of bools or a callable params -> such a pytree, got None."
+    )
   for path, leaf in jax.tree_util.tree_leaves_with_path(mask):
     if not _is_bool(leaf):
-      raise TypeError(f"mask must be a pytree of bools or a callable params -> such a pytree, got the "
-                      f"leaf {leaf!r} of type {type(leaf).__name__} at mask{jax.tree_util.keystr(path)}.")
+      raise TypeError(
+        f"mask must be a pytree of bools or a callable params -> such a pytree, got the "
+        f"leaf {leaf!r} of type {type(leaf).__name__} at mask{jax.tree_util.keystr(path)}."
+      )
   return mask
 
 
@@ -169,4 +176,6 @@ def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
     del params
     return _numerics.unscale(updates, inverse), state
 
-  return optax.masked(optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn), mask)
+  return optax.masked(
+    optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn), mask
+  )

@@ -58,8 +58,9 @@ def _to_python(name: str, value: Any) -> Any:
     return int(arr)
   if jnp.issubdtype(arr.dtype, jnp.floating):
     return float(arr)
-  raise TypeError(f"metric {name!r} must be a real number or bool, got {value!r} of type "
-                  f"{type(value).__name__}.")
+  raise TypeError(
+    f"metric {name!r} must be a real number or bool, got {value!r} of type {type(value).__name__}."
+  )
 
 
 def _tensorboard_value(value: Any) -> float | None:
@@ -77,7 +78,9 @@ def _tensorboard_value(value: Any) -> float | None:
 def _check_path(name: str, value: Any) -> str:
   """``value`` as a str path; TypeError naming ``name`` unless it is a ``str`` or ``os.PathLike``."""
   if not isinstance(value, (str, os.PathLike)):
-    raise TypeError(f"{name} must be a str or os.PathLike, got {value!r} of type {type(value).__name__}.")
+    raise TypeError(
+      f"{name} must be a str or os.PathLike, got {value!r} of type {type(value).__name__}."
+    )
   return os.fspath(value)
 
 
@@ -98,7 +101,7 @@ def _write_all(f: Any, data: bytes) -> None:
   """Writes ``data`` to the unbuffered binary file ``f`` (a raw write may be partial)."""
   view = memoryview(data)
   while view:
-    view = view[f.write(view):]
+    view = view[f.write(view) :]
 
 
 class MetricsWriter:
@@ -135,8 +138,15 @@ class MetricsWriter:
     ImportError: ``tensorboard=True`` without ``tensorboardX`` installed.
   """
 
-  def __init__(self, logdir: str | os.PathLike, *, every: int = 1, tensorboard: bool = True,
-               jsonl: bool = True, run_name: str | None = None):
+  def __init__(
+    self,
+    logdir: str | os.PathLike,
+    *,
+    every: int = 1,
+    tensorboard: bool = True,
+    jsonl: bool = True,
+    run_name: str | None = None,
+  ):
     logdir = _check_path("logdir", logdir)
     if isinstance(every, bool) or not isinstance(every, numbers.Integral):
       raise TypeError(f"every must be an int, got {every!r}.")
@@ -146,7 +156,9 @@ class MetricsWriter:
       if not isinstance(flag, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {flag!r} of type {type(flag).__name__}.")
     if run_name is not None and not isinstance(run_name, str):
-      raise TypeError(f"run_name must be a str or None, got {run_name!r} of type {type(run_name).__name__}.")
+      raise TypeError(
+        f"run_name must be a str or None, got {run_name!r} of type {type(run_name).__name__}."
+      )
     if not (tensorboard or jsonl):
       raise ValueError("MetricsWriter needs tensorboard=True or jsonl=True, got both False.")
     self.logdir = logdir
@@ -159,9 +171,13 @@ class MetricsWriter:
       try:
         from tensorboardX import SummaryWriter
       except ImportError as e:
-        raise ImportError("MetricsWriter(tensorboard=True) needs tensorboardX: "
-                          "pip install tensorboardX, or pass tensorboard=False.") from e
-      self._tb = SummaryWriter(self.logdir, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:12]}")
+        raise ImportError(
+          "MetricsWriter(tensorboard=True) needs tensorboardX: "
+          "pip install tensorboardX, or pass tensorboard=False."
+        ) from e
+      self._tb = SummaryWriter(
+        self.logdir, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:12]}"
+      )
     self._jsonl = self._open_jsonl() if jsonl else None
 
   def _open_jsonl(self) -> Any:
@@ -175,7 +191,9 @@ class MetricsWriter:
 
   def _check_open(self) -> None:
     if self._closed:
-      raise ValueError(f"this MetricsWriter on {self.logdir!r} is closed: open a new one to log more.")
+      raise ValueError(
+        f"this MetricsWriter on {self.logdir!r} is closed: open a new one to log more."
+      )
 
   def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> bool:
     """Writes ``metrics`` and ``extra`` for ``step`` if ``step % every == 0``.
@@ -205,15 +223,19 @@ class MetricsWriter:
     if step % self.every:
       return False
     if not isinstance(metrics, Mapping):
-      raise TypeError(f"metrics must be a mapping of metric names to scalars, got {metrics!r} "
-                      f"of type {type(metrics).__name__}.")
+      raise TypeError(
+        f"metrics must be a mapping of metric names to scalars, got {metrics!r} "
+        f"of type {type(metrics).__name__}."
+      )
     values = {**metrics, **extra}
     for key in values:
       if not isinstance(key, str):
         raise TypeError(f"metric names must be strings, got {key!r} of type {type(key).__name__}.")
       if key in _RESERVED:
-        raise ValueError(f"metric name {key!r} is reserved ({_RESERVED} are columns of every "
-                         "logged row); rename the metric.")
+        raise ValueError(
+          f"metric name {key!r} is reserved ({_RESERVED} are columns of every "
+          "logged row); rename the metric."
+        )
     values = jax.device_get(values)
     row = {"step": step}
     if self.run_name is not None:
@@ -255,12 +277,13 @@ class MetricsWriter:
   def __enter__(self) -> MetricsWriter:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
 
-def read_jsonl(path: str | os.PathLike,
-               on_bad_line: Callable[[int, str], Any] | None = None) -> list[dict[str, Any]]:
+def read_jsonl(
+  path: str | os.PathLike, on_bad_line: Callable[[int, str], Any] | None = None
+) -> list[dict[str, Any]]:
   """The rows of a ``metrics.jsonl`` file: the JSON objects with a ``"step"`` key, in file order.
 
   Blank lines are ignored. Any other line that is not such an object (not
@@ -302,12 +325,14 @@ def _reporter(name: str, callback: Any) -> Callable[[int, str], Any]:
   if callback is None:
     return lambda where, why: None
   if not callable(callback):
-    raise TypeError(f"{name} must be callable or None, got {callback!r} of type {type(callback).__name__}.")
+    raise TypeError(
+      f"{name} must be callable or None, got {callback!r} of type {type(callback).__name__}."
+    )
   return callback
 
 
 _HEADER = struct.Struct("<QI")  # TFRecord: uint64 length, uint32 masked CRC-32C of the length
-_FOOTER = struct.Struct("<I")   # uint32 masked CRC-32C of the data
+_FOOTER = struct.Struct("<I")  # uint32 masked CRC-32C of the data
 
 
 def _records(data: bytes, report: Callable[[int, str], Any]) -> Any:
@@ -323,7 +348,7 @@ def _records(data: bytes, report: Callable[[int, str], Any]) -> Any:
   pos = 0
   while pos + _HEADER.size <= len(data):
     length, length_crc = _HEADER.unpack_from(data, pos)
-    if masked_crc32c(data[pos:pos + 8]) != length_crc:
+    if masked_crc32c(data[pos : pos + 8]) != length_crc:
       report(pos, "corrupt record header")
       pos = _next_header(data, pos + 1, masked_crc32c)
       continue
@@ -342,13 +367,14 @@ def _records(data: bytes, report: Callable[[int, str], Any]) -> Any:
 def _next_header(data: bytes, pos: int, masked_crc32c: Callable[[bytes], int]) -> int:
   """The first offset >= ``pos`` holding a TFRecord header whose CRC checks, else ``len(data)``."""
   for p in range(pos, len(data) - _HEADER.size + 1):
-    if masked_crc32c(data[p:p + 8]) == _HEADER.unpack_from(data, p)[1]:
+    if masked_crc32c(data[p : p + 8]) == _HEADER.unpack_from(data, p)[1]:
       return p
   return len(data)
 
 
-def read_tensorboard(path: str | os.PathLike,
-                     on_bad_record: Callable[[int, str], Any] | None = None) -> list[dict[str, Any]]:
+def read_tensorboard(
+  path: str | os.PathLike, on_bad_record: Callable[[int, str], Any] | None = None
+) -> list[dict[str, Any]]:
   """Scalars of one TensorBoard event file as rows ``{"step": s, tag: value, ...}``, sorted by step.
 
   Reads the TFRecord framing directly, checks both CRC-32C sums of every

@@ -22,13 +22,16 @@ OPTAX = parse(optax.__version__)
 def requires_jax(version: str, reason: str):
   """Skips the test on jax older than ``version``, saying why."""
   return pytest.mark.skipif(
-      JAX < parse(version), reason=f"needs jax>={version} (jax {jax.__version__} here): {reason}")
+    JAX < parse(version), reason=f"needs jax>={version} (jax {jax.__version__} here): {reason}"
+  )
 
 
 def requires_optax(version: str, reason: str):
   """Skips the test on optax older than ``version``, saying why."""
   return pytest.mark.skipif(
-      OPTAX < parse(version), reason=f"needs optax>={version} (optax {optax.__version__} here): {reason}")
+    OPTAX < parse(version),
+    reason=f"needs optax>={version} (optax {optax.__version__} here): {reason}",
+  )
 
 
 def enable_x64(on: bool = True):
@@ -36,5 +39,5 @@ def enable_x64(on: bool = True):
   if hasattr(jax, "enable_x64"):
     return jax.enable_x64(on)
   from jax import experimental
-  return experimental.enable_x64(on)
 
+  return experimental.enable_x64(on)

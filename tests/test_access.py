@@ -15,17 +15,22 @@ from optax_dls._policies import DynamicScaleState
 P = {"w": jnp.ones(3, jnp.float32)}
 DLS = dict(init_scale=2.0**8, growth_interval=3)
 
-OWN_FIELDS = [f for f in LossScaleState._fields if f not in ("policy_state", "inner_state")] \
-    + list(DynamicScaleState._fields)
+OWN_FIELDS = [f for f in LossScaleState._fields if f not in ("policy_state", "inner_state")] + list(
+  DynamicScaleState._fields
+)
 
 
 def _holders():
   """(name, optimizer, wrap) where wrap puts the optimizer state where a user might keep it."""
   dls = optax_dls.dynamic_loss_scale
   return [
-      ("chain", optax.chain(dls(optax.adam(1e-3), **DLS), optax.clip_by_global_norm(1e3)), lambda s: s),
-      ("multisteps", dls(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), **DLS), lambda s: s),
-      ("dict", dls(optax.adam(1e-3), **DLS), lambda s: {"opt": s, "step": jnp.zeros([], jnp.int32)}),
+    (
+      "chain",
+      optax.chain(dls(optax.adam(1e-3), **DLS), optax.clip_by_global_norm(1e3)),
+      lambda s: s,
+    ),
+    ("multisteps", dls(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), **DLS), lambda s: s),
+    ("dict", dls(optax.adam(1e-3), **DLS), lambda s: {"opt": s, "step": jnp.zeros([], jnp.int32)}),
   ]
 
 
@@ -43,8 +48,15 @@ def test_access_finds_state_and_reads_it(holder):
   loss = optax_dls.scale_loss(jnp.float16(1.5), held)
   assert loss.dtype == jnp.float32 and float(loss) == 1.5 * 2.0**7
   m = optax_dls.metrics(held)
-  assert {"loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio",
-          "grad_norm"} <= set(m)
+  assert {
+    "loss_scale",
+    "skipped",
+    "skip_count",
+    "consecutive_skips",
+    "num_steps",
+    "update_ratio",
+    "grad_norm",
+  } <= set(m)
   assert all(isinstance(v, jax.Array) and v.shape == () for v in m.values())  # no host transfer
   assert float(m["loss_scale"]) == 2.0**7 and not bool(m["skipped"])
   assert int(m["skip_count"]) == 1 and int(m["consecutive_skips"]) == 0 and int(m["num_steps"]) == 4
@@ -83,10 +95,16 @@ def test_none_or_several_states_raise_clear_errors():
       fn(adam_state)
   with pytest.raises(ValueError, match="no LossScaleState"):
     optax_dls.scale_loss(jnp.float32(1.0), {"a": adam_state})
-  two = optax.chain(optax_dls.dynamic_loss_scale(optax.adam(1e-3)),
-                    optax_dls.static_loss_scale(optax.sgd(1.0), 4.0)).init(P)
-  for fn in (optax_dls.find_state, optax_dls.loss_scale, optax_dls.metrics,
-             lambda s: optax_dls.reset_scale(s, 2.0), lambda s: optax_dls.scale_loss(1.0, s)):
+  two = optax.chain(
+    optax_dls.dynamic_loss_scale(optax.adam(1e-3)), optax_dls.static_loss_scale(optax.sgd(1.0), 4.0)
+  ).init(P)
+  for fn in (
+    optax_dls.find_state,
+    optax_dls.loss_scale,
+    optax_dls.metrics,
+    lambda s: optax_dls.reset_scale(s, 2.0),
+    lambda s: optax_dls.scale_loss(1.0, s),
+  ):
     with pytest.raises(ValueError, match="2 LossScaleStates.*ambiguous"):
       fn(two)
   nested = optax_dls.dynamic_loss_scale(optax_dls.dynamic_loss_scale(optax.adam(1e-3))).init(P)
@@ -127,8 +145,12 @@ def test_tree_get_finds_each_field_unambiguously(chained):
 def test_all_finite_is_exact(dtype):
   big = {"f32": 1e38, "float16": 65504.0, "bfloat16": 3e38, "float32": 3.4e38}[dtype]
   f = jax.jit(optax_dls.all_finite)
-  ok = {"x": jnp.array([big, -big, 0.0, 1e-8], dtype), "big32": jnp.array([1e38], jnp.float32),
-        "i": jnp.array([2**31 - 1], jnp.int32), "n": None}
+  ok = {
+    "x": jnp.array([big, -big, 0.0, 1e-8], dtype),
+    "big32": jnp.array([1e38], jnp.float32),
+    "i": jnp.array([2**31 - 1], jnp.int32),
+    "n": None,
+  }
   assert bool(f(ok))
   for bad in (np.inf, -np.inf, np.nan):
     assert not bool(f(dict(ok, x=ok["x"].at[2].set(bad)))), bad
@@ -153,18 +175,42 @@ def test_metrics_core_keys_follow_the_steps():
   assert m["update_ratio"] == pytest.approx(2 / 5)
   assert m["loss_scale"] == 8.0 / 2**3
   assert not m["fp32_fallback"]
-  assert sorted(m) == ["consecutive_skips", "fp32_fallback", "grad_norm", "loss_scale", "num_steps",
-                       "recompute_tries", "recomputed_steps", "skip_count", "skipped", "update_ratio"]
+  assert sorted(m) == [
+    "consecutive_skips",
+    "fp32_fallback",
+    "grad_norm",
+    "loss_scale",
+    "num_steps",
+    "recompute_tries",
+    "recomputed_steps",
+    "skip_count",
+    "skipped",
+    "update_ratio",
+  ]
 
 
 def test_feature_states_report_their_keys_and_are_unambiguous_in_a_chain():
-  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=2))
+  policy = optax_dls.skips_at_min_scale(
+    optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=2)
+  )
   inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3))
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax_dls.loss_scaled(inner, policy))
   state = tx.init(P)
   m = optax_dls.metrics(state)
-  assert {"fp32_fallback", "skips_at_min_scale", "underflow/zero_frac", "underflow/subnormal_frac"} <= set(m)
-  for name in ("fp32_fallback", "steps_left", "skips_at_min_scale", "fractions", "min_scale", "max_scale"):
+  assert {
+    "fp32_fallback",
+    "skips_at_min_scale",
+    "underflow/zero_frac",
+    "underflow/subnormal_frac",
+  } <= set(m)
+  for name in (
+    "fp32_fallback",
+    "steps_left",
+    "skips_at_min_scale",
+    "fractions",
+    "min_scale",
+    "max_scale",
+  ):
     optax.tree_utils.tree_get(state, name)  # raises KeyError if absent or ambiguous
   g = {"w": jnp.full(3, jnp.inf)}
   _, new = jax.jit(tx.update)(g, state, P)
@@ -180,7 +226,9 @@ def test_reset_scale_refuses_a_static_value_outside_the_policy_range(bad):
 
 
 def test_reset_scale_clamps_a_traced_value_and_restarts_growth():
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=3, max_scale=2.0**16)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=4.0, growth_interval=3, max_scale=2.0**16
+  )
   state = tx.init(P)
   _, state = tx.update({"w": jnp.ones(3)}, state)
   assert int(state.policy_state.growth_tracker) == 1

@@ -48,17 +48,19 @@ def _multisteps_state(state):
 def test_nan_micro_batch_is_dropped_and_adam_advances_once_per_window(lowering):
   # Failure kind 4 of docs/design.md: k=4, micro-batch gradients [NaN, 1, 1, 1, 1, ...].
   k, s0 = 4, 2.0**12
-  tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(0.1), k), init_scale=s0, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.MultiSteps(optax.adam(0.1), k), init_scale=s0, skip_lowering=lowering
+  )
   _, hist = _run(tx, [NAN] + [1.0] * (2 * k))
   updates = np.stack([u for _, u, _ in hist])
   assert np.isfinite(updates).all()
   emitted = [i for i, u in enumerate(updates) if np.any(u != 0)]
-  assert emitted == [k, 2 * k]          # the NaN micro-batch did not count towards the window
+  assert emitted == [k, 2 * k]  # the NaN micro-batch did not count towards the window
   assert [s for s, _, _ in hist][:2] == [s0, s0 / 2]  # backed off right after it
   final = hist[-1][2]
   ms = _multisteps_state(final)
   assert int(ms.gradient_step) == 2
-  assert int(ms.inner_opt_state[0].count) == 2   # adam: once per applied window
+  assert int(ms.inner_opt_state[0].count) == 2  # adam: once per applied window
   assert np.isfinite(np.asarray(ms.acc_grads)).all()
   m = optax_dls.metrics(final)
   assert int(m["skip_count"]) == 1 and int(m["num_steps"] - m["skip_count"]) == 2 * k
@@ -72,8 +74,12 @@ def test_nan_micro_batch_is_dropped_and_adam_advances_once_per_window(lowering):
 def test_scale_changes_inside_a_window_are_unscaled_exactly(lowering):
   # Growth on every clean micro-batch and a back-off in the middle of the window:
   # each micro-batch arrives with a different S, the window mean must be exact.
-  tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.sgd(1.0), 4),
-                                    init_scale=2.0**8, growth_interval=1, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.MultiSteps(optax.sgd(1.0), 4),
+    init_scale=2.0**8,
+    growth_interval=1,
+    skip_lowering=lowering,
+  )
   w, hist = _run(tx, [1.0, 2.0, NAN, 3.0, 4.0])
   scales = [s for s, _, _ in hist]
   assert scales == [2.0**8, 2.0**9, 2.0**10, 2.0**9, 2.0**10]
@@ -107,9 +113,14 @@ def test_why_multisteps_outside_is_refused():
 
 def test_multisteps_object_and_gradient_transformation_are_equivalent(lowering):
   xs = [1.0, NAN, 2.0, 3.0, 5.0]
-  a = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(0.1), 2), init_scale=4.0, skip_lowering=lowering)
-  b = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
-                                   init_scale=4.0, skip_lowering=lowering)
+  a = optax_dls.dynamic_loss_scale(
+    optax.MultiSteps(optax.adam(0.1), 2), init_scale=4.0, skip_lowering=lowering
+  )
+  b = optax_dls.dynamic_loss_scale(
+    optax.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
+    init_scale=4.0,
+    skip_lowering=lowering,
+  )
   wa, _ = _run(a, xs)
   wb, _ = _run(b, xs)
   np.testing.assert_array_equal(wa, wb)

@@ -40,7 +40,9 @@ def test_one_warning_per_episode_with_step_scale_and_count(caplog):
   recs = _warnings(caplog)
   assert len(recs) == 2, [r.getMessage() for r in recs]
   first, second = (r.getMessage() for r in recs)
-  assert "3 consecutive skipped steps" in first and "step 3" in first and "loss scale now 128" in first
+  assert (
+    "3 consecutive skipped steps" in first and "step 3" in first and "loss scale now 128" in first
+  )
   assert "step 9" in second and f"loss scale now {2**10 // 2**8}" in second  # 8 backoffs so far
 
 
@@ -55,8 +57,9 @@ def test_sparse_calls_still_see_a_long_episode_once(caplog):
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   alerts = optax_dls.SkipAlerts(alert_after=3)
   _run(tx, [F] + [I] * 9 + [F], alerts, every=5)  # looked at steps 0, 5 and 10 only
-  assert len(_warnings(caplog)) == 1 and "5 consecutive skipped steps at step 5" in alerts.fired[0].replace(
-      " (non-finite gradients)", "")
+  assert len(_warnings(caplog)) == 1 and "5 consecutive skipped steps at step 5" in alerts.fired[
+    0
+  ].replace(" (non-finite gradients)", "")
 
 
 def test_stuck_at_min_scale_warns_once(caplog):
@@ -64,7 +67,11 @@ def test_stuck_at_min_scale_warns_once(caplog):
   tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   _run(tx, [I, I, I, I], optax_dls.SkipAlerts(alert_after=100))  # 2 -> 1, then skips at the minimum
   recs = _warnings(caplog)
-  assert len(recs) == 1 and "stuck at its minimum 1" in recs[0].getMessage() and "step 1" in recs[0].getMessage()
+  assert (
+    len(recs) == 1
+    and "stuck at its minimum 1" in recs[0].getMessage()
+    and "step 1" in recs[0].getMessage()
+  )
 
 
 def test_alerts_only_from_process_zero(caplog, monkeypatch):
@@ -76,8 +83,12 @@ def test_alerts_only_from_process_zero(caplog, monkeypatch):
 
 def test_one_warning_under_jit_with_8_device_named_sharding(caplog):
   mesh = jax.make_mesh((8,), ("data",))
-  put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t)
-  state = _run(optax_dls.dynamic_loss_scale(optax.sgd(0.1)), [I, I, I, I], optax_dls.SkipAlerts(), put=put)
+  put = lambda t: jax.tree.map(
+    lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t
+  )
+  state = _run(
+    optax_dls.dynamic_loss_scale(optax.sgd(0.1)), [I, I, I, I], optax_dls.SkipAlerts(), put=put
+  )
   assert len(_warnings(caplog)) == 1
   assert int(state.consecutive_skips) == 4
 
@@ -97,11 +108,19 @@ def test_one_warning_under_pmap(caplog):
 
 def test_one_warning_under_shard_map(caplog):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-  put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t)
+  put = lambda t: jax.tree.map(
+    lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t
+  )
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
   state_spec = jax.tree.map(lambda _: P(), tx.init(PARAMS))
-  update = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(P("data"), state_spec, P("data")),
-                                 out_specs=(P("data"), state_spec)))
+  update = jax.jit(
+    jax.shard_map(
+      tx.update,
+      mesh=mesh,
+      in_specs=(P("data"), state_spec, P("data")),
+      out_specs=(P("data"), state_spec),
+    )
+  )
   _run(tx, [I, I, I], optax_dls.SkipAlerts(), update=update, put=put)
   assert len(_warnings(caplog)) == 1
 
@@ -130,8 +149,10 @@ def test_the_jitted_step_holds_no_callback():
   assert "callback" in noisy.lower(_grads(F), state, PARAMS).as_text()
 
 
-@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), ("3", TypeError),
-                                        (True, TypeError)])
+@pytest.mark.parametrize(
+  "bad, error",
+  [(0, ValueError), (-1, ValueError), (2.5, TypeError), ("3", TypeError), (True, TypeError)],
+)
 def test_bad_alert_after(bad, error):
   with pytest.raises(error, match="alert_after"):
     optax_dls.SkipAlerts(alert_after=bad)

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_dls
 
@@ -67,13 +68,15 @@ def test_resume_under_8_device_sharding_equals_uninterrupted_run(manager):
     w = jnp.copy(w0)
     return w, jax.jit(_tx().init)(w)
 
-  w_ref, s_ref = _run(*start(), range(8))                 # uninterrupted
+  w_ref, s_ref = _run(*start(), range(8))  # uninterrupted
   w, s = _run(*start(), range(5))
   _save(manager, 5, {"params": w, "opt_state": s})
   shardings = jax.tree.map(lambda x: x.sharding, {"params": w, "opt_state": s})
   del w, s
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        {"params": w_ref, "opt_state": s_ref})
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+    {"params": w_ref, "opt_state": s_ref},
+  )
   restored = optax_dls.checkpoint.restore(manager, target)
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
     assert got.sharding.is_equivalent_to(want, got.ndim)
@@ -106,7 +109,9 @@ def test_layout_mismatch_says_what_to_do(manager):
   _save(manager, 1, {"params": w, "opt_state": scaled})
   with pytest.raises(ValueError, match=r"(?s)checkpoint holds none.*_replace\(inner_state="):
     optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": scaled}, step=0)
-  with pytest.raises(ValueError, match=r"(?s)the target holds none.*find_state\(restored\).inner_state"):
+  with pytest.raises(
+    ValueError, match=r"(?s)the target holds none.*find_state\(restored\).inner_state"
+  ):
     optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": plain}, step=1)
   # The documented migration: plain adam checkpoint -> loss-scaled optimizer.
   inner = optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": plain}, step=0)
@@ -121,13 +126,16 @@ def test_manager_must_be_an_orbax_checkpoint_manager(bad):
     optax_dls.checkpoint.restore(bad, {"params": w, "opt_state": _tx().init(w)})
 
 
-@pytest.mark.parametrize("step, error, match", [
+@pytest.mark.parametrize(
+  "step, error, match",
+  [
     (1.0, TypeError, "step must be an int"),
     ("1", TypeError, "step must be an int"),
     (True, TypeError, "step must be an int"),
     (-1, ValueError, "step must be >= 0"),
     (7, FileNotFoundError, r"no checkpoint at step 7 .*saved steps: \[1\]"),
-])
+  ],
+)
 def test_bad_step_is_named(manager, step, error, match):
   w = jnp.ones(3)
   tree = {"params": w, "opt_state": _tx().init(w)}

@@ -41,6 +41,7 @@ def trained(tmp_path_factory):
       pred = x.astype(jnp.float16) @ p["w"].astype(jnp.float16)
       loss = jnp.mean(jnp.square(pred - 1.0).astype(jnp.float32))
       return optax_dls.scale_loss(loss, state), loss
+
     grads, loss = jax.grad(loss_fn, has_aux=True)(params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
@@ -67,7 +68,11 @@ def test_summary_matches_the_training_loop(trained, capsys, tmp_path):
   assert s["updates"] == 30 and s["skips"] == int(skipped.sum())
   assert s["update_ratio"] == pytest.approx(1 - skipped.mean())
   assert s["longest_skip_streak"] == 3
-  assert (s["scale_min"], s["scale_median"], s["scale_max"]) == (scales.min(), np.median(scales), scales.max())
+  assert (s["scale_min"], s["scale_median"], s["scale_max"]) == (
+    scales.min(),
+    np.median(scales),
+    scales.max(),
+  )
   assert s["steps_at_min_scale"] == int((scales == scales.min()).sum())
   assert s["steps_at_max_scale"] == int((scales == scales.max()).sum())
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -103,8 +108,15 @@ def _write(path, rows):
 
 
 def _row(i, scale=2.0**15, skipped=False, skips=0, loss=1.0, **extra):
-  return {"loss_scale": scale, "skipped": skipped, "skip_count": skips, "num_steps": i + 1,
-          "consecutive_skips": int(skipped), "loss": loss, **extra}
+  return {
+    "loss_scale": scale,
+    "skipped": skipped,
+    "skip_count": skips,
+    "num_steps": i + 1,
+    "consecutive_skips": int(skipped),
+    "loss": loss,
+    **extra,
+  }
 
 
 def _healthy(i):
@@ -112,13 +124,15 @@ def _healthy(i):
 
 
 SYMPTOMS = {
-    "frequent overflow": lambda i: _row(i, 2.0**10, i % 5 == 0, i // 5 + 1, 2 - i / 400),
-    "scale never grows": lambda i: _row(i, 2.0**12, loss=2 - i / 2000),
-    "gradients lost to underflow": lambda i: _healthy(i) | {"underflow/subnormal_frac": 0.2,
-                                                            "underflow/zero_frac": 0.05 + 0.5 * i / 200},
-    "stuck at the minimum": lambda i: _row(i, 1.0 if i > 100 else 2.0**12, i > 100, max(i - 100, 0),
-                                           2 - i / 400),
-    "diverging loss": lambda i: _row(i, 2.0 ** (10 + i // 50), loss=1.0 + i / 20),
+  "frequent overflow": lambda i: _row(i, 2.0**10, i % 5 == 0, i // 5 + 1, 2 - i / 400),
+  "scale never grows": lambda i: _row(i, 2.0**12, loss=2 - i / 2000),
+  "gradients lost to underflow": lambda i: (
+    _healthy(i) | {"underflow/subnormal_frac": 0.2, "underflow/zero_frac": 0.05 + 0.5 * i / 200}
+  ),
+  "stuck at the minimum": lambda i: _row(
+    i, 1.0 if i > 100 else 2.0**12, i > 100, max(i - 100, 0), 2 - i / 400
+  ),
+  "diverging loss": lambda i: _row(i, 2.0 ** (10 + i // 50), loss=1.0 + i / 20),
 }
 
 
@@ -133,8 +147,13 @@ def test_diagnoses_each_symptom_and_only_it(symptom, tmp_path, capsys):
 
 def test_one_overflow_per_growth_is_probing_not_frequent_overflow(tmp_path, capsys):
   # Grow every 10 steps, overflow right after, back off: dynamic scaling's steady state.
-  _write(tmp_path, [_row(i, 2.0 ** (10 + (i % 10 == 9)), i % 10 == 0, i // 10 + 1, 2 - i / 400)
-                    for i in range(200)])
+  _write(
+    tmp_path,
+    [
+      _row(i, 2.0 ** (10 + (i % 10 == 9)), i % 10 == 0, i // 10 + 1, 2 - i / 400)
+      for i in range(200)
+    ],
+  )
   assert _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"] == []
 
 
@@ -151,19 +170,44 @@ def test_a_scale_held_by_recomputed_overflows_is_not_pinned(tmp_path, capsys):
   assert len(found) == 1 and found[0].startswith("scale pinned"), found
   # The same scale, held there by overflows that were recomputed instead of skipped.
   held = tmp_path / "held"
-  _write(held, [_row(i, 2.0**24, recompute_tries=(i + 5) // 20, recomputed_steps=(i + 5) // 20)
-                for i in range(200)])
+  _write(
+    held,
+    [
+      _row(i, 2.0**24, recompute_tries=(i + 5) // 20, recomputed_steps=(i + 5) // 20)
+      for i in range(200)
+    ],
+  )
   assert _inspect_json(held, capsys)["held"]["diagnosis"] == []
 
 
 @pytest.mark.skipif(not os.path.exists(EXAMPLE), reason="examples/train_lm.py not present")
 def test_inspect_logs_of_the_main_example(tmp_path, capsys):
   sys.path.insert(0, os.path.dirname(EXAMPLE))
-  import train_lm  # noqa: E402
+  import train_lm
 
   out = tmp_path / "example"
-  flags = ["--runs", "fp16-dls", "--steps", "4", "--batch-size", "2", "--seq-len", "8", "--d-model", "8",
-           "--layers", "1", "--heads", "1", "--eval-every", "4", "--eval-batches", "1", "--out", str(out)]
+  flags = [
+    "--runs",
+    "fp16-dls",
+    "--steps",
+    "4",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "8",
+    "--d-model",
+    "8",
+    "--layers",
+    "1",
+    "--heads",
+    "1",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "1",
+    "--out",
+    str(out),
+  ]
   assert train_lm.main(flags) == 0
   capsys.readouterr()
   s = _inspect_json(out, capsys)["fp16-dls"]["summary"]
@@ -179,10 +223,15 @@ def _write_log(path, text, mode="w"):
     f.write(text)
 
 
-@pytest.mark.parametrize("bad", ['"abc"', "null", "NaN", "1.5", "1e400", "Infinity", "true", str(10**30)])
+@pytest.mark.parametrize(
+  "bad", ['"abc"', "null", "NaN", "1.5", "1e400", "Infinity", "true", str(10**30)]
+)
 def test_rows_with_a_malformed_step_are_skipped_with_a_warning(bad, tmp_path, capsys):
-  _write_log(tmp_path, '{"step": 0, "loss_scale": 1024}\n{"step": %s, "loss_scale": 2}\n'
-             '{"step": 1, "loss_scale": 512, "num_steps": Infinity, "skip_count": %s}\n' % (bad, 10**400))
+  _write_log(
+    tmp_path,
+    '{"step": 0, "loss_scale": 1024}\n{"step": %s, "loss_scale": 2}\n'
+    '{"step": 1, "loss_scale": 512, "num_steps": Infinity, "skip_count": %s}\n' % (bad, 10**400),
+  )
   assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
   captured = capsys.readouterr()
   (summary,) = [r["summary"] for r in json.loads(captured.out).values()]
@@ -190,8 +239,14 @@ def test_rows_with_a_malformed_step_are_skipped_with_a_warning(bad, tmp_path, ca
   assert "skipped 1 row(s)" in captured.err
 
 
-@pytest.mark.parametrize("content", [b'{"step": "a"}\n{"step": null}\n', bytes(range(256)) * 2,
-                                     b'{"step": 0, "loss_scale": 1024\n{garbage\n'])
+@pytest.mark.parametrize(
+  "content",
+  [
+    b'{"step": "a"}\n{"step": null}\n',
+    bytes(range(256)) * 2,
+    b'{"step": 0, "loss_scale": 1024\n{garbage\n',
+  ],
+)
 def test_all_corrupt_logs_exit_2_saying_they_are_unreadable(content, tmp_path, capsys):
   tmp_path.joinpath("metrics.jsonl").write_bytes(content)
   assert cli.main(["inspect", str(tmp_path)]) == 2
@@ -204,7 +259,9 @@ def test_corrupt_event_file_exits_2(tmp_path, capsys):
   assert "exist but are unreadable" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("plot, message", [("missing/out.png", "does not exist"), ("out.xyz", "extension")])
+@pytest.mark.parametrize(
+  "plot, message", [("missing/out.png", "does not exist"), ("out.xyz", "extension")]
+)
 def test_bad_plot_path_is_an_argument_error(plot, message, tmp_path, capsys):
   _write_log(tmp_path / "run", '{"step": 0, "loss_scale": 1}\n')
   with pytest.raises(SystemExit) as e:
@@ -217,15 +274,29 @@ def test_bad_plot_path_is_an_argument_error(plot, message, tmp_path, capsys):
 
 
 class _Stream(NamedTuple):
-  rows: list        # the metrics after each update, as optax_dls.metrics gives them, plus the loss
+  rows: list  # the metrics after each update, as optax_dls.metrics gives them, plus the loss
   used: np.ndarray  # the scale each update ran at
   skipped: np.ndarray
   grew: np.ndarray  # whether the update raised the scale
 
 
-def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresis=1, min_scale=1.0,
-              max_scale=2.0**24, spikes=(), nonfinite_from=None, loss=None, nan_loss_when_skipped=False,
-              underflow=None, finite_drops=(), growth_at=()):
+def _simulate(
+  n,
+  *,
+  growth_interval=10,
+  ceiling=2.0**10,
+  init=2.0**16,
+  hysteresis=1,
+  min_scale=1.0,
+  max_scale=2.0**24,
+  spikes=(),
+  nonfinite_from=None,
+  loss=None,
+  nan_loss_when_skipped=False,
+  underflow=None,
+  finite_drops=(),
+  growth_at=(),
+):
   """``n`` updates of dynamic loss scaling: an update overflows when its scale exceeds ``ceiling(t)``,
   at the steps in ``spikes`` and from ``nonfinite_from`` on. At the steps in ``finite_drops`` a
   finite update halves the scale, as amax_policy does when the gradients grow; at the steps in
@@ -245,12 +316,22 @@ def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresi
     elif not over and t in finite_drops:
       scale = max(scale / 2, min_scale)
     skips += over
-    row = {"loss_scale": scale, "skipped": over, "skip_count": skips, "consecutive_skips": consec,
-           "num_steps": t + 1, "update_ratio": (t + 1 - skips) / (t + 1), "grad_norm": 1.0,
-           "loss": float("nan") if over and nan_loss_when_skipped else loss(t)}
+    row = {
+      "loss_scale": scale,
+      "skipped": over,
+      "skip_count": skips,
+      "consecutive_skips": consec,
+      "num_steps": t + 1,
+      "update_ratio": (t + 1 - skips) / (t + 1),
+      "grad_norm": 1.0,
+      "loss": float("nan") if over and nan_loss_when_skipped else loss(t),
+    }
     if underflow is not None:  # (subnormal share, zero share at the start, zero share at the end)
       sub, zero0, zero1 = underflow
-      row["underflow/subnormal_frac"], row["underflow/zero_frac"] = sub, zero0 + (zero1 - zero0) * t / n
+      row["underflow/subnormal_frac"], row["underflow/zero_frac"] = (
+        sub,
+        zero0 + (zero1 - zero0) * t / n,
+      )
     rows.append(row)
     used.append(before)
     skipped.append(over)
@@ -259,8 +340,9 @@ def _simulate(n, *, growth_interval=10, ceiling=2.0**10, init=2.0**16, hysteresi
 
 
 def _log(path, rows, every=1, source="jsonl", drop=()):
-  with writers.MetricsWriter(path, every=every, tensorboard=source == "tensorboard",
-                             jsonl=source == "jsonl") as w:
+  with writers.MetricsWriter(
+    path, every=every, tensorboard=source == "tensorboard", jsonl=source == "jsonl"
+  ) as w:
     for step, row in enumerate(rows):
       w.log(step, {k: v for k, v in row.items() if k not in drop})
 
@@ -272,8 +354,9 @@ def _diagnosis(path, capsys):
 
 @pytest.mark.parametrize("every", [1, 10, 100])
 @pytest.mark.parametrize("growth_interval", [2, 10, 50, 1000])
-def test_probing_is_not_frequent_overflow_whatever_the_logging_interval(tmp_path, capsys, every,
-                                                                         growth_interval):
+def test_probing_is_not_frequent_overflow_whatever_the_logging_interval(
+  tmp_path, capsys, every, growth_interval
+):
   # A healthy run: the scale grows after growth_interval clean steps, overflows once, backs off.
   stream = _simulate(3000, growth_interval=growth_interval)
   assert stream.skipped[100:].sum() >= 2  # it does probe
@@ -291,20 +374,24 @@ def test_tensorboard_logs_every_k_steps_give_the_jsonl_diagnosis(tmp_path, capsy
 
 
 REAL_SYMPTOMS = {
-    # Overflow spikes every 50 updates, each halving the scale, and no growth to undo them.
-    "frequent overflow": lambda: _simulate(900, growth_interval=10**6, init=2.0**24, ceiling=2.0**30,
-                                           spikes=set(range(25, 900, 50))),
-    "scale never grows": lambda: _simulate(1200, growth_interval=10**6, init=2.0**12),
-    "gradients lost to underflow": lambda: _simulate(1200, underflow=(0.2, 0.05, 0.5)),
-    "stuck at the minimum": lambda: _simulate(400, init=2.0**12, ceiling=2.0**20, nonfinite_from=100,
-                                              nan_loss_when_skipped=True),
-    "diverging loss": lambda: _simulate(2500, loss=lambda t: 1.0 + t / 200),
+  # Overflow spikes every 50 updates, each halving the scale, and no growth to undo them.
+  "frequent overflow": lambda: _simulate(
+    900, growth_interval=10**6, init=2.0**24, ceiling=2.0**30, spikes=set(range(25, 900, 50))
+  ),
+  "scale never grows": lambda: _simulate(1200, growth_interval=10**6, init=2.0**12),
+  "gradients lost to underflow": lambda: _simulate(1200, underflow=(0.2, 0.05, 0.5)),
+  "stuck at the minimum": lambda: _simulate(
+    400, init=2.0**12, ceiling=2.0**20, nonfinite_from=100, nan_loss_when_skipped=True
+  ),
+  "diverging loss": lambda: _simulate(2500, loss=lambda t: 1.0 + t / 200),
 }
 
 
 @pytest.mark.parametrize("every", [1, 10, 100])
 @pytest.mark.parametrize("symptom", sorted(REAL_SYMPTOMS))
-def test_each_symptom_is_found_at_every_logging_interval_and_only_it(tmp_path, capsys, symptom, every):
+def test_each_symptom_is_found_at_every_logging_interval_and_only_it(
+  tmp_path, capsys, symptom, every
+):
   _log(tmp_path, REAL_SYMPTOMS[symptom]().rows, every)
   found = _diagnosis(tmp_path, capsys)
   assert len(found) == 1 and found[0].startswith(symptom), found
@@ -315,9 +402,16 @@ def test_a_scale_that_also_drops_on_finite_steps_is_not_read_as_overflow(tmp_pat
   # Every 20 updates: a growth, its probe overflow, then two drops on finite steps (amax_policy-like),
   # so the scale falls two octaves per cycle while every skip follows a growth.
   cycles = range(0, 400, 20)
-  stream = _simulate(400, growth_interval=10**6, init=2.0**50, ceiling=2.0**60, max_scale=2.0**60,
-                     spikes={t + 1 for t in cycles}, finite_drops={t + d for t in cycles for d in (2, 12)},
-                     growth_at={t for t in cycles})
+  stream = _simulate(
+    400,
+    growth_interval=10**6,
+    init=2.0**50,
+    ceiling=2.0**60,
+    max_scale=2.0**60,
+    spikes={t + 1 for t in cycles},
+    finite_drops={t + d for t in cycles for d in (2, 12)},
+    growth_at={t for t in cycles},
+  )
   assert stream.skipped.sum() == 20 and stream.grew[list(cycles)].all()
   _log(tmp_path, stream.rows, every)
   assert _diagnosis(tmp_path, capsys) == []
@@ -338,8 +432,12 @@ def test_non_finite_loss_of_skipped_steps_is_not_divergence(tmp_path, capsys):
 def test_without_counters_nothing_unprovable_is_reported(tmp_path, capsys):
   # Only the scale and the loss: skips and updates are unknown, and so is every diagnosis resting on them.
   stream = _simulate(3000, growth_interval=10)
-  _log(tmp_path, stream.rows, 10, drop=("skipped", "skip_count", "consecutive_skips", "num_steps",
-                                        "update_ratio"))
+  _log(
+    tmp_path,
+    stream.rows,
+    10,
+    drop=("skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio"),
+  )
   (report,) = _inspect_json(tmp_path, capsys).values()
   assert report["diagnosis"] == []
   assert report["summary"]["skips"] is None and report["summary"]["longest_skip_streak"] is None
@@ -356,7 +454,9 @@ def test_skips_come_from_update_ratio_without_skip_count(tmp_path, capsys):
 
 
 def test_text_names_the_lowest_and_highest_logged_scale_as_powers_of_two(tmp_path, capsys):
-  _write(tmp_path, [_row(i, scale=2.0 ** (21 - (i % 3))) for i in range(5)])  # 2^21, 2^20, 2^19, 2^21, 2^20
+  _write(
+    tmp_path, [_row(i, scale=2.0 ** (21 - (i % 3))) for i in range(5)]
+  )  # 2^21, 2^20, 2^19, 2^21, 2^20
   assert cli.main(["inspect", str(tmp_path)]) == 0
   text = capsys.readouterr().out
   assert "lowest 2^19 / median 2^20 / highest 2^21 (logged)" in text
@@ -366,9 +466,15 @@ def test_text_names_the_lowest_and_highest_logged_scale_as_powers_of_two(tmp_pat
 
 def test_a_closed_pipe_ends_quietly(tmp_path):
   for i in range(300):  # a report longer than the pipe buffer
-    _write_log(tmp_path / f"run{i:03d}", '{"step": 0, "loss_scale": 1024, "num_steps": 1, "skip_count": 0}\n')
-  proc = subprocess.Popen([sys.executable, "-m", "optax_dls.cli", "inspect", str(tmp_path)], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _write_log(
+      tmp_path / f"run{i:03d}", '{"step": 0, "loss_scale": 1024, "num_steps": 1, "skip_count": 0}\n'
+    )
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "optax_dls.cli", "inspect", str(tmp_path)],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
   proc.stdout.close()  # as `| head -1` does once it has its line
   err = proc.stderr.read().decode()
   assert proc.wait() == 1
@@ -376,14 +482,30 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
 
 
 def test_skipped_lines_are_counted_on_stderr_and_cost_only_themselves(tmp_path, capsys):
-  good = [json.dumps({"step": i, "loss_scale": 2.0**10, "num_steps": i + 1, "skip_count": 0}) for i in range(5)]
-  lines = [good[0], "garbage", good[1], '{"step": 2, "loss_scale": ' + "9" * 5000 + "}", good[2],
-           "[" * 100000, good[3], '{"no step": 1}', good[4], '{"step": 5, "loss_sc']  # the last cut short
+  good = [
+    json.dumps({"step": i, "loss_scale": 2.0**10, "num_steps": i + 1, "skip_count": 0})
+    for i in range(5)
+  ]
+  lines = [
+    good[0],
+    "garbage",
+    good[1],
+    '{"step": 2, "loss_scale": ' + "9" * 5000 + "}",
+    good[2],
+    "[" * 100000,
+    good[3],
+    '{"no step": 1}',
+    good[4],
+    '{"step": 5, "loss_sc',
+  ]  # the last cut short
   _write_log(tmp_path, "\n".join(lines))
   assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
   captured = capsys.readouterr()
   assert json.loads(captured.out)[tmp_path.name]["summary"]["logged_steps"] == 5
-  assert "skipped 5 line(s) that are not JSON objects with a 'step' (line 2, 4, 6, 8, 10)" in captured.err
+  assert (
+    "skipped 5 line(s) that are not JSON objects with a 'step' (line 2, 4, 6, 8, 10)"
+    in captured.err
+  )
 
 
 def test_a_corrupt_event_record_costs_that_record_only_in_inspect(tmp_path, capsys):
@@ -403,7 +525,9 @@ def test_a_corrupt_event_record_costs_that_record_only_in_inspect(tmp_path, caps
 def test_a_step_logged_again_after_a_restart_is_merged(tmp_path, capsys):
   stream = _simulate(300, growth_interval=10)
   _log(tmp_path, stream.rows[:200])
-  with writers.MetricsWriter(tmp_path, tensorboard=False) as w:  # resumed from the checkpoint of step 149
+  with writers.MetricsWriter(
+    tmp_path, tensorboard=False
+  ) as w:  # resumed from the checkpoint of step 149
     for step in range(150, 300):
       w.log(step, stream.rows[step])
   report = _inspect_json(tmp_path, capsys)[tmp_path.name]
@@ -427,19 +551,29 @@ def _true_excess_skips(stream, first, last):
 
 def _check_claim(symptom, stream, kind):
   """Asserts that what ``symptom`` says holds in the full, per-update ``stream``."""
-  if m := re.match(r"frequent overflow: at least (\d+) of the (\d+) updates from step (\d+) to step (\d+)",
-                   symptom):
+  if m := re.match(
+    r"frequent overflow: at least (\d+) of the (\d+) updates from step (\d+) to step (\d+)", symptom
+  ):
     count, updates, first, last = map(int, m.groups())
     assert updates == last - first and 0 < count <= _true_excess_skips(stream, first, last)
-  elif m := re.match(r"scale never grows: no increase in the (\d+) updates from step (\d+) to step (\d+)",
-                     symptom):
+  elif m := re.match(
+    r"scale never grows: no increase in the (\d+) updates from step (\d+) to step (\d+)", symptom
+  ):
     span, first, last = map(int, m.groups())
-    assert span == last - first >= cli.NO_GROWTH_UPDATES and not stream.grew[first + 1:last + 1].any()
-  elif m := re.match(r"stuck at the minimum: at least (\d+) updates were skipped with the loss scale at or "
-                     r"below 1", symptom):
+    assert (
+      span == last - first >= cli.NO_GROWTH_UPDATES and not stream.grew[first + 1 : last + 1].any()
+    )
+  elif m := re.match(
+    r"stuck at the minimum: at least (\d+) updates were skipped with the loss scale at or "
+    r"below 1",
+    symptom,
+  ):
     assert int(m.group(1)) <= (stream.skipped & (stream.used <= 1.0)).sum()
-  elif m := re.match(r"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
-                     r"([\d.]+)% .* to a median ([\d.]+)%", symptom):
+  elif m := re.match(
+    r"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
+    r"([\d.]+)% .* to a median ([\d.]+)%",
+    symptom,
+  ):
     early, late = (float(x) / 100 for x in m.groups())
     sub, zero0, zero1 = kind["underflow"]
     assert zero1 - zero0 >= cli.ZERO_RISE and zero0 - 0.01 <= early < late <= zero1 + 0.01
@@ -451,41 +585,67 @@ def _check_claim(symptom, stream, kind):
     raise AssertionError(f"unexpected diagnosis {symptom!r}")
 
 
-_COLUMNS = ("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio", "loss",
-            "grad_norm", "underflow/subnormal_frac", "underflow/zero_frac")
+_COLUMNS = (
+  "loss_scale",
+  "skipped",
+  "skip_count",
+  "consecutive_skips",
+  "num_steps",
+  "update_ratio",
+  "loss",
+  "grad_norm",
+  "underflow/subnormal_frac",
+  "underflow/zero_frac",
+)
 
 
 @st.composite
 def _streams(draw):
   n = draw(st.integers(20, 2500))
   kind = {
-      "every": draw(st.sampled_from([1, 2, 10, 37, 100])),
-      "source": draw(st.sampled_from(["jsonl", "jsonl", "tensorboard"])),
-      "drop": draw(st.sets(st.sampled_from(_COLUMNS), max_size=4)),
-      "cut": draw(st.integers(0, 300)),           # bytes cut off the end of the JSONL file
-      "resume": draw(st.one_of(st.none(), st.integers(0, n - 1))),
-      "loss": draw(st.sampled_from(["falling", "rising"])),
-      "underflow": draw(st.sampled_from([None, (0.001, 0.05, 0.05), (0.3, 0.5, 0.5), (0.2, 0.05, 0.6),
-                                         (0.2, 0.3, 0.35)])),
+    "every": draw(st.sampled_from([1, 2, 10, 37, 100])),
+    "source": draw(st.sampled_from(["jsonl", "jsonl", "tensorboard"])),
+    "drop": draw(st.sets(st.sampled_from(_COLUMNS), max_size=4)),
+    "cut": draw(st.integers(0, 300)),  # bytes cut off the end of the JSONL file
+    "resume": draw(st.one_of(st.none(), st.integers(0, n - 1))),
+    "loss": draw(st.sampled_from(["falling", "rising"])),
+    "underflow": draw(
+      st.sampled_from(
+        [None, (0.001, 0.05, 0.05), (0.3, 0.5, 0.5), (0.2, 0.05, 0.6), (0.2, 0.3, 0.35)]
+      )
+    ),
   }
   ceiling_low, ceiling_high = sorted(draw(st.lists(st.integers(-3, 24), min_size=2, max_size=2)))
   switch = draw(st.integers(0, n))
   spikes = draw(st.sampled_from([0.0, 0.002, 0.03, 0.3]))
   rng = np.random.default_rng(draw(st.integers(0, 2**31)))
   stream = _simulate(
-      n, growth_interval=draw(st.sampled_from([1, 2, 10, 100, 1000, 10**6])),
-      init=2.0 ** draw(st.integers(-2, 24)), hysteresis=draw(st.sampled_from([1, 2])),
-      min_scale=draw(st.sampled_from([2.0**-10, 1.0, 8.0])),
-      ceiling=lambda t: 2.0 ** (ceiling_high if t < switch else ceiling_low),
-      spikes=set(np.flatnonzero(rng.random(n) < spikes).tolist()),
-      nonfinite_from=draw(st.one_of(st.none(), st.integers(0, n))),
-      loss=(lambda t: 2.0 - t / n + 0.05 * np.sin(t)) if kind["loss"] == "falling" else (lambda t: 1.0 + t / 50),
-      nan_loss_when_skipped=draw(st.booleans()), underflow=kind["underflow"])
+    n,
+    growth_interval=draw(st.sampled_from([1, 2, 10, 100, 1000, 10**6])),
+    # A policy starts within its range: init_scale >= min_scale.
+    init=max(
+      2.0 ** draw(st.integers(-2, 24)), min_scale := draw(st.sampled_from([2.0**-10, 1.0, 8.0]))
+    ),
+    hysteresis=draw(st.sampled_from([1, 2])),
+    min_scale=min_scale,
+    ceiling=lambda t: 2.0 ** (ceiling_high if t < switch else ceiling_low),
+    spikes=set(np.flatnonzero(rng.random(n) < spikes).tolist()),
+    nonfinite_from=draw(st.one_of(st.none(), st.integers(0, n))),
+    loss=(lambda t: 2.0 - t / n + 0.05 * np.sin(t))
+    if kind["loss"] == "falling"
+    else (lambda t: 1.0 + t / 50),
+    nan_loss_when_skipped=draw(st.booleans()),
+    underflow=kind["underflow"],
+  )
   return stream, kind
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+  max_examples=60,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=_streams())
 def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path_factory, capsys):
   stream, kind = case
@@ -493,7 +653,7 @@ def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path
   _log(path, stream.rows, kind["every"], kind["source"], kind["drop"])
   jsonl = path / writers.JSONL_NAME
   if kind["source"] == "jsonl":
-    jsonl.write_bytes(jsonl.read_bytes()[:-kind["cut"] or None])  # a crash mid-write
+    jsonl.write_bytes(jsonl.read_bytes()[: -kind["cut"] or None])  # a crash mid-write
     if kind["resume"] is not None:  # a restart from an earlier checkpoint logs some steps again
       with writers.MetricsWriter(path, every=kind["every"], tensorboard=False) as w:
         for step in range(kind["resume"], len(stream.rows)):
@@ -506,12 +666,15 @@ def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path
     _check_claim(d["symptom"], stream, kind)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"run_dir": None}, "run_dir"),
     ({"run_dir": 3}, "run_dir"),
     ({"run_dir": ".", "plot_path": 1}, "plot_path"),
     ({"run_dir": ".", "as_json": "yes"}, "as_json"),
-])
+  ],
+)
 def test_inspect_names_a_wrong_argument(kwargs, match):
   with pytest.raises(TypeError, match=match):
     cli.inspect(**kwargs)
@@ -522,7 +685,10 @@ def test_lost_gradients_are_found_against_a_run_logged_beside_it(tmp_path, capsy
   # but the fp32 and loss-scaled runs beside it show the floor of the same model and data.
   for name, zero in (("fp32", 0.05), ("fp16", 0.45), ("fp16-dls", 0.051)):
     scale = 1.0 if name != "fp16-dls" else 2.0**15
-    _write(tmp_path / name, [_row(i, scale, loss=2 - i / 400, **{"underflow/zero_frac": zero}) for i in range(50)])
+    _write(
+      tmp_path / name,
+      [_row(i, scale, loss=2 - i / 400, **{"underflow/zero_frac": zero}) for i in range(50)],
+    )
   report = _inspect_json(tmp_path, capsys)
   assert [d["symptom"] for d in report["fp32"]["diagnosis"]] == []
   assert [d["symptom"] for d in report["fp16-dls"]["diagnosis"]] == []
@@ -534,6 +700,11 @@ def test_lost_gradients_are_found_against_a_run_logged_beside_it(tmp_path, capsy
 
 def test_a_high_subnormal_share_of_a_loss_scaled_run_is_not_a_problem(tmp_path, capsys):
   # Unscaled gradients below float16's normal range are what loss scaling lifts.
-  _write(tmp_path, [_healthy(i) | {"underflow/subnormal_frac": 0.4, "underflow/zero_frac": 0.05}
-                    for i in range(200)])
+  _write(
+    tmp_path,
+    [
+      _healthy(i) | {"underflow/subnormal_frac": 0.4, "underflow/zero_frac": 0.05}
+      for i in range(200)
+    ],
+  )
   assert _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"] == []

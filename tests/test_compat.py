@@ -40,15 +40,16 @@ def _import(name: str):
     pytest.skip(f"oracle {name} does not import here: {type(e).__name__}: {e}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trajectory_fn(preset: str, config: tuple):
   """Jitted scan of the preset's policy over a padded bool sequence, cached per config."""
   policy = getattr(optax_dls.compat, preset)(**dict(config))
 
   def step(carry, finite):
     scale, state = carry
-    stats = optax_dls.GradStats(finite=finite, step=jnp.zeros([], jnp.int32),
-                                grad_norm=jnp.zeros([], jnp.float32))
+    stats = optax_dls.GradStats(
+      finite=finite, step=jnp.zeros([], jnp.int32), grad_norm=jnp.zeros([], jnp.float32)
+    )
     scale, state = policy.update(scale, state, stats)
     return (scale, state), scale
 
@@ -57,16 +58,16 @@ def _trajectory_fn(preset: str, config: tuple):
 
 def ours(preset: str, config: dict, seq: str) -> list[float]:
   finite = np.ones([LENGTH], bool)
-  finite[:len(seq)] = [c == "F" for c in seq]
+  finite[: len(seq)] = [c == "F" for c in seq]
   out = np.asarray(_trajectory_fn(preset, tuple(sorted(config.items())))(jnp.asarray(finite)))
-  return [float(x) for x in out[:len(seq)]]
+  return [float(x) for x in out[: len(seq)]]
 
 
 TORCH_CONFIGS = [
-    dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
-    dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
-    dict(init_scale=3.0 * 2**10, growth_factor=1.5, backoff_factor=0.75, growth_interval=2),
-    dict(init_scale=1.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=5),
+  dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
+  dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+  dict(init_scale=3.0 * 2**10, growth_factor=1.5, backoff_factor=0.75, growth_interval=2),
+  dict(init_scale=1.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=5),
 ]
 
 
@@ -81,8 +82,14 @@ def test_torch_grad_scaler(seq, config):
   expected = []
   for c in seq:
     found_inf = torch.full((1,), float(c != "F"))
-    torch._amp_update_scale_(scale, tracker, found_inf, config["growth_factor"],
-                             config["backoff_factor"], config["growth_interval"])
+    torch._amp_update_scale_(
+      scale,
+      tracker,
+      found_inf,
+      config["growth_factor"],
+      config["backoff_factor"],
+      config["growth_interval"],
+    )
     expected.append(scale.item())
   assert ours("torch_policy", config, seq) == expected
 
@@ -90,10 +97,11 @@ def test_torch_grad_scaler(seq, config):
 KERAS_CONFIGS = [dict(initial_scale=2.0**15, dynamic_growth_steps=n) for n in (1, 2, 4)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _keras_apply(keras, steps: int, initial_scale: float):
   opt = keras.optimizers.LossScaleOptimizer(
-      keras.optimizers.SGD(0.1), initial_scale=initial_scale, dynamic_growth_steps=steps)
+    keras.optimizers.SGD(0.1), initial_scale=initial_scale, dynamic_growth_steps=steps
+  )
   var = keras.Variable(np.zeros(2, np.float32))
   opt.build([var])
   index = [v.path.endswith("dynamic_scale") for v in opt.variables].index(True)
@@ -108,8 +116,9 @@ def test_keras_loss_scale_optimizer(seq, config):
   keras = _import("keras")
   if keras.backend.backend() != "jax":
     pytest.skip(f"keras runs on the {keras.backend.backend()} backend here, the oracle needs jax")
-  apply, opt_vars, train_vars, index = _keras_apply(keras, config["dynamic_growth_steps"],
-                                                    config["initial_scale"])
+  apply, opt_vars, train_vars, index = _keras_apply(
+    keras, config["dynamic_growth_steps"], config["initial_scale"]
+  )
   expected = []
   for c in seq:
     train_vars, opt_vars = apply(opt_vars, jnp.full([2], VALUES[c], jnp.float32), train_vars)
@@ -118,17 +127,21 @@ def test_keras_loss_scale_optimizer(seq, config):
 
 
 JMP_CONFIGS = [
-    dict(loss_scale=2.0**15, period=1, factor=2, min_loss_scale=1.0),
-    dict(loss_scale=2.0**4, period=3, factor=2, min_loss_scale=1.0),
-    dict(loss_scale=2.0**10, period=2, factor=3, min_loss_scale=0.5),
+  dict(loss_scale=2.0**15, period=1, factor=2, min_loss_scale=1.0),
+  dict(loss_scale=2.0**4, period=3, factor=2, min_loss_scale=1.0),
+  dict(loss_scale=2.0**10, period=2, factor=3, min_loss_scale=0.5),
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jmp_scan(jmp, config: tuple):
   c = dict(config)
-  ls = jmp.DynamicLossScale(jnp.float32(c["loss_scale"]), period=c["period"], factor=c["factor"],
-                            min_loss_scale=jnp.float32(c["min_loss_scale"]))
+  ls = jmp.DynamicLossScale(
+    jnp.float32(c["loss_scale"]),
+    period=c["period"],
+    factor=c["factor"],
+    min_loss_scale=jnp.float32(c["min_loss_scale"]),
+  )
 
   def step(ls, finite):
     ls = ls.adjust(finite)
@@ -142,19 +155,19 @@ def _jmp_scan(jmp, config: tuple):
 def test_jmp_dynamic_loss_scale(seq, config):
   jmp = _import("jmp")
   finite = np.ones([LENGTH], bool)
-  finite[:len(seq)] = [c == "F" for c in seq]
+  finite[: len(seq)] = [c == "F" for c in seq]
   expected = np.asarray(_jmp_scan(jmp, tuple(sorted(config.items())))(jnp.asarray(finite)))
-  assert ours("jmp_policy", config, seq) == [float(x) for x in expected[:len(seq)]]
+  assert ours("jmp_policy", config, seq) == [float(x) for x in expected[: len(seq)]]
 
 
 FLAX_CONFIGS = [
-    dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=0, scale=2.0**16),
-    dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, scale=2.0**16),
-    dict(growth_factor=1.5, backoff_factor=0.75, growth_interval=1, scale=3.0),
+  dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=0, scale=2.0**16),
+  dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, scale=2.0**16),
+  dict(growth_factor=1.5, backoff_factor=0.75, growth_interval=1, scale=3.0),
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flax_scan(dynamic_scale_cls, config: tuple):
   ds = dynamic_scale_cls(**dict(config))
 
@@ -170,18 +183,38 @@ def _flax_scan(dynamic_scale_cls, config: tuple):
 def test_flax_dynamic_scale(seq, config):
   module = _import("flax.training.dynamic_scale")
   values = np.ones([LENGTH], np.float32)
-  values[:len(seq)] = [VALUES[c] for c in seq]
-  expected = np.asarray(_flax_scan(module.DynamicScale, tuple(sorted(config.items())))(jnp.asarray(values)))
-  assert ours("flax_policy", config, seq) == [float(x) for x in expected[:len(seq)]]
+  values[: len(seq)] = [VALUES[c] for c in seq]
+  expected = np.asarray(
+    _flax_scan(module.DynamicScale, tuple(sorted(config.items())))(jnp.asarray(values))
+  )
+  assert ours("flax_policy", config, seq) == [float(x) for x in expected[: len(seq)]]
 
 
 MEGATRON_CONFIGS = [
-    dict(initial_scale=2.0**32, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
-         growth_interval=2, hysteresis=2),
-    dict(initial_scale=2.0**4, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
-         growth_interval=1, hysteresis=1),
-    dict(initial_scale=96.0, min_scale=0.75, growth_factor=1.5, backoff_factor=0.25,
-         growth_interval=3, hysteresis=3),
+  dict(
+    initial_scale=2.0**32,
+    min_scale=1.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=2,
+    hysteresis=2,
+  ),
+  dict(
+    initial_scale=2.0**4,
+    min_scale=1.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=1,
+    hysteresis=1,
+  ),
+  dict(
+    initial_scale=96.0,
+    min_scale=0.75,
+    growth_factor=1.5,
+    backoff_factor=0.25,
+    growth_interval=3,
+    hysteresis=3,
+  ),
 ]
 
 
@@ -205,10 +238,22 @@ def test_megatron_dynamic_grad_scaler(seq, config):
 
 
 DEEPSPEED_CONFIGS = [
-    dict(init_scale=2.0**16, scale_window=1, min_scale=1.0, delayed_shift=1, consecutive_hysteresis=False),
-    dict(init_scale=2.0**3, scale_window=2, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False),
-    dict(init_scale=2.0**3, scale_window=2, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=True),
-    dict(init_scale=2.0**10, scale_window=3, min_scale=0.25, delayed_shift=3, consecutive_hysteresis=False),
+  dict(
+    init_scale=2.0**16, scale_window=1, min_scale=1.0, delayed_shift=1, consecutive_hysteresis=False
+  ),
+  dict(
+    init_scale=2.0**3, scale_window=2, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False
+  ),
+  dict(
+    init_scale=2.0**3, scale_window=2, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=True
+  ),
+  dict(
+    init_scale=2.0**10,
+    scale_window=3,
+    min_scale=0.25,
+    delayed_shift=3,
+    consecutive_hysteresis=False,
+  ),
 ]
 
 
@@ -226,14 +271,23 @@ def test_deepspeed_dynamic_loss_scaler(seq, config):
         assert "minimum" in str(e)
         break
       expected.append(float(scaler.cur_scale))
-  assert ours("deepspeed_policy", config, seq)[:len(expected)] == expected
+  assert ours("deepspeed_policy", config, seq)[: len(expected)] == expected
 
 
 def test_hysteresis_sequences_of_the_reference_table():
   # Failure kind 9 of docs/design.md, with Megatron (refill on growth) and DeepSpeed (consecutive) presets.
   def run(policy_fn, seq):
-    return ours(policy_fn, dict(init_scale=2.0**16, scale_window=1000, delayed_shift=2,
-                                consecutive_hysteresis=policy_fn == "deepspeed_policy"), seq)
+    return ours(
+      policy_fn,
+      dict(
+        init_scale=2.0**16,
+        scale_window=1000,
+        delayed_shift=2,
+        consecutive_hysteresis=policy_fn == "deepspeed_policy",
+      ),
+      seq,
+    )
+
   assert run("deepspeed_policy", "IFI") == [2.0**16, 2.0**16, 2.0**16]
   assert ours("megatron_policy", dict(initial_scale=2.0**16), "IFI") == [2.0**16, 2.0**16, 2.0**15]
   assert ours("megatron_policy", dict(initial_scale=2.0**16), "III") == [2.0**16, 2.0**15, 2.0**14]
@@ -274,7 +328,9 @@ def test_presets_inside_the_wrapper_follow_torch():
     np.testing.assert_array_equal(np.asarray(params["w"]), p.detach().numpy())
 
 
-@pytest.mark.parametrize("call, match", [
+@pytest.mark.parametrize(
+  "call, match",
+  [
     (lambda: optax_dls.compat.torch_policy(growth_factor=1.0), "growth_factor"),
     (lambda: optax_dls.compat.torch_policy(init_scale=0.0), "init_scale"),
     (lambda: optax_dls.compat.keras_policy(dynamic_growth_steps=0), "dynamic_growth_steps"),
@@ -283,7 +339,8 @@ def test_presets_inside_the_wrapper_follow_torch():
     (lambda: optax_dls.compat.megatron_policy(hysteresis=0), "hysteresis"),
     (lambda: optax_dls.compat.deepspeed_policy(scale_window=0), "scale_window"),
     (lambda: optax_dls.compat.deepspeed_policy(init_scale=float("inf")), "init_scale"),
-])
+  ],
+)
 def test_bad_hyperparameters_raise_value_error_naming_them(call, match):
   with pytest.raises(ValueError, match=match):
     call()

@@ -23,8 +23,9 @@ def _trajectory(policy, finite):
   scale, state = policy.init()
   out = []
   for i, f in enumerate(finite):
-    stats = optax_dls.GradStats(finite=jnp.asarray(f), step=jnp.asarray(i, jnp.int32),
-                                grad_norm=jnp.float32(1.0))
+    stats = optax_dls.GradStats(
+      finite=jnp.asarray(f), step=jnp.asarray(i, jnp.int32), grad_norm=jnp.float32(1.0)
+    )
     scale, state = policy.update(scale, state, stats)
     out.append(float(scale))
   return out
@@ -43,12 +44,22 @@ def test_yaml_file_gives_the_same_policy_as_the_arguments(tmp_path):
 
 
 def test_with_inner_gives_a_transformation_with_wrapper_options():
-  cfg = {"loss_scale": {"init_scale": 512, "underflow_stats": True, "fallback_after": 10, "fallback_steps": 5,
-                        "skip_lowering": "where"}}
+  cfg = {
+    "loss_scale": {
+      "init_scale": 512,
+      "underflow_stats": True,
+      "fallback_after": 10,
+      "fallback_steps": 5,
+      "skip_lowering": "where",
+    }
+  }
   tx = optax_dls.config.from_config(cfg, optax.sgd(0.1))
   state = tx.init({"w": jnp.ones(2)})
   m = optax_dls.metrics(state)
-  assert float(m["loss_scale"]) == 512 and {"underflow/zero_frac", "underflow/subnormal_frac"} <= set(m)
+  assert float(m["loss_scale"]) == 512 and {
+    "underflow/zero_frac",
+    "underflow/subnormal_frac",
+  } <= set(m)
   assert int(optax.tree_utils.tree_get(state, "steps_left")) == 0  # the fp32_fallback wrapper
   for _ in range(10):
     _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state)
@@ -63,16 +74,21 @@ def test_alerts_are_not_configured_in_the_transformation(key):
 
 def test_preset_with_override():
   policy = optax_dls.config.from_config({"preset": "qlora", "growth_interval": 10})
-  expected = optax_dls.dynamic_policy(**(optax_dls.config.preset("qlora") | {"growth_interval": 10}))
+  expected = optax_dls.dynamic_policy(
+    **(optax_dls.config.preset("qlora") | {"growth_interval": 10})
+  )
   assert _trajectory(policy, FINITE) == _trajectory(expected, FINITE)
 
 
-@pytest.mark.parametrize("cfg, key", [
+@pytest.mark.parametrize(
+  "cfg, key",
+  [
     ({"loss_scale": {"init_scale": 8, "growth_intervall": 3}}, "growth_intervall"),
     ({"kind": "static", "scale": 8, "init_scale": 8}, "init_scale"),
     ({"kind": "none", "scale": 8}, "scale"),
     ({"axis_name": "data"}, "axis_name"),  # a transformation option without inner
-])
+  ],
+)
 def test_unknown_or_misplaced_key_is_named(cfg, key):
   with pytest.raises(ValueError, match=f"'{key}'"):
     optax_dls.config.from_config(cfg)
@@ -97,7 +113,9 @@ def test_static_and_none_kinds():
 
 
 def test_preset_values_follow_their_rationale():
-  llm, mm, pref, qlora = (optax_dls.config.preset(n) for n in ("text_llm", "multimodal", "preference", "qlora"))
+  llm, mm, pref, qlora = (
+    optax_dls.config.preset(n) for n in ("text_llm", "multimodal", "preference", "qlora")
+  )
   assert 2**15 <= llm["init_scale"] <= 2**16
   assert 2**12 <= mm["init_scale"] <= 2**14 and mm["warmup_steps"] > 0
   assert pref["max_scale"] == 65536 and optax_dls.config.preset("dpo") == pref
@@ -108,16 +126,21 @@ def test_preset_values_follow_their_rationale():
 
 def test_loss_scale_keys_beside_a_loss_scale_section_are_refused():
   with pytest.raises(ValueError, match=r"top level.*\['growth_interval', 'init_scale'\]"):
-    optax_dls.config.from_config({"loss_scale": {}, "init_scale": 8.0, "growth_interval": 3, "model": {}})
+    optax_dls.config.from_config(
+      {"loss_scale": {}, "init_scale": 8.0, "growth_interval": 3, "model": {}}
+    )
   # Other sections are still left alone.
   policy = optax_dls.config.from_config({"loss_scale": {"init_scale": 8.0}, "model": {"d": 1}})
   assert float(policy.init()[0]) == 8.0
 
 
-@pytest.mark.parametrize("text, match", [
+@pytest.mark.parametrize(
+  "text, match",
+  [
     ("loss_scale:\n  init_scale: 8.0\n  init_scale: 16.0\n", "duplicate key 'init_scale'"),
     ("loss_scale: {init_scale: [1, 2\n", "not valid YAML"),
-])
+  ],
+)
 def test_bad_yaml_files_raise_value_error_naming_the_file(tmp_path, text, match):
   path = tmp_path / "bad.yaml"
   path.write_text(text)
@@ -141,14 +164,14 @@ def test_scientific_number_read_as_string_gets_a_hint(tmp_path):
 
 
 SAFE_LOAD_DOCUMENTS = [
-    # Merge keys: one anchor, a list of anchors, an override of a merged key.
-    "defaults: &d {init_scale: 8.0, growth_interval: 3}\nloss_scale:\n  <<: *d\n  growth_interval: 5\n",
-    "a: &a {x: 1}\nb: &b {y: 2, x: 3}\nc:\n  <<: [*a, *b]\n  z: 4\n",
-    "base: &base\n  hysteresis: 2\nruns:\n  - <<: *base\n    init_scale: 4.0\n  - <<: *base\n",
-    # Other safe tags and styles.
-    "s: !!set {a, b}\nd: 2024-01-02\nb: !!binary aGk=\no: !!omap [{a: 1}, {b: 2}]\n",
-    "? complex key\n: 1\nnull: ~\n1: one\n2.5: two\n",
-    "--- {a: [1, 2, {b: c}]}\n",
+  # Merge keys: one anchor, a list of anchors, an override of a merged key.
+  "defaults: &d {init_scale: 8.0, growth_interval: 3}\nloss_scale:\n  <<: *d\n  growth_interval: 5\n",
+  "a: &a {x: 1}\nb: &b {y: 2, x: 3}\nc:\n  <<: [*a, *b]\n  z: 4\n",
+  "base: &base\n  hysteresis: 2\nruns:\n  - <<: *base\n    init_scale: 4.0\n  - <<: *base\n",
+  # Other safe tags and styles.
+  "s: !!set {a, b}\nd: 2024-01-02\nb: !!binary aGk=\no: !!omap [{a: 1}, {b: 2}]\n",
+  "? complex key\n: 1\nnull: ~\n1: one\n2.5: two\n",
+  "--- {a: [1, 2, {b: c}]}\n",
 ]
 
 
@@ -166,16 +189,21 @@ def test_merge_key_config_builds_the_merged_policy(tmp_path):
   assert _trajectory(optax_dls.config.from_config(path), FINITE) == _trajectory(expected, FINITE)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("a: &a {x: 1, x: 2}\nb: {<<: *a}\n", "duplicate key 'x'"),              # inside the anchor
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    ("a: &a {x: 1, x: 2}\nb: {<<: *a}\n", "duplicate key 'x'"),  # inside the anchor
     ("a: &a {x: 1}\nb:\n  <<: *a\n  y: 1\n  y: 2\n", "duplicate key 'y'"),  # beside a merge
     ("? [a, b]\n: 1\n", "unhashable key"),
     ("? {a: 1}\n: 1\n", "unhashable key"),
     ("a: !!python/object/apply:os.system [echo hi]\n", "python/object"),
     ("a: !!python/name:os.system\n", "python/name"),
     ("a: !!python/tuple [1, 2]\n", "python/tuple"),
-])
-def test_what_safe_load_refuses_or_a_repeated_key_raises_value_error_naming_the_file(tmp_path, text, match):
+  ],
+)
+def test_what_safe_load_refuses_or_a_repeated_key_raises_value_error_naming_the_file(
+  tmp_path, text, match
+):
   path = tmp_path / "bad.yaml"
   path.write_text(text)
   with pytest.raises(ValueError, match=match) as e:

@@ -18,8 +18,9 @@ def _loss(params, x, y, dtype):
 
 
 def test_training_continues_through_fallback_and_returns_to_fp16(lowering):
-  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=INIT_SCALE, growth_interval=1000),
-                                  after=10, steps=15)
+  policy = optax_dls.fp32_fallback(
+    optax_dls.dynamic_policy(init_scale=INIT_SCALE, growth_interval=1000), after=10, steps=15
+  )
   tx = optax_dls.loss_scaled(optax.adam(0.05), policy, skip_lowering=lowering)
   params = {"w": jnp.zeros((4,), jnp.float32)}
   opt_state = tx.init(params)
@@ -52,14 +53,16 @@ def test_training_continues_through_fallback_and_returns_to_fp16(lowering):
   assert flags == [False] * 10 + [True] * 15 + [False] * 15
   assert skipped == [True] * 10 + [False] * 15 + [True] * 5 + [False] * 10
   assert scale_after_fallback == INIT_SCALE
-  assert not np.allclose(w_at[9], w_at[24])          # trained in float32
-  assert not np.allclose(w_at[29], w_at[39])         # and again in float16
+  assert not np.allclose(w_at[9], w_at[24])  # trained in float32
+  assert not np.allclose(w_at[29], w_at[39])  # and again in float16
   assert np.isfinite(w_at[39]).all()
   assert len(traces) == 1 and step._cache_size() == 1
 
 
 def test_fallback_scale_and_flag_end():
-  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=64.0), after=2, steps=2, scale=8.0)
+  policy = optax_dls.fp32_fallback(
+    optax_dls.dynamic_policy(init_scale=64.0), after=2, steps=2, scale=8.0
+  )
   tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
@@ -69,7 +72,13 @@ def test_fallback_scale_and_flag_end():
     _, state = update({"w": jnp.full(3, g)}, state, params)
     fallback = state.policy_state
     seen.append((bool(fallback.fp32_fallback), int(fallback.steps_left), float(state.loss_scale)))
-  assert seen == [(False, 0, 32.0), (True, 2, 16.0), (True, 1, 16.0), (False, 0, 8.0), (False, 0, 8.0)]
+  assert seen == [
+    (False, 0, 32.0),
+    (True, 2, 16.0),
+    (True, 1, 16.0),
+    (False, 0, 8.0),
+    (False, 0, 8.0),
+  ]
 
 
 def test_no_fallback_by_default():
@@ -81,7 +90,9 @@ def test_no_fallback_by_default():
 
 
 def test_select_precision_promotes_and_checks_structure():
-  tx = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1, steps=3))
+  tx = optax_dls.loss_scaled(
+    optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1, steps=3)
+  )
   state = tx.init({"w": jnp.ones(2)})
   f16 = lambda x: (x * 2).astype(jnp.float16)
   f32 = lambda x: x * 3
@@ -93,20 +104,30 @@ def test_select_precision_promotes_and_checks_structure():
     optax_dls.select_precision(state, lambda x: (x, x), f32, jnp.ones(2))
 
 
-@pytest.mark.parametrize("kwargs, name", [({"after": 0}, "after"), ({"steps": 0}, "steps"),
-                                          ({"scale": 0.0}, "scale"), ({"scale": 2.0**100}, "scale"),
-                                          ({"scale": 0.5}, "scale")])
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
+    ({"after": 0}, "after"),
+    ({"steps": 0}, "steps"),
+    ({"scale": 0.0}, "scale"),
+    ({"scale": 2.0**100}, "scale"),
+    ({"scale": 0.5}, "scale"),
+  ],
+)
 def test_bad_fallback_arguments(kwargs, name):
   # The restart scale must lie in the wrapped policy's range, here [1, 2**12].
   with pytest.raises(ValueError, match=name):
-    optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0**10, max_scale=2.0**12), **kwargs)
+    optax_dls.fp32_fallback(
+      optax_dls.dynamic_policy(init_scale=2.0**10, max_scale=2.0**12), **kwargs
+    )
   with pytest.raises(TypeError, match="policy"):
     optax_dls.fp32_fallback("dynamic")
 
 
 def test_fallback_functions_must_be_callable():
-  state = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy())).init(
-      {"w": jnp.ones(2)})
+  state = optax_dls.loss_scaled(
+    optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy())
+  ).init({"w": jnp.ones(2)})
   with pytest.raises(TypeError, match="fp16_fn"):
     optax_dls.select_precision(state, None, lambda x: x, jnp.ones(2))
   with pytest.raises(TypeError, match="fp32_fn"):
@@ -115,12 +136,16 @@ def test_fallback_functions_must_be_callable():
 
 def test_select_precision_without_the_fallback_runs_fp16():
   state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-  out = optax_dls.select_precision(state, lambda x: x.astype(jnp.float16), lambda x: x * 3, jnp.ones(2))
+  out = optax_dls.select_precision(
+    state, lambda x: x.astype(jnp.float16), lambda x: x * 3, jnp.ones(2)
+  )
   assert out.dtype == jnp.float32 and np.allclose(out, 1.0)
 
 
 def test_fallback_state_has_fixed_dtypes_and_composes_with_skips_at_min_scale():
-  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0), after=2))
+  policy = optax_dls.skips_at_min_scale(
+    optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0), after=2)
+  )
   tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   state = tx.init({"w": jnp.ones(2)})
   update = jax.jit(tx.update)

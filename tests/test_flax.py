@@ -34,12 +34,15 @@ def _tx():
 
 
 def test_import_optax_dls_does_not_import_flax_or_orbax():
-  code = ("import sys, optax_dls; "
-          "assert not [m for m in sys.modules if m.split('.')[0] in ('flax', 'orbax')]")
+  code = (
+    "import sys, optax_dls; "
+    "assert not [m for m in sys.modules if m.split('.')[0] in ('flax', 'orbax')]"
+  )
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --- linen ----------------------------------------------------------------------------------
+
 
 def _linen_setup():
   model = nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)
@@ -63,11 +66,14 @@ def _linen_step(state, x):
 def test_linen_loss_unscaled_grads_scaled_and_update_matches_plain_sgd():
   model, state = _linen_setup()
   new, loss, pred, grads = _linen_step(state, X)
-  (ref_loss, ref_pred), ref_grads = jax.jit(jax.value_and_grad(_linen_loss, has_aux=True),
-                                            static_argnums=1)(state.params, model.apply, X)
+  (ref_loss, ref_pred), ref_grads = jax.jit(
+    jax.value_and_grad(_linen_loss, has_aux=True), static_argnums=1
+  )(state.params, model.apply, X)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   np.testing.assert_allclose(pred, ref_pred, rtol=1e-6)
-  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=2e-3, atol=1e-6), grads, ref_grads)
+  jax.tree.map(
+    lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=2e-3, atol=1e-6), grads, ref_grads
+  )
   expected = jax.tree.map(lambda p, g: p - 0.1 * g / S0, state.params, grads)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new.params, expected)
   assert int(new.step) == 1 and _applied(new.opt_state) == 1
@@ -87,7 +93,9 @@ def test_linen_fused_apply_gradients_matches_the_method_and_keeps_params_on_skip
     before = fused.params
     ref = _linen_step(ref, x)[0]
     fused = _linen_fused_step(fused, x)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), fused.params, ref.params)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), fused.params, ref.params
+    )
     if x is X_BAD:  # skipped: the params come back bit for bit
       jax.tree.map(np.testing.assert_array_equal, fused.params, before)
   assert int(fused.step) == int(ref.step) == 4
@@ -121,8 +129,8 @@ def test_linen_skipped_step_counts_in_step_not_in_the_applied_updates():
 
 # --- nnx ------------------------------------------------------------------------------------
 
-class _Net(nnx.Module):
 
+class _Net(nnx.Module):
   def __init__(self, rngs):
     self.dense = nnx.Linear(2, 1, dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
     self.calls = nnx.BatchStat(jnp.zeros([], jnp.int32))  # not differentiated
@@ -150,11 +158,18 @@ def test_nnx_optimizer_update_unscales_and_skips():
   ref_grads = nnx.grad(_nnx_loss)(_Net(nnx.Rngs(0)), X)
   assert set(nnx.to_pure_dict(grads)) == {"dense"}  # only nnx.Param (optimizer.wrt)
   np.testing.assert_allclose(loss, _nnx_loss(_Net(nnx.Rngs(0)), X), rtol=1e-6)
-  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=2e-3, atol=1e-6),
-               nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads))
+  jax.tree.map(
+    lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=2e-3, atol=1e-6),
+    nnx.to_pure_dict(grads),
+    nnx.to_pure_dict(ref_grads),
+  )
   after = nnx.state(model, nnx.Param)
-  jax.tree.map(lambda a, b, g: np.testing.assert_allclose(a, b - 0.1 * g / S0, rtol=1e-6),
-               nnx.to_pure_dict(after), before, nnx.to_pure_dict(grads))
+  jax.tree.map(
+    lambda a, b, g: np.testing.assert_allclose(a, b - 0.1 * g / S0, rtol=1e-6),
+    nnx.to_pure_dict(after),
+    before,
+    nnx.to_pure_dict(grads),
+  )
 
   kept = jax.tree.map(jnp.copy, nnx.to_pure_dict(after))
   loss, _ = _nnx_step(model, optimizer, X_BAD)
@@ -190,7 +205,9 @@ def test_value_and_grad_argument_errors():
 
 # --- recomputing an overflowing step (max_tries) -----------------------------------------------
 
-Y_BIG = Y * 1e3  # a float16 output cotangent of about 1e3 S: it overflows at S0, fits a few halvings below
+Y_BIG = (
+  Y * 1e3
+)  # a float16 output cotangent of about 1e3 S: it overflows at S0, fits a few halvings below
 
 
 def _fit(params, apply_fn, x, y):
@@ -200,21 +217,26 @@ def _fit(params, apply_fn, x, y):
 
 def _linen_fit_step(max_tries):
   """A linen step; with ``max_tries`` the call also returns the state to apply the gradients to."""
+
   @jax.jit
   def step(state, x, y):
     if max_tries is None:
       loss, grads = dls_flax.value_and_grad(_fit, state)(state.params, state.apply_fn, x, y)
     else:
       (loss, grads), state = dls_flax.value_and_grad(_fit, state, max_tries=max_tries)(
-          state.params, state.apply_fn, x, y)
+        state.params, state.apply_fn, x, y
+      )
     return state.apply_gradients(grads=grads), loss
+
   return step
 
 
 def test_linen_recompute_applies_every_batch_and_compiles_once():
   step, plain_step = _linen_fit_step(8), _linen_fit_step(None)
   _, state = _linen_setup()
-  state = state.replace(step=jnp.zeros([], jnp.int32))  # TrainState.create's Python int would retrace once
+  state = state.replace(
+    step=jnp.zeros([], jnp.int32)
+  )  # TrainState.create's Python int would retrace once
   plain = state
   for y in (Y, Y_BIG, Y, Y_BIG):
     before = state.params
@@ -260,7 +282,9 @@ def test_linen_float32_last_resort_when_every_float16_try_overflows():
   m = optax_dls.metrics(new)
   assert int(m["skip_count"]) == 0 and int(m["recompute_tries"]) == 2 and _applied(new) == 1
   assert float(m["loss_scale"]) == S0 / 4
-  np.testing.assert_allclose(loss, fit32(state.params, None, X, Y_BIG), rtol=1e-6)  # the float32 loss
+  np.testing.assert_allclose(
+    loss, fit32(state.params, None, X, Y_BIG), rtol=1e-6
+  )  # the float32 loss
   expected = jax.grad(lambda p: _fit(p, model32.apply, X, Y_BIG) * S0 / 4)(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), grads, expected)
 
@@ -283,7 +307,9 @@ def _nnx_fit(model, x, y):
 
 def _nnx_setup():
   model = _NormNet(nnx.Rngs(0, dropout=1))
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1e-4), init_scale=S0)  # small steps: Y_BIG does not diverge
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1e-4), init_scale=S0
+  )  # small steps: Y_BIG does not diverge
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
@@ -293,12 +319,15 @@ def _nnx_fit_step(max_tries):
     loss, grads = dls_flax.value_and_grad(_nnx_fit, optimizer, max_tries=max_tries)(model, x, y)
     optimizer.update(model, grads)
     return loss, grads
+
   return step
 
 
 def _module_state(model):
   """Every variable of ``model`` as plain arrays (RNG keys as their key data)."""
-  unkey = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.copy(x)
+  unkey = lambda x: (
+    jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.copy(x)
+  )
   return jax.tree.map(unkey, nnx.to_pure_dict(nnx.state(model)))
 
 
@@ -314,7 +343,9 @@ def test_nnx_recompute_applies_every_batch_and_compiles_once():
   m = optax_dls.metrics(optimizer)
   assert int(m["skip_count"]) == 0 and _applied(optimizer) == 4
   assert int(optax_dls.metrics(plain_opt)["skip_count"]) >= 1
-  assert int(m["recomputed_steps"]) >= 1 and float(m["loss_scale"]) == S0 / 2 ** int(m["recompute_tries"])
+  assert int(m["recomputed_steps"]) >= 1 and float(m["loss_scale"]) == S0 / 2 ** int(
+    m["recompute_tries"]
+  )
   assert int(model.drop.rngs.count[...]) == 4  # one pass per step advanced the RNG
   assert step.jitted_fn._cache_size() == 1
 
@@ -344,12 +375,15 @@ def test_nnx_recompute_with_argnums_tuple_and_aux():
 
   @nnx.jit
   def grads_of(model, optimizer, y):
-    return dls_flax.value_and_grad(fit, optimizer, argnums=(0, 1), has_aux=True, max_tries=4)(model, y, X)
+    return dls_flax.value_and_grad(fit, optimizer, argnums=(0, 1), has_aux=True, max_tries=4)(
+      model, y, X
+    )
 
   (loss, aux), (g_model, g_y) = grads_of(model, optimizer, Y_BIG)
   assert aux == {"n": 2} and np.isfinite(loss) and g_y.shape == Y.shape
   ref = nnx.grad(lambda m, y: fit(m, y, X)[0], argnums=(nnx.DiffState(0, nnx.Param), 1))(
-      _nnx_setup()[0], Y_BIG)
+    _nnx_setup()[0], Y_BIG
+  )
   assert jax.tree.structure(g_model) == jax.tree.structure(ref[0])
   assert int(optax_dls.metrics(optimizer)["recomputed_steps"]) == 1
 
@@ -378,6 +412,7 @@ def test_recompute_argument_errors():
 
 
 # --- examples -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["flax_linen", "flax_nnx"])
 def test_example_smoke(name, capsys, monkeypatch):

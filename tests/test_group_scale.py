@@ -15,9 +15,17 @@ import optax_dls
 
 def test_scale_gradient_is_identity_forward_and_scales_the_cotangent():
   x = {"a": jnp.asarray([1.0, -2.0], jnp.float16), "b": jnp.asarray(3.0, jnp.float32)}
-  assert jax.tree.all(jax.tree.map(lambda u, w: bool(jnp.all(u == w)), optax_dls.group_scale.scale_gradient(x, 8.0), x))
-  g = jax.grad(lambda t: jnp.sum(optax_dls.group_scale.scale_gradient(t, 8.0)["a"].astype(jnp.float32) * 3.0)
-               + optax_dls.group_scale.scale_gradient(t, 8.0)["b"])(x)
+  assert jax.tree.all(
+    jax.tree.map(
+      lambda u, w: bool(jnp.all(u == w)), optax_dls.group_scale.scale_gradient(x, 8.0), x
+    )
+  )
+  g = jax.grad(
+    lambda t: (
+      jnp.sum(optax_dls.group_scale.scale_gradient(t, 8.0)["a"].astype(jnp.float32) * 3.0)
+      + optax_dls.group_scale.scale_gradient(t, 8.0)["b"]
+    )
+  )(x)
   assert g["a"].dtype == jnp.float16
   np.testing.assert_array_equal(np.asarray(g["a"], np.float32), [24.0, 24.0])
   assert float(g["b"]) == 8.0
@@ -47,7 +55,6 @@ def test_group_gradients_scaled_by_k_and_inputs_unaffected(seed, log_k):
   np.testing.assert_array_equal(np.asarray(grads[1]), np.asarray(ref[1]))
 
 
-
 def _grads(p, x, k):
   return _compiled(k)(p, x)
 
@@ -64,8 +71,11 @@ def _compiled(k):
 
 def _adapter_model(k):
   """A frozen fp16 base layer with a large head and a tiny-gradient adapter branch."""
-  adapter = optax_dls.group_scale.group_scaled(lambda a, h: (h @ a["down"]) @ a["up"], k) if k else (
-      lambda a, h: (h @ a["down"]) @ a["up"])
+  adapter = (
+    optax_dls.group_scale.group_scaled(lambda a, h: (h @ a["down"]) @ a["up"], k)
+    if k
+    else (lambda a, h: (h @ a["down"]) @ a["up"])
+  )
 
   def loss(params, x):
     h = x.astype(jnp.float16) @ params["base"].astype(jnp.float16)
@@ -78,9 +88,13 @@ def _adapter_model(k):
 
 def _params():
   key1, key2, key3 = jax.random.split(jax.random.key(0), 3)
-  return {"base": jax.random.normal(key1, [8, 8]) * 0.1,
-          "adapter": {"down": jax.random.normal(key2, [8, 2]) * 3e-3,
-                      "up": jax.random.normal(key3, [2, 8]) * 3e-3}}
+  return {
+    "base": jax.random.normal(key1, [8, 8]) * 0.1,
+    "adapter": {
+      "down": jax.random.normal(key2, [8, 2]) * 3e-3,
+      "up": jax.random.normal(key3, [2, 8]) * 3e-3,
+    },
+  }
 
 
 def test_group_scaling_rescues_underflowing_adapter_gradients():
@@ -111,8 +125,9 @@ def _adapter_model_f32(params, x):
 def _adapter_tx(k, inner=None):
   mask = {"base": False, "adapter": {"down": True, "up": True}}
   inner = inner or optax.sgd(1.0)
-  return optax_dls.dynamic_loss_scale(optax.chain(optax_dls.group_scale.group_unscale(k, mask), inner),
-                                      init_scale=2.0**4)
+  return optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.group_scale.group_unscale(k, mask), inner), init_scale=2.0**4
+  )
 
 
 def test_group_unscale_inside_the_wrapper_recovers_true_gradients():
@@ -160,14 +175,23 @@ def test_group_scaled_needs_a_callable(fn):
     optax_dls.group_scale.group_scaled(fn, 2.0)
 
 
-@pytest.mark.parametrize("mask", ["abc", None, {"w": "yes"}, {"w": 1}, {"w": jnp.ones(2, bool)}, [True, 0.5]])
+@pytest.mark.parametrize(
+  "mask", ["abc", None, {"w": "yes"}, {"w": 1}, {"w": jnp.ones(2, bool)}, [True, 0.5]]
+)
 def test_group_unscale_mask_must_be_bools_or_a_callable(mask):
   with pytest.raises(TypeError, match="mask"):
     optax_dls.group_scale.group_unscale(2.0, mask)
 
 
-@pytest.mark.parametrize("mask", [{"w": True, "b": False}, {"w": np.bool_(True), "b": jnp.asarray(False)},
-                                  True, lambda params: {"w": True, "b": False}])
+@pytest.mark.parametrize(
+  "mask",
+  [
+    {"w": True, "b": False},
+    {"w": np.bool_(True), "b": jnp.asarray(False)},
+    True,
+    lambda params: {"w": True, "b": False},
+  ],
+)
 def test_group_unscale_accepts_bools_and_callables(mask):
   tx = optax_dls.group_scale.group_unscale(4.0, mask)
   params = {"w": jnp.ones(2), "b": jnp.ones(1)}

@@ -11,7 +11,9 @@ from optax_dls import _multi_device as md
 MESH = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
 
 
-@pytest.mark.parametrize("name, expected", [(None, ()), ("d", ("d",)), (["a", "b"], ("a", "b")), (("a",), ("a",))])
+@pytest.mark.parametrize(
+  "name, expected", [(None, ()), ("d", ("d",)), (["a", "b"], ("a", "b")), (("a",), ("a",))]
+)
 def test_axis_names(name, expected):
   assert md.axis_names(md.check_axis_name(name)) == expected
 
@@ -36,12 +38,20 @@ def _in_shard_map(fn, spec=P("data", "model")):
 def test_varying_axes_vary_like_and_replicas():
   def probe(x):
     zero = jnp.zeros([])
-    return {"x": md.varying_axes(x), "zero": md.varying_axes(zero),
-            "zero_like_x": md.varying_axes(md.vary_like(zero, x)),
-            "copies": md.replicas(zero, {"data": 4, "model": 2}), "x_copies": md.replicas(x, {"data": 4, "model": 2})}
+    return {
+      "x": md.varying_axes(x),
+      "zero": md.varying_axes(zero),
+      "zero_like_x": md.varying_axes(md.vary_like(zero, x)),
+      "copies": md.replicas(zero, {"data": 4, "model": 2}),
+      "x_copies": md.replicas(x, {"data": 4, "model": 2}),
+    }
 
   got = _in_shard_map(probe)
-  assert got["x"] == {"data", "model"} and got["zero"] == frozenset() and got["zero_like_x"] == {"data", "model"}
+  assert (
+    got["x"] == {"data", "model"}
+    and got["zero"] == frozenset()
+    and got["zero_like_x"] == {"data", "model"}
+  )
   assert got["copies"] == 8 and got["x_copies"] == 1
   assert md.varying_axes(jnp.ones(3)) == frozenset()  # outside shard_map
 

@@ -21,7 +21,9 @@ def _step(tx, grads):
 
 def test_huge_finite_gradients_are_finite_and_applied(lowering):
   grads = {"w": jnp.array([1e30, -3e38], jnp.float32), "h": jnp.array([65504.0], jnp.float16)}
-  updates, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads)
+  updates, state = _step(
+    optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads
+  )
   assert bool(state.last_step_finite)
   np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(grads["w"]))
   # The squares overflow float32; the norm is still right (taken relative to the largest entry).
@@ -32,15 +34,23 @@ def test_huge_finite_gradients_are_finite_and_applied(lowering):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_norm_past_the_float32_range_is_inf_but_the_step_is_finite(dtype, lowering):
   grads = {"w": jnp.array([3e38, 3e38], dtype)}
-  updates, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads)
+  updates, state = _step(
+    optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads
+  )
   assert bool(state.last_step_finite) and float(state.grad_norm) == np.inf
   np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(grads["w"]))
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda **kw: optax_dls.static_loss_scale(optax.sgd(1.0), 0.5, **kw),
-    lambda **kw: optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.dynamic_policy(0.5, min_scale=2.0**-126), **kw),
-], ids=["static", "dynamic_below_one"])
+    lambda **kw: optax_dls.loss_scaled(
+      optax.sgd(1.0), optax_dls.dynamic_policy(0.5, min_scale=2.0**-126), **kw
+    ),
+  ],
+  ids=["static", "dynamic_below_one"],
+)
 @pytest.mark.parametrize("value, finite", [(30000.0, True), (40000.0, False)])
 def test_scale_below_one_unscaling_overflow_is_caught(make, value, finite, lowering):
   # u = g / 0.5: 60000 fits float16, 80000 overflows it to inf.
@@ -55,19 +65,27 @@ def test_scale_below_one_unscaling_overflow_is_caught(make, value, finite, lower
 def test_one_bad_entry_among_huge_ones_is_caught(bad, dtype, lowering):
   big = float(jnp.finfo(dtype).max)
   grads = {"a": jnp.full((5,), big, dtype), "b": jnp.array([1.0, bad], dtype)}
-  _, state = _step(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads)
+  _, state = _step(
+    optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0, skip_lowering=lowering), grads
+  )
   assert not bool(state.last_step_finite)
 
 
 # One transformation for every example, so jit reuses its compilation per dtype; the scale is state.
-_BOUNDARY_TX = {k: optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=0.5, min_scale=2.0**-126, max_scale=1.0,
-                                                 skip_lowering=k) for k in ("cond", "where")}
+_BOUNDARY_TX = {
+  k: optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=0.5, min_scale=2.0**-126, max_scale=1.0, skip_lowering=k
+  )
+  for k in ("cond", "where")
+}
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(["float16", "bfloat16", "float32", "complex64"]),
-       scale=st.floats(2.0**-20, 0.75, width=32),
-       spread=st.lists(st.floats(0.5, 1.5, width=32), min_size=1, max_size=6))
+@given(
+  dtype=st.sampled_from(["float16", "bfloat16", "float32", "complex64"]),
+  scale=st.floats(2.0**-20, 0.75, width=32),
+  spread=st.lists(st.floats(0.5, 1.5, width=32), min_size=1, max_size=6),
+)
 def test_scale_below_one_flag_matches_elementwise_unscale(dtype, scale, spread):
   # Entries straddle the value that unscaling carries to the dtype's largest finite
   # number, so the flag is decided by rounding at the very edge of the range.
@@ -92,16 +110,21 @@ def test_scale_set_below_one_by_reset_scale_is_still_checked_exactly(lowering):
   params = {"w": jnp.zeros(2, jnp.float16)}
   state = optax_dls.reset_scale(tx.init(params), 0.5)
   new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
-      {"w": jnp.array([40000.0, 1.0], jnp.float16)}, state, params)
+    {"w": jnp.array([40000.0, 1.0], jnp.float16)}, state, params
+  )
   assert not bool(state.last_step_finite)
   np.testing.assert_array_equal(np.asarray(new["w"]), np.zeros(2, np.float16))
 
 
-@pytest.mark.parametrize("grads, scale", [
+@pytest.mark.parametrize(
+  "grads, scale",
+  [
     ({"w": jnp.array([3e38, 3e38], jnp.float32)}, 4.0),  # scaled norm overflows, unscaled fits
     ({"z": jnp.array([3e38 + 3e38j], jnp.complex64)}, 2.0**15),  # |z| overflows, parts finite
     ({"w": jnp.array([3e38], jnp.float32), "h": jnp.array([60000.0, 1.0], jnp.float16)}, 2.0**10),
-], ids=["float32", "complex64", "mixed"])
+  ],
+  ids=["float32", "complex64", "mixed"],
+)
 def test_norm_of_huge_scaled_gradients_is_the_unscaled_norm(grads, scale, lowering):
   tx = optax_dls.static_loss_scale(optax.sgd(1.0), scale, skip_lowering=lowering)
   _, state = _step(tx, grads)
@@ -122,13 +145,19 @@ def _cast(values, dtype):
 
 
 _LEAF = st.sampled_from(["float16", "bfloat16", "float32", "complex64"]).flatmap(
-    lambda d: st.lists(st.sampled_from([0.0, 1e-8, -3.0, 6e4, 1e19, 3e38, np.inf, -np.inf, np.nan]),
-                       min_size=1, max_size=5).map(lambda v, d=d: _cast(v, d)))
+  lambda d: st.lists(
+    st.sampled_from([0.0, 1e-8, -3.0, 6e4, 1e19, 3e38, np.inf, -np.inf, np.nan]),
+    min_size=1,
+    max_size=5,
+  ).map(lambda v, d=d: _cast(v, d))
+)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(leaves=st.lists(_LEAF, min_size=1, max_size=3),
-       scale=st.sampled_from([2.0**-20, 0.5, 1.0, 3.0, 2.0**15, 2.0**100, 0.0, -1.0, np.inf, np.nan]))
+@given(
+  leaves=st.lists(_LEAF, min_size=1, max_size=3),
+  scale=st.sampled_from([2.0**-20, 0.5, 1.0, 3.0, 2.0**15, 2.0**100, 0.0, -1.0, np.inf, np.nan]),
+)
 def test_both_checks_agree_on_the_flag_and_the_norm(leaves, scale):
   grads = {f"g{i}": jnp.asarray(x) for i, x in enumerate(leaves)}
   cond = jax.jit(_numerics.finite_and_norm)(grads, jnp.float32(scale))

@@ -21,11 +21,12 @@ from optax_dls import _policies
 
 F16_MAX = 65504.0
 LENGTH = 32
-CONFIG = dict(init_scale=2.0**15, margin=1.0, history_len=4, growth_interval=3, min_scale=1.0,
-              max_scale=2.0**24)
+CONFIG = dict(
+  init_scale=2.0**15, margin=1.0, history_len=4, growth_interval=3, min_scale=1.0, max_scale=2.0**24
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(config: tuple):
   """Jitted scan of the policy over (finite, unscaled amax) pairs; returns scales and peaks."""
   policy = optax_dls.amax_policy(**dict(config))
@@ -33,17 +34,22 @@ def _run(config: tuple):
   def step(carry, xs):
     scale, state = carry
     finite, amax = xs
-    stats = optax_dls.GradStats(finite=finite, step=jnp.zeros([], jnp.int32),
-                                grad_norm=amax, amax=amax * scale)
+    stats = optax_dls.GradStats(
+      finite=finite, step=jnp.zeros([], jnp.int32), grad_norm=amax, amax=amax * scale
+    )
     new_scale, state = policy.update(scale, state, stats)
     return (new_scale, state), (new_scale, jnp.max(state.amax_history), state.growth_tracker)
 
   return jax.jit(lambda finite, amax: lax.scan(step, policy.init(), (finite, amax))[1])
 
 
-steps = st.lists(st.tuples(st.sampled_from([True, True, True, False]),
-                           st.floats(-30, 4).map(lambda e: 2.0**e * 1.37)),
-                 min_size=LENGTH, max_size=LENGTH)
+steps = st.lists(
+  st.tuples(
+    st.sampled_from([True, True, True, False]), st.floats(-30, 4).map(lambda e: 2.0**e * 1.37)
+  ),
+  min_size=LENGTH,
+  max_size=LENGTH,
+)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -52,10 +58,12 @@ def test_scale_keeps_recent_amax_below_the_margin(seq):
   finite = np.array([f for f, _ in seq], bool)
   finite[0] = True
   amax = np.array([a for _, a in seq], np.float32)
-  scales, peaks, trackers = (np.asarray(x, np.float64) for x in _run(tuple(sorted(CONFIG.items())))(
-      jnp.asarray(finite), jnp.asarray(amax)))
+  scales, peaks, trackers = (
+    np.asarray(x, np.float64)
+    for x in _run(tuple(sorted(CONFIG.items())))(jnp.asarray(finite), jnp.asarray(amax))
+  )
   prev = np.concatenate([[CONFIG["init_scale"]], scales[:-1]])
-  headroom = F16_MAX / 2.0**CONFIG["margin"]
+  headroom = F16_MAX / 2.0 ** CONFIG["margin"]
   assert np.all((scales >= CONFIG["min_scale"]) & (scales <= CONFIG["max_scale"]))
   assert np.all(np.log2(scales) == np.round(np.log2(scales)))  # powers of two
   for t in range(LENGTH):
@@ -66,7 +74,7 @@ def test_scale_keeps_recent_amax_below_the_margin(seq):
     assert scales[t] == CONFIG["min_scale"] or scales[t] * peaks[t] <= headroom * (1 + 2**-20)
     assert scales[t] <= 2 * prev[t]  # at most one growth factor per step
     if scales[t] > prev[t]:  # growth only after growth_interval clean steps
-      assert np.all(finite[max(0, t - CONFIG["growth_interval"] + 1):t + 1])
+      assert np.all(finite[max(0, t - CONFIG["growth_interval"] + 1) : t + 1])
     if scales[t] < prev[t]:  # a backoff goes to the largest safe power of two
       assert 2 * scales[t] * peaks[t] > headroom * (1 - 2**-20)
 
@@ -101,7 +109,9 @@ def _drifting_run(policy, n=200):
     _, state = tx.update({"w": scaled.astype(jnp.float32)}, state, params)
     return state, optax_dls.loss_scale(state)
 
-  state, scales = jax.jit(lambda s: lax.scan(step, s, jnp.arange(n, dtype=jnp.float32)))(tx.init(params))
+  state, scales = jax.jit(lambda s: lax.scan(step, s, jnp.arange(n, dtype=jnp.float32)))(
+    tx.init(params)
+  )
   return int(optax_dls.metrics(state)["skip_count"]), np.asarray(scales)
 
 
@@ -114,7 +124,9 @@ def test_skips_fewer_steps_than_the_dynamic_policy_on_drifting_gradients():
 
 
 def test_amax_is_measured_on_the_scaled_fp16_gradients_inside_the_wrapper():
-  tx = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy(init_scale=2.0**8, history_len=2))
+  tx = optax_dls.loss_scaled(
+    optax.sgd(0.1), optax_dls.amax_policy(init_scale=2.0**8, history_len=2)
+  )
   params = {"w": jnp.asarray([1.0, -3.0, 0.5], jnp.float32)}
   state = tx.init(params)
 
@@ -138,13 +150,20 @@ def test_grad_norm_statistic_needs_no_amax():
   assert float(new_scale) == 128.0  # largest 2**k with 100 * 2**k <= 65504 / 2**2 (margin 2)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(margin=-1.0), "margin"), (dict(history_len=0), "history_len"),
-    (dict(growth_interval=0), "growth_interval"), (dict(growth_factor=1.0), "growth_factor"),
-    (dict(backoff_factor=0.0), "backoff_factor"), (dict(max_value=float("inf")), "max_value"),
-    (dict(init_scale=0.5), "init_scale"), (dict(min_scale=4.0, max_scale=2.0), "max_scale"),
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
+    (dict(margin=-1.0), "margin"),
+    (dict(history_len=0), "history_len"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(growth_factor=1.0), "growth_factor"),
+    (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(max_value=float("inf")), "max_value"),
+    (dict(init_scale=0.5), "init_scale"),
+    (dict(min_scale=4.0, max_scale=2.0), "max_scale"),
     (dict(statistic="rms"), "statistic"),
-])
+  ],
+)
 def test_bad_hyperparameters_raise_value_error_naming_them(kwargs, name):
   with pytest.raises(ValueError, match=name) as err:
     optax_dls.amax_policy(**kwargs)
@@ -174,7 +193,9 @@ def test_state_has_fixed_dtypes_and_survives_jit_and_flattening():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kw", [{"max_value": 1e39}, {"max_value": 1e-46}, {"max_value": 1e-30, "margin": 64}])
+@pytest.mark.parametrize(
+  "kw", [{"max_value": 1e39}, {"max_value": 1e-46}, {"max_value": 1e-30, "margin": 64}]
+)
 def test_amax_max_value_must_be_a_normal_float32(kw):
   with pytest.raises(ValueError, match="max_value"):
     optax_dls.amax_policy(**kw)
@@ -204,7 +225,9 @@ def my_policy(init_scale=2.0**10, every=2, amax_limit=2.0**14):
     shrink = ~stats.finite | (stats.amax > amax_limit)
     scale = jnp.where(shrink, scale / 2, jnp.where(grow, scale * 2, scale))
     seen = jnp.stack([stats.step.astype(jnp.float32), stats.grad_norm, stats.amax])
-    return scale.astype(jnp.float32), MyState(jnp.where(grow | shrink, 0, clean).astype(jnp.int32), seen)
+    return scale.astype(jnp.float32), MyState(
+      jnp.where(grow | shrink, 0, clean).astype(jnp.int32), seen
+    )
 
   return optax_dls.LossScalePolicy(init, update, stats=("amax",))
 
@@ -240,7 +263,7 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 
 def _load_policy():
   text = DOC.read_text()
-  match = re.search(r"<!-- test: user-policy -->\s*```python\n(.*?)```", text, re.S)
+  match = re.search(r"<!-- test: user-policy -->\s*```python\n(.*?)```", text, re.DOTALL)
   assert match, "docs/policies.md lost its user-policy code block"
   code = match.group(1)
   assert 10 <= len(code.strip().splitlines()) <= 30

@@ -15,9 +15,11 @@ PARAMS = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([0.25], 
 
 def _loss(dtype):
   """A float16 (or float32) linear model: large inputs overflow the float16 backward pass."""
+
   def loss(params, x):
     pred = x.astype(dtype) @ params["w"].astype(dtype) + params["b"].astype(dtype)
     return jnp.mean(jnp.square(pred)).astype(jnp.float32)
+
   return loss
 
 
@@ -27,8 +29,9 @@ BIG = jnp.full((4, 3), 2.0)  # float16 gradients of 13 S: they overflow for S >=
 
 
 def _tx(lowering="auto", **kw):
-  return optax_dls.dynamic_loss_scale(optax.sgd(1e-3), init_scale=2.0**15, growth_interval=1000,
-                                      skip_lowering=lowering, **kw)
+  return optax_dls.dynamic_loss_scale(
+    optax.sgd(1e-3), init_scale=2.0**15, growth_interval=1000, skip_lowering=lowering, **kw
+  )
 
 
 def _step(tx, grad_fn):
@@ -37,6 +40,7 @@ def _step(tx, grad_fn):
     (loss, grads), opt_state = grad_fn(opt_state, params, x)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
   return step
 
 
@@ -50,9 +54,13 @@ def test_every_batch_is_applied_and_the_policy_sees_every_overflow(lowering):
     before = params
     params, state, _ = step(params, state, x)
     pp, ps, _ = plain_step(pp, ps, x)
-    assert bool(state.last_step_finite) and not all(jax.tree.leaves(jax.tree.map(jnp.array_equal, params, before)))
+    assert bool(state.last_step_finite) and not all(
+      jax.tree.leaves(jax.tree.map(jnp.array_equal, params, before))
+    )
   m, mp = optax_dls.metrics(state), optax_dls.metrics(ps)
-  assert int(m["skip_count"]) == 0 and int(mp["skip_count"]) >= 1  # without recomputing, batches are lost
+  assert (
+    int(m["skip_count"]) == 0 and int(mp["skip_count"]) >= 1
+  )  # without recomputing, batches are lost
   assert int(m["recomputed_steps"]) >= 1 and int(m["recompute_tries"]) >= int(m["recomputed_steps"])
   # Each failed try backed the scale off, as a skipped step would have.
   assert float(m["loss_scale"]) == 2.0**15 / 2 ** int(m["recompute_tries"])
@@ -65,7 +73,9 @@ def test_a_recomputed_step_equals_a_step_run_directly_at_the_final_scale(lowerin
   final = float(optax_dls.loss_scale(state))
   assert final < 2.0**15 and int(state.recompute_tries) >= 1
   direct = optax_dls.reset_scale(tx.init(PARAMS), final)
-  (loss_d, grads_d), _ = jax.jit(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(direct, PARAMS, BIG)
+  (loss_d, grads_d), _ = jax.jit(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(
+    direct, PARAMS, BIG
+  )
   # The scales are powers of two: no rounding from the change of scale, the gradients are the same.
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_d)):
     np.testing.assert_array_equal(a, b)
@@ -104,10 +114,14 @@ def test_the_float32_last_resort_runs_only_when_every_try_overflowed(lowering):
 def test_when_every_try_overflows_the_step_is_skipped_as_usual():
   tx = _tx()
   nan = jnp.full((4, 3), jnp.nan)
-  (_, grads), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=2)(tx.init(PARAMS), PARAMS, nan)
+  (_, grads), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=2)(
+    tx.init(PARAMS), PARAMS, nan
+  )
   assert int(state.recompute_tries) == 2 and float(state.loss_scale) == 2.0**13
   updates, state = tx.update(grads, state, PARAMS)
-  assert not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**12  # the last overflow
+  assert (
+    not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**12
+  )  # the last overflow
   assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
 
 
@@ -144,7 +158,9 @@ def test_under_shard_map_every_device_takes_the_same_number_of_tries(lowering):
     _, state = tx.update(grads, state, PARAMS)
     return state.recompute_tries[None], state.loss_scale[None]
 
-  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), spec), out_specs=(P("data"), P("data"))))
+  f = jax.jit(
+    jax.shard_map(local, mesh=mesh, in_specs=(P("data"), spec), out_specs=(P("data"), P("data")))
+  )
   x = jnp.full((8, 3), 0.25).at[5].set(2.0)  # only device 5's rows overflow
   tries, scales = f(x, state)
   assert len(set(np.asarray(tries).tolist())) == 1 and int(tries[0]) >= 1
@@ -166,7 +182,9 @@ MATRIX = {"w": jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float32).reshape(8, 3), "b"
 
 def _matrix_loss(params, x):
   """float16 ``x @ w.T``: the gradient of ``w`` is a product, so its layout is XLA's to choose."""
-  y = x.astype(jnp.float16) @ params["w"].T.astype(jnp.float16) + params["b"].astype(jnp.float16)[:1]
+  y = (
+    x.astype(jnp.float16) @ params["w"].T.astype(jnp.float16) + params["b"].astype(jnp.float16)[:1]
+  )
   return jnp.mean(jnp.square(y)).astype(jnp.float32)
 
 
@@ -175,6 +193,7 @@ def _matrix_step(tx):
     (_, grads), opt_state = optax_dls.value_and_grad(_matrix_loss, tx)(opt_state, params, x)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, grads
+
   return step
 
 
@@ -185,14 +204,19 @@ def test_matrix_gradients_keep_their_sharding_and_values_under_explicit_axes_and
   assert int(state.recompute_tries) >= 1 and bool(state.last_step_finite)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh):
-    sharded = {"w": jax.device_put(MATRIX["w"], NamedSharding(mesh, P("data", None))), "b": MATRIX["b"]}
+    sharded = {
+      "w": jax.device_put(MATRIX["w"], NamedSharding(mesh, P("data", None))),
+      "b": MATRIX["b"],
+    }
     p_sh, s_sh, g_sh = jax.jit(_matrix_step(tx))(sharded, tx.init(sharded), x)
   for out in (g_sh["w"], p_sh["w"]):
     assert out.sharding.is_equivalent_to(sharded["w"].sharding, 2)
   assert int(s_sh.recompute_tries) == int(state.recompute_tries)
   np.testing.assert_allclose(p_sh["w"], params["w"], rtol=2e-7)
   batched = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), MATRIX)
-  p_v, s_v, _ = jax.vmap(_matrix_step(tx), in_axes=(0, 0, None))(batched, jax.vmap(tx.init)(batched), x)
+  p_v, s_v, _ = jax.vmap(_matrix_step(tx), in_axes=(0, 0, None))(
+    batched, jax.vmap(tx.init)(batched), x
+  )
   np.testing.assert_allclose(p_v["w"][0], params["w"], rtol=2e-7)
   assert np.asarray(s_v.recompute_tries).min() >= 1
 
@@ -202,26 +226,34 @@ def test_a_recomputing_step_exports_with_the_layout_constraint_allowed():
   ``jax.export`` accepts once told to (as the docstring says); the exported step
   computes what the jitted one does."""
   from jax import export
+
   x = jnp.full((4, 3), 4.0)
   tx = _tx()
   step = jax.jit(_matrix_step(tx))
   allow = [export.DisabledSafetyCheck.custom_call("LayoutConstraint")]
   exported = export.export(step, disabled_checks=allow)(MATRIX, tx.init(MATRIX), x)
-  for a, b in zip(jax.tree.leaves(exported.call(MATRIX, tx.init(MATRIX), x)),
-                  jax.tree.leaves(step(MATRIX, tx.init(MATRIX), x))):
+  for a, b in zip(
+    jax.tree.leaves(exported.call(MATRIX, tx.init(MATRIX), x)),
+    jax.tree.leaves(step(MATRIX, tx.init(MATRIX), x)),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
 def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
-  tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2),
-                                    init_scale=2.0**15, growth_interval=1000)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2), init_scale=2.0**15, growth_interval=1000
+  )
   step = _step(tx, optax_dls.value_and_grad(LOSS16, tx))
   params, state = PARAMS, tx.init(PARAMS)
   for x in (SMALL, BIG, BIG, SMALL):
     params, state, _ = step(params, state, x)
   m = optax_dls.metrics(state)
   # The first BIG micro-batch was recomputed (at 2**12, where the second one fits too): nothing skipped.
-  assert int(m["skip_count"]) == 0 and int(m["recomputed_steps"]) == 1 and float(m["loss_scale"]) == 2.0**12
+  assert (
+    int(m["skip_count"]) == 0
+    and int(m["recomputed_steps"]) == 1
+    and float(m["loss_scale"]) == 2.0**12
+  )
   assert int(optax_dls.find_state(state).inner_state.gradient_step) == 2  # two applied windows
 
 
@@ -231,11 +263,17 @@ def test_no_loss_scale_takes_one_pass():
   assert int(state.recompute_tries) == 0
 
 
-@pytest.mark.parametrize("kw, error, match", [
-    ({"max_tries": -1}, ValueError, "max_tries"), ({"max_tries": 1.5}, TypeError, "max_tries"),
-    ({"fp32_fun": 3}, TypeError, "fp32_fun"), ({"has_aux": 1}, TypeError, "has_aux"),
-    ({"argnums": "0"}, TypeError, "argnums"), ({"argnums": (0, 0)}, ValueError, r"argnums=\(0, 0\)"),
-])
+@pytest.mark.parametrize(
+  "kw, error, match",
+  [
+    ({"max_tries": -1}, ValueError, "max_tries"),
+    ({"max_tries": 1.5}, TypeError, "max_tries"),
+    ({"fp32_fun": 3}, TypeError, "fp32_fun"),
+    ({"has_aux": 1}, TypeError, "has_aux"),
+    ({"argnums": "0"}, TypeError, "argnums"),
+    ({"argnums": (0, 0)}, ValueError, r"argnums=\(0, 0\)"),
+  ],
+)
 def test_bad_arguments_are_named(kw, error, match):
   with pytest.raises(error, match=match):
     optax_dls.value_and_grad(LOSS16, _tx(), **kw)

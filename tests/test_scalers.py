@@ -18,10 +18,14 @@ def test_no_loss_scale_is_bit_identical_to_bare_adam_over_50_steps():
   def make_step(tx):
     @jax.jit
     def step(params, state, key):
-      g = jax.tree.map(lambda p, k: jax.random.normal(k, p.shape) * 1e-3,
-                       params, dict(zip(sorted(params), jax.random.split(key, len(params)))))
+      g = jax.tree.map(
+        lambda p, k: jax.random.normal(k, p.shape) * 1e-3,
+        params,
+        dict(zip(sorted(params), jax.random.split(key, len(params)))),
+      )
       updates, state = tx.update(g, state, params)
       return optax.apply_updates(params, updates), state
+
     return step
 
   a, sa, step_a = params, bare.init(params), make_step(bare)
@@ -49,7 +53,9 @@ def test_no_loss_scale_measures_the_norm_of_huge_bf16_gradients():
   np.testing.assert_allclose(float(optax_dls.metrics(state)["grad_norm"]), expected, rtol=1e-6)
   dyn = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0)
   _, dstate = jax.jit(dyn.update)(grads, dyn.init(grads), grads)
-  assert float(optax_dls.metrics(dstate)["grad_norm"]) == float(optax_dls.metrics(state)["grad_norm"])
+  assert float(optax_dls.metrics(dstate)["grad_norm"]) == float(
+    optax_dls.metrics(state)["grad_norm"]
+  )
 
 
 def test_dynamic_loss_scale_shows_the_policy_arguments_in_its_signature():
@@ -61,9 +67,15 @@ def test_dynamic_loss_scale_shows_the_policy_arguments_in_its_signature():
 
 def test_reset_scale_stays_in_each_scaler_s_range():
   params = {"w": jnp.ones(2)}
-  for tx, ok, bad in [(optax_dls.no_loss_scale(optax.sgd(1.0)), 1.0, 2.0),
-                      (optax_dls.static_loss_scale(optax.sgd(1.0), 8.0), 8.0, 4.0),
-                      (optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10, max_scale=2.0**12), 2.0**12, 2.0**13)]:
+  for tx, ok, bad in [
+    (optax_dls.no_loss_scale(optax.sgd(1.0)), 1.0, 2.0),
+    (optax_dls.static_loss_scale(optax.sgd(1.0), 8.0), 8.0, 4.0),
+    (
+      optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10, max_scale=2.0**12),
+      2.0**12,
+      2.0**13,
+    ),
+  ]:
     state = tx.init(params)
     assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, ok))) == ok
     with pytest.raises(ValueError, match="value"):

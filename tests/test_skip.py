@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import requires_optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
 from optax_dls import _skip
-from _compat import requires_optax
 
 PARAMS = {"a": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([[1.0, 3.0]], jnp.float32)}
 KEYS = jax.random.split(jax.random.key(0), 4)
@@ -18,11 +18,12 @@ GOOD = [jax.tree.map(lambda p, i=i: jax.random.normal(KEYS[i], p.shape), PARAMS)
 BAD = [dict(GOOD[0], b=GOOD[0]["b"].at[0, 1].set(v)) for v in (jnp.nan, jnp.inf, -jnp.inf)]
 
 INNERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, 10)),
-    "chain_schedule": lambda: optax.chain(
-        optax.scale_by_adam(), optax.scale_by_schedule(optax.linear_schedule(-1e-2, -1e-3, 10))),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+  "adam": lambda: optax.adam(1e-2),
+  "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, 10)),
+  "chain_schedule": lambda: optax.chain(
+    optax.scale_by_adam(), optax.scale_by_schedule(optax.linear_schedule(-1e-2, -1e-3, 10))
+  ),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
 }
 
 
@@ -31,16 +32,19 @@ def _bits(tree):
 
 
 def _types(tree):
-  return [(x.shape, x.dtype, jax.typeof(x).weak_type, str(jax.typeof(x).sharding.spec))
-          for x in jax.tree.leaves(tree)]
+  return [
+    (x.shape, x.dtype, jax.typeof(x).weak_type, str(jax.typeof(x).sharding.spec))
+    for x in jax.tree.leaves(tree)
+  ]
 
 
 @pytest.mark.parametrize("name", sorted(INNERS))
 def test_skip_is_exact_and_leaves_no_trace(name, lowering):
   # growth_interval large: S only moves on overflows, and stays a power of two, so
   # g * S / S == g exactly and both runs feed the inner optimizer the same values.
-  tx = optax_dls.dynamic_loss_scale(INNERS[name](), init_scale=2.0**10, growth_interval=1000,
-                                    skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    INNERS[name](), init_scale=2.0**10, growth_interval=1000, skip_lowering=lowering
+  )
 
   @jax.jit
   def step(params, state, g):
@@ -74,8 +78,9 @@ def test_both_lowerings_give_identical_results():
   seq = GOOD[:2] + BAD[:1] + GOOD[2:] + BAD[1:] + GOOD
   out = {}
   for lowering in ("cond", "where"):
-    tx = optax_dls.dynamic_loss_scale(optax.adamw(1e-2), init_scale=2.0**3, growth_interval=2,
-                                      skip_lowering=lowering)
+    tx = optax_dls.dynamic_loss_scale(
+      optax.adamw(1e-2), init_scale=2.0**3, growth_interval=2, skip_lowering=lowering
+    )
     params, state = PARAMS, tx.init(PARAMS)
     update = jax.jit(tx.update)
     fused = jax.jit(lambda g, s, p, tx=tx: optax_dls.apply_step(tx, g, s, p))
@@ -86,14 +91,19 @@ def test_both_lowerings_give_identical_results():
   assert out["cond"] == out["where"]
 
 
-@requires_optax("0.2.8", "inject_hyperparams(adam) widens float16 moments to float32 on the first "
-                "update only from optax 0.2.8; before, there is no widening to hold fixed")
+@requires_optax(
+  "0.2.8",
+  "inject_hyperparams(adam) widens float16 moments to float32 on the first "
+  "update only from optax 0.2.8; before, there is no widening to hold fixed",
+)
 @pytest.mark.parametrize("eager", [False, True], ids=["jit", "eager"])
 def test_mixed_f16_f32_params_with_an_inner_state_that_widens(lowering, eager):
   """optax promotes the float16 moments to float32 on the first update under inject_hyperparams."""
   params = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([1.0, -2.0], jnp.float16)}
   inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
-  tx = optax_dls.dynamic_loss_scale(inner, init_scale=4.0, growth_interval=1000, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    inner, init_scale=4.0, growth_interval=1000, skip_lowering=lowering
+  )
   bare_state = inner.init(params)
   bare_updates, bare_after = inner.update(params, bare_state, params)
   assert _types(bare_state) != _types(bare_after)  # the inner optimizer does widen its state
@@ -121,8 +131,8 @@ def _mesh(axis_type, shape=(8,), names=("data",)):
 
 
 LAYOUTS = {  # name -> (mesh shape, axis names, spec of each parameter leaf)
-    "data_parallel": ((8,), ("data",), {"w": P("data"), "m": P("data", None), "r": P()}),
-    "fsdp": ((2, 4), ("data", "model"), {"w": P("model"), "m": P("data", "model"), "r": P()}),
+  "data_parallel": ((8,), ("data",), {"w": P("data"), "m": P("data", None), "r": P()}),
+  "fsdp": ((2, 4), ("data", "model"), {"w": P("model"), "m": P("data", "model"), "r": P()}),
 }
 
 
@@ -136,7 +146,10 @@ def test_sharded_skip_matches_the_applied_step_in_type(layout, axis_type, eager,
   with jax.set_mesh(mesh):
     put = lambda t: {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in t.items()}
     params = put(base)
-    good, bad = put(jax.tree.map(lambda x: x * 2, base)), put(dict(base, w=base["w"].at[3].set(jnp.nan)))
+    good, bad = (
+      put(jax.tree.map(lambda x: x * 2, base)),
+      put(dict(base, w=base["w"].at[3].set(jnp.nan))),
+    )
     tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0, skip_lowering=lowering)
     update = tx.update if eager else jax.jit(tx.update)
     fused = lambda g, s, p: optax_dls.apply_step(tx, g, s, p)
@@ -147,7 +160,9 @@ def test_sharded_skip_matches_the_applied_step_in_type(layout, axis_type, eager,
     assert not bool(s2.last_step_finite) and bool(s1.last_step_finite)
     assert _types(skipped) == _types(applied) and _types(s2) == _types(s1) == _types(state)
     if axis_type == AxisType.Explicit:
-      assert [t[3] for t in _types(applied)] == [t[3] for t in _types(params)]  # sharded like params
+      assert [t[3] for t in _types(applied)] == [
+        t[3] for t in _types(params)
+      ]  # sharded like params
       assert "'data'" in _types(applied)[0][3] and "'data'" not in _types(applied)[1][3]  # m, r
     assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(skipped))
     new_params, _ = fused(bad, state, params)
@@ -167,7 +182,9 @@ def test_an_invalid_loss_scale_never_lets_an_update_through(value, lowering):
   assert not np.any(np.asarray(updates["w"]))
   assert _bits(new.inner_state) == _bits(before)
   assert float(new.loss_scale) == init  # back to the policy's initial scale
-  new_params, _ = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))({"w": jnp.ones(2)}, state, params)
+  new_params, _ = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
+    {"w": jnp.ones(2)}, state, params
+  )
   assert _bits(new_params) == _bits(params)
   # The next step runs normally from there.
   updates, new = jax.jit(tx.update)({"w": jnp.array([init, -init])}, new, params)
@@ -215,7 +232,9 @@ def _temp_bytes(tx, n=1 << 16):
 
 def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
   build = lambda k: optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering=k)
-  assert "conditional" in _compiled(build("cond")) and "conditional" not in _compiled(build("where"))
+  assert "conditional" in _compiled(build("cond")) and "conditional" not in _compiled(
+    build("where")
+  )
   assert _skip.AUTO == {"cpu": ("cond", "where")}
   assert "conditional" in _compiled(build("auto"))  # compiled for the CPU: the check of "cond"
   # The skip of "where": the updates are computed from the selected state and fuse

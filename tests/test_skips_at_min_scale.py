@@ -11,7 +11,9 @@ P = {"w": jnp.zeros(2)}
 
 
 def _counts(policy, kinds, lowering="auto"):
-  tx = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.skips_at_min_scale(policy), skip_lowering=lowering)
+  tx = optax_dls.loss_scaled(
+    optax.sgd(0.1), optax_dls.skips_at_min_scale(policy), skip_lowering=lowering
+  )
   update, state, out = jax.jit(tx.update), tx.init(P), []
   for k in kinds:
     _, state = update({"w": jnp.full(2, k)}, state, P)
@@ -22,8 +24,11 @@ def _counts(policy, kinds, lowering="auto"):
 
 def test_counts_only_skips_taken_at_the_floor_and_resets_on_a_clean_step(lowering):
   inf = float("inf")
-  out = _counts(optax_dls.dynamic_policy(init_scale=4.0, min_scale=1.0), [inf, inf, inf, inf, 1.0, inf],
-                lowering)
+  out = _counts(
+    optax_dls.dynamic_policy(init_scale=4.0, min_scale=1.0),
+    [inf, inf, inf, inf, 1.0, inf],
+    lowering,
+  )
   # 4 -> 2 -> 1 (backoffs), then two skips at the floor; a clean step resets; one more at the floor.
   assert out == [(0, 2.0), (0, 1.0), (1, 1.0), (2, 1.0), (0, 1.0), (1, 1.0)]
 

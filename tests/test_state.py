@@ -12,35 +12,58 @@ INT32_MAX = np.iinfo(np.int32).max
 
 
 def _state0():
-  return optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, max_scale=2.0**10).init({"w": jnp.ones(2)})
+  return optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, max_scale=2.0**10).init(
+    {"w": jnp.ones(2)}
+  )
 
 
 def test_every_field_has_its_fixed_dtype_and_its_own_buffer():
   s = _state0()
   dtypes = {f: getattr(s, f).dtype for f in s._fields if f not in ("policy_state", "inner_state")}
-  assert dtypes == {"loss_scale": jnp.float32, "min_scale": jnp.float32, "max_scale": jnp.float32,
-                    "num_steps": jnp.int32, "num_skipped": jnp.int32, "consecutive_skips": jnp.int32,
-                    "last_step_finite": jnp.bool_, "recomputed_steps": jnp.int32, "recompute_tries": jnp.int32,
-                    "grad_norm": jnp.float32}
-  assert float(s.min_scale) == 1.0 and float(s.max_scale) == 2.0**10 and np.isnan(float(s.grad_norm))
+  assert dtypes == {
+    "loss_scale": jnp.float32,
+    "min_scale": jnp.float32,
+    "max_scale": jnp.float32,
+    "num_steps": jnp.int32,
+    "num_skipped": jnp.int32,
+    "consecutive_skips": jnp.int32,
+    "last_step_finite": jnp.bool_,
+    "recomputed_steps": jnp.int32,
+    "recompute_tries": jnp.int32,
+    "grad_norm": jnp.float32,
+  }
+  assert (
+    float(s.min_scale) == 1.0 and float(s.max_scale) == 2.0**10 and np.isnan(float(s.grad_norm))
+  )
   leaves = jax.tree.leaves(s)
   assert len({x.unsafe_buffer_pointer() for x in leaves}) == len(leaves)  # donatable
 
 
 def test_advance_keeps_the_scale_in_range_and_saturates_the_counters():
-  s = _state0()._replace(num_steps=jnp.int32(INT32_MAX), num_skipped=jnp.int32(INT32_MAX),
-                         consecutive_skips=jnp.int32(INT32_MAX))
+  s = _state0()._replace(
+    num_steps=jnp.int32(INT32_MAX),
+    num_skipped=jnp.int32(INT32_MAX),
+    consecutive_skips=jnp.int32(INT32_MAX),
+  )
   f = jnp.bool_(False)
-  new = _state.advance(s, f, jnp.float32(np.inf), jnp.float32(2.0**20), s.policy_state, s.inner_state)
+  new = _state.advance(
+    s, f, jnp.float32(np.inf), jnp.float32(2.0**20), s.policy_state, s.inner_state
+  )
   assert float(new.loss_scale) == 2.0**10  # clamped to max_scale
   assert int(new.num_steps) == int(new.num_skipped) == int(new.consecutive_skips) == INT32_MAX
-  new = _state.advance(new, jnp.bool_(True), jnp.float32(1.0), jnp.float32(0.25), s.policy_state, s.inner_state)
-  assert float(new.loss_scale) == 1.0 and int(new.consecutive_skips) == 0 and bool(new.last_step_finite)
+  new = _state.advance(
+    new, jnp.bool_(True), jnp.float32(1.0), jnp.float32(0.25), s.policy_state, s.inner_state
+  )
+  assert (
+    float(new.loss_scale) == 1.0 and int(new.consecutive_skips) == 0 and bool(new.last_step_finite)
+  )
   assert [x.dtype for x in jax.tree.leaves(new)] == [x.dtype for x in jax.tree.leaves(s)]
 
 
 def test_with_scale_changes_only_the_scale_and_the_policy_state():
   s = _state0()
-  new = _state.with_scale(s, jnp.float32(64.0), s.policy_state._replace(growth_tracker=jnp.int32(3)))
+  new = _state.with_scale(
+    s, jnp.float32(64.0), s.policy_state._replace(growth_tracker=jnp.int32(3))
+  )
   assert float(new.loss_scale) == 64.0 and int(new.policy_state.growth_tracker) == 3
   assert new._replace(loss_scale=s.loss_scale, policy_state=s.policy_state) == s

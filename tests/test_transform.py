@@ -18,12 +18,18 @@ def _grads(v):
   return {"w": jnp.array([v, 2.0, -1.0]), "b": jnp.array([v], jnp.float16)}
 
 
-@pytest.mark.parametrize("make, values", [
-    (lambda: optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=8.0, growth_interval=2),
-     [1.0, float("inf"), 0.25, float("nan"), 2.0]),
+@pytest.mark.parametrize(
+  "make, values",
+  [
+    (
+      lambda: optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=8.0, growth_interval=2),
+      [1.0, float("inf"), 0.25, float("nan"), 2.0],
+    ),
     (lambda: optax_dls.no_loss_scale(optax.adam(1e-2)), [1.0, 0.25, 2.0]),
     (lambda: optax.adam(1e-2), [1.0, 0.25, 2.0]),  # not loss-scaled: the two-call fallback
-], ids=["dynamic", "noop", "plain"])
+  ],
+  ids=["dynamic", "noop", "plain"],
+)
 def test_same_params_and_state_as_update_then_apply(make, values):
   tx = make()
   fused = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))
@@ -40,13 +46,17 @@ def test_same_params_and_state_as_update_then_apply(make, values):
     b, sb = two_calls(_grads(v), sb, b)
     # XLA may fuse (and so round) the applied update differently: equal to float32 rounding.
     for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
-      np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6, atol=1e-9)
+      np.testing.assert_allclose(
+        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6, atol=1e-9
+      )
 
 
 def test_skip_returns_params_bit_for_bit():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0)
   state = tx.init(PARAMS)
-  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(_grads(float("inf")), state, PARAMS)
+  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
+    _grads(float("inf")), state, PARAMS
+  )
   assert not bool(state.last_step_finite)
   assert np.signbit(np.asarray(new["w"])[1])  # -0.0 stays -0.0 (p + 0 would give +0.0)
   for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(PARAMS)):
@@ -58,11 +68,14 @@ def test_rejects_non_transformation():
     optax_dls.apply_step(lambda g: g, {}, None, {})
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: optax_dls.dynamic_loss_scale(optax.adam(1e-3), hysteresis=2),
     lambda: optax_dls.static_loss_scale(optax.adam(1e-3), 8.0),
     lambda: optax_dls.no_loss_scale(optax.adam(1e-3)),
-])
+  ],
+)
 def test_state_buffers_are_distinct_and_donatable(make):
   tx = make()
   params = {"w": jnp.ones((4,)), "b": jnp.zeros(())}
@@ -84,7 +97,7 @@ def test_state_buffers_are_distinct_and_donatable(make):
 
 
 HOST_PARAMS = {"w": jnp.ones((8, 4)), "b": jnp.zeros((4,), jnp.float16)}
-HOST_OPS = re.compile(r"callback|infeed|outfeed|\bsend\b|\brecv\b|host_compute|xla_python", re.I)
+HOST_OPS = re.compile(r"callback|infeed|outfeed|\bsend\b|\brecv\b|host_compute|xla_python", re.IGNORECASE)
 
 
 def _compiled_text(tx, extra=lambda state: None):
@@ -99,14 +112,20 @@ def _compiled_text(tx, extra=lambda state: None):
   return lowered.as_text() + lowered.compile().as_text()
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda **kw: optax_dls.dynamic_loss_scale(optax.adam(1e-3), hysteresis=2, **kw),
     lambda **kw: optax_dls.static_loss_scale(optax.adam(1e-3), 2.0**10, **kw),
     lambda **kw: optax_dls.loss_scaled(optax.adam(1e-3), optax_dls.amax_policy(), **kw),
     lambda **kw: optax_dls.loss_scaled(
-        optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)),
-        optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=4)), **kw),
-], ids=["dynamic", "static", "amax", "features"])
+      optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)),
+      optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=4)),
+      **kw,
+    ),
+  ],
+  ids=["dynamic", "static", "amax", "features"],
+)
 def test_update_has_no_host_communication(make, lowering):
   tx = make(skip_lowering=lowering)
   assert not HOST_OPS.findall(_compiled_text(tx))
@@ -117,7 +136,9 @@ def test_update_has_no_host_communication(make, lowering):
 
 def test_a_loss_scaled_transformation_is_an_optax_one_with_its_fused_step():
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
-  assert isinstance(tx, optax.GradientTransformationExtraArgs) and isinstance(tx, optax_dls.LossScaledTransformation)
+  assert isinstance(tx, optax.GradientTransformationExtraArgs) and isinstance(
+    tx, optax_dls.LossScaledTransformation
+  )
   assert callable(tx.fused_step) and len(tx) == 2
   init, update = tx  # unpacks like any optax transformation
   assert init is tx.init and update is tx.update

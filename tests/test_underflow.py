@@ -8,7 +8,10 @@ import pytest
 
 import optax_dls
 
-PARAMS = {"base": {"w": jnp.zeros((4, 3), jnp.float32)}, "lora": {"a": jnp.zeros((5,), jnp.float32)}}
+PARAMS = {
+  "base": {"w": jnp.zeros((4, 3), jnp.float32)},
+  "lora": {"a": jnp.zeros((5,), jnp.float32)},
+}
 LABELS = {"base": {"w": "base"}, "lora": {"a": "lora"}}
 
 
@@ -26,8 +29,9 @@ def _oracle(*arrays):
 
 
 def _tx(labels=None, lowering="auto"):
-  return optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(labels), optax.sgd(0.1)),
-                                      skip_lowering=lowering)
+  return optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.underflow_stats(labels), optax.sgd(0.1)), skip_lowering=lowering
+  )
 
 
 def _step(tx, grads, scale=1024.0, state=None):
@@ -43,11 +47,17 @@ def test_underflow_stats_overall_match_numpy(lowering):
   zero, sub = _oracle(grads["base"]["w"], grads["lora"]["a"])
   assert float(m["underflow/zero_frac"]) == pytest.approx(zero)
   assert float(m["underflow/subnormal_frac"]) == pytest.approx(sub)
-  assert sorted(k for k in m if k.startswith("underflow/")) == ["underflow/subnormal_frac", "underflow/zero_frac"]
+  assert sorted(k for k in m if k.startswith("underflow/")) == [
+    "underflow/subnormal_frac",
+    "underflow/zero_frac",
+  ]
 
 
-@pytest.mark.parametrize("labels", [LABELS, lambda g: jax.tree.map(lambda _: "x", g) | {"lora": {"a": "lora"}}],
-                         ids=["pytree", "callable"])
+@pytest.mark.parametrize(
+  "labels",
+  [LABELS, lambda g: jax.tree.map(lambda _: "x", g) | {"lora": {"a": "lora"}}],
+  ids=["pytree", "callable"],
+)
 def test_underflow_stats_per_label_match_numpy(labels):
   grads = _grads(np.random.default_rng(1))
   m = jax.device_get(optax_dls.metrics(_step(_tx(labels), grads)))
@@ -76,8 +86,10 @@ def test_underflow_state_before_first_step_and_dtypes():
   leaves = jax.tree.leaves(stats)
   assert len(leaves) == 6 and all(x.dtype == jnp.float32 and x.shape == () for x in leaves)
   assert all(np.isnan(x) for x in leaves)
-  assert not any(k.startswith("underflow/") for k in optax_dls.metrics(
-      optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)))
+  assert not any(
+    k.startswith("underflow/")
+    for k in optax_dls.metrics(optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS))
+  )
 
 
 def test_works_with_no_loss_scale_and_python_float_parameters():
@@ -93,7 +105,10 @@ def test_counts_are_summed_over_axis_name_under_shard_map():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
   P = jax.sharding.PartitionSpec
   tx = optax_dls.dynamic_loss_scale(
-      optax.chain(optax_dls.underflow_stats(axis_name="d"), optax.sgd(0.1)), init_scale=1.0, axis_name="d")
+    optax.chain(optax_dls.underflow_stats(axis_name="d"), optax.sgd(0.1)),
+    init_scale=1.0,
+    axis_name="d",
+  )
   params = {"w": jnp.zeros(8)}
   state = tx.init(params)
   spec = jax.tree.map(lambda _: P(), state)
@@ -108,10 +123,15 @@ def test_counts_are_summed_over_axis_name_under_shard_map():
   assert float(m["underflow/zero_frac"]) == 3 / 8 and float(m["underflow/subnormal_frac"]) == 1 / 8
 
 
-@pytest.mark.parametrize("bad, error", [({"base": {"w": 3}, "lora": {"a": "lora"}}, TypeError),
-                                        ({"base": {"w": "a/b"}, "lora": {"a": "x"}}, ValueError),
-                                        ({"base": {"w": "zero_frac"}, "lora": {"a": "x"}}, ValueError),
-                                        ({}, ValueError)])
+@pytest.mark.parametrize(
+  "bad, error",
+  [
+    ({"base": {"w": 3}, "lora": {"a": "lora"}}, TypeError),
+    ({"base": {"w": "a/b"}, "lora": {"a": "x"}}, ValueError),
+    ({"base": {"w": "zero_frac"}, "lora": {"a": "x"}}, ValueError),
+    ({}, ValueError),
+  ],
+)
 def test_bad_labels_raise_naming_the_label(bad, error):
   with pytest.raises(error, match="label"):
     optax_dls.underflow_stats(bad)

@@ -58,24 +58,42 @@ def test_too_old_jax_is_named_with_the_required_version(monkeypatch):
 
 
 def test_too_old_python_and_optax_are_named():
-  installed = {"python": "3.10.13", "jax": _versions.JAX_MIN, "jaxlib": _versions.JAXLIB_MIN,
-               "optax": "0.2.4"}
-  with pytest.raises(ImportError, match=re.escape(
+  installed = {
+    "python": "3.10.13",
+    "jax": _versions.JAX_MIN,
+    "jaxlib": _versions.JAXLIB_MIN,
+    "optax": "0.2.4",
+  }
+  with pytest.raises(
+    ImportError,
+    match=re.escape(
       f"python>={_versions.PYTHON_MIN}, but python 3.10.13 is installed; "
       f"optax>={_versions.OPTAX_MIN}, but optax 0.2.4 is installed: "
-      f"pip install -U 'optax>={_versions.OPTAX_MIN}'")):
+      f"pip install -U 'optax>={_versions.OPTAX_MIN}'"
+    ),
+  ):
     _versions.check(installed)
 
 
 def test_the_floors_themselves_and_release_candidates_of_them_pass():
-  _versions.check({"python": _versions.PYTHON_MIN, "jax": _versions.JAX_MIN + "rc1",
-                   "jaxlib": _versions.JAXLIB_MIN + ".dev20250101", "optax": _versions.OPTAX_MIN})
+  _versions.check(
+    {
+      "python": _versions.PYTHON_MIN,
+      "jax": _versions.JAX_MIN + "rc1",
+      "jaxlib": _versions.JAXLIB_MIN + ".dev20250101",
+      "optax": _versions.OPTAX_MIN,
+    }
+  )
 
 
 def test_too_old_flax_is_named():
   _versions.check_flax(_versions.FLAX_MIN)
-  with pytest.raises(ImportError, match=re.escape(
-      f"optax_dls.flax needs flax>={_versions.FLAX_MIN}, but flax 0.10.7 is installed")):
+  with pytest.raises(
+    ImportError,
+    match=re.escape(
+      f"optax_dls.flax needs flax>={_versions.FLAX_MIN}, but flax 0.10.7 is installed"
+    ),
+  ):
     _versions.check_flax("0.10.7")
 
 
@@ -89,8 +107,10 @@ def test_import_on_a_too_old_jax_fails_with_the_message():
   code = "import jax; jax.__version__ = '0.6.2'; import optax_dls"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
   assert out.returncode != 0
-  assert (f"ImportError: optax_dls needs jax>={_versions.JAX_MIN}, but jax 0.6.2 is installed: "
-          f"pip install -U 'jax>={_versions.JAX_MIN}'") in out.stderr
+  assert (
+    f"ImportError: optax_dls needs jax>={_versions.JAX_MIN}, but jax 0.6.2 is installed: "
+    f"pip install -U 'jax>={_versions.JAX_MIN}'"
+  ) in out.stderr
 
 
 def test_import_of_the_flax_helpers_on_a_too_old_flax_fails_with_the_message():
@@ -98,5 +118,6 @@ def test_import_of_the_flax_helpers_on_a_too_old_flax_fails_with_the_message():
   code = "import flax; flax.__version__ = '0.10.7'; import optax_dls.flax"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
   assert out.returncode != 0
-  assert (f"ImportError: optax_dls.flax needs flax>={_versions.FLAX_MIN}, but flax 0.10.7 is "
-          "installed") in out.stderr
+  assert (
+    f"ImportError: optax_dls.flax needs flax>={_versions.FLAX_MIN}, but flax 0.10.7 is installed"
+  ) in out.stderr

@@ -18,7 +18,9 @@ from optax_dls import writers
 
 
 def _state_after(kinds):
-  tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(), optax.sgd(0.1)), init_scale=64.0)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.underflow_stats(), optax.sgd(0.1)), init_scale=64.0
+  )
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -35,7 +37,9 @@ def test_logs_every_k_steps_and_transfers_only_then(tmp_path, monkeypatch):
   monkeypatch.setattr(writers.jax, "device_get", lambda x: calls.append(1) or real_get(x))
   states = _state_after([1.0, jnp.inf, 1.0, 1.0, jnp.inf, 1.0, 1.0])
   with writers.MetricsWriter(tmp_path, every=3, run_name="exp") as w:
-    logged = [w.log(step, optax_dls.metrics(s), loss=jnp.float32(step) / 2) for step, s in enumerate(states)]
+    logged = [
+      w.log(step, optax_dls.metrics(s), loss=jnp.float32(step) / 2) for step, s in enumerate(states)
+    ]
   assert logged == [True, False, False, True, False, False, True]
   assert len(calls) == 3
   rows = [json.loads(line) for line in open(tmp_path / writers.JSONL_NAME)]
@@ -58,7 +62,14 @@ def test_tensorboard_events_hold_the_same_scalars(tmp_path):
   js = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
   assert [r["step"] for r in tb] == [0, 1]
   for a, b in zip(tb, js):
-    for key in ("loss_scale", "skip_count", "skipped", "update_ratio", "loss", "underflow/zero_frac"):
+    for key in (
+      "loss_scale",
+      "skip_count",
+      "skipped",
+      "update_ratio",
+      "loss",
+      "underflow/zero_frac",
+    ):
       assert a[key] == pytest.approx(float(b[key]), rel=1e-6), key
 
 
@@ -81,17 +92,22 @@ def test_bad_arguments(tmp_path):
       w.log(0, {"x": jnp.ones(2)})
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(tensorboard="no"), "tensorboard"),
     (dict(tensorboard=False, jsonl=1), "jsonl"),
     (dict(tensorboard=False, run_name=5), "run_name"),
-])
+  ],
+)
 def test_constructor_flags_must_have_their_types(tmp_path, kwargs, match):
   with pytest.raises(TypeError, match=match):
     writers.MetricsWriter(tmp_path, **kwargs)
 
 
-@pytest.mark.parametrize("metrics, error, match", [
+@pytest.mark.parametrize(
+  "metrics, error, match",
+  [
     ({"step": 99}, ValueError, "'step'"),
     ({"run": "other"}, ValueError, "'run'"),
     ({"a": {"b": 1}}, TypeError, "'a'"),
@@ -99,7 +115,8 @@ def test_constructor_flags_must_have_their_types(tmp_path, kwargs, match):
     ({"v": jnp.ones(3)}, ValueError, "'v'.*shape"),
     ({1: 2.0}, TypeError, "names must be strings"),
     (None, TypeError, "metrics must be a mapping"),
-])
+  ],
+)
 def test_reserved_names_and_non_scalar_values_are_refused(tmp_path, metrics, error, match):
   with writers.MetricsWriter(tmp_path, tensorboard=False, run_name="r") as w:
     with pytest.raises(error, match=match):
@@ -115,7 +132,9 @@ def test_binary_jsonl_is_read_as_malformed_lines(tmp_path):
   assert writers.read_jsonl(path) == [{"step": 3}]
 
 
-@pytest.mark.parametrize("value, expected", [
+@pytest.mark.parametrize(
+  "value, expected",
+  [
     (jnp.asarray(1.5, jnp.bfloat16), 1.5),
     (jnp.asarray(1.5, jnp.float16), 1.5),
     (np.float16(1.5), 1.5),
@@ -129,7 +148,8 @@ def test_binary_jsonl_is_read_as_malformed_lines(tmp_path):
     (jnp.asarray(False), False),
     (np.asarray(7, np.int16), 7),
     (fractions.Fraction(3, 4), 0.75),
-])
+  ],
+)
 def test_any_real_scalar_of_jax_or_numpy_is_written(tmp_path, value, expected):
   with writers.MetricsWriter(tmp_path) as w:
     assert w.log(0, {"m": value}, loss=value)
@@ -140,9 +160,14 @@ def test_any_real_scalar_of_jax_or_numpy_is_written(tmp_path, value, expected):
   assert tb["m"] == pytest.approx(float(expected), rel=1e-6)
 
 
-@pytest.mark.parametrize("value", [jnp.asarray(1 + 2j), np.asarray("text"), object(), np.datetime64(1, "s")])
+@pytest.mark.parametrize(
+  "value", [jnp.asarray(1 + 2j), np.asarray("text"), object(), np.datetime64(1, "s")]
+)
 def test_values_that_are_not_real_scalars_raise_type_error_naming_the_metric(tmp_path, value):
-  with writers.MetricsWriter(tmp_path, tensorboard=False) as w, pytest.raises(TypeError, match="'m'"):
+  with (
+    writers.MetricsWriter(tmp_path, tensorboard=False) as w,
+    pytest.raises(TypeError, match="'m'"),
+  ):
     w.log(0, {"m": value})
 
 
@@ -174,8 +199,14 @@ def test_two_writers_opened_in_the_same_second_on_one_folder_lose_nothing(tmp_pa
   a.close()
   b.close()
   rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
-  assert sorted((r["run"], r["step"]) for r in rows) == sorted((n, s) for n in "ab" for s in range(20))
-  tb = [r for f in glob.glob(str(tmp_path / "events.out.tfevents*")) for r in writers.read_tensorboard(f)]
+  assert sorted((r["run"], r["step"]) for r in rows) == sorted(
+    (n, s) for n in "ab" for s in range(20)
+  )
+  tb = [
+    r
+    for f in glob.glob(str(tmp_path / "events.out.tfevents*"))
+    for r in writers.read_tensorboard(f)
+  ]
   assert sorted(r["from_a"] for r in tb if "from_a" in r) == list(range(20))
   assert sorted(-r["from_b"] for r in tb if "from_b" in r) == list(range(20))
 
@@ -195,8 +226,17 @@ def test_any_use_after_close_raises(tmp_path, kwargs):
 
 def test_a_bad_jsonl_line_costs_that_line_only(tmp_path):
   path = tmp_path / writers.JSONL_NAME
-  lines = ['{"step": 0, "a": 1}', '{"step": 1, "a": ' + "9" * 5000 + "}", "[" * 100000 + "]" * 100000,
-           "not json", '{"step": 2, "a": 3}', "[1, 2]", '{"no_step": 1}', "", '{"step": 3, "a": 4']
+  lines = [
+    '{"step": 0, "a": 1}',
+    '{"step": 1, "a": ' + "9" * 5000 + "}",
+    "[" * 100000 + "]" * 100000,
+    "not json",
+    '{"step": 2, "a": 3}',
+    "[1, 2]",
+    '{"no_step": 1}',
+    "",
+    '{"step": 3, "a": 4',
+  ]
   path.write_text("\n".join(lines))
   rows = writers.read_jsonl(path)
   assert [r["step"] for r in rows] == [0, 2]
@@ -218,7 +258,7 @@ def _record_offsets(data):
   offsets, pos = [], 0
   while pos < len(data):
     offsets.append(pos)
-    pos += 16 + int.from_bytes(data[pos:pos + 8], "little")
+    pos += 16 + int.from_bytes(data[pos : pos + 8], "little")
   return offsets
 
 
@@ -233,7 +273,7 @@ def test_a_corrupt_event_record_costs_that_record_only(tmp_path, where):
   if where == "data":
     data[offsets[5] - 6] ^= 0x40  # a bit of its float value
   else:
-    data[victim + 1] ^= 0xFF     # the record's length
+    data[victim + 1] ^= 0xFF  # the record's length
   pathlib.Path(path).write_bytes(bytes(data))
   expected = [dict(r) for r in intact]
   del expected[1]["skip_count"]
@@ -252,12 +292,15 @@ def test_reader_callbacks_must_be_callable(tmp_path):
     writers.read_jsonl(tmp_path / "m.jsonl", on_bad_line=1)
 
 
-@pytest.mark.parametrize("call", [
+@pytest.mark.parametrize(
+  "call",
+  [
     lambda: writers.MetricsWriter(None),
     lambda: writers.MetricsWriter(3, tensorboard=False),
     lambda: writers.read_jsonl(None),
     lambda: writers.read_tensorboard(b"events.out.tfevents.1"),
-])
+  ],
+)
 def test_paths_must_be_str_or_pathlike(call):
   with pytest.raises(TypeError, match=r"(logdir|path) must be a str or os.PathLike"):
     call()

@@ -12,6 +12,7 @@ class DataError(ValueError):
 def default_text() -> str:
   """The Python reference manual, ``pydoc_data.topics`` (about 465 KB of English prose)."""
   from pydoc_data import topics
+
   return "\n".join(topics.topics.values())
 
 
@@ -46,12 +47,13 @@ def split_bytes(text: str, window: int, val_fraction: float = 0.1) -> tuple[np.n
   if data.size == 0:
     raise DataError("--text: the file is empty")
   n_val = int(data.size * val_fraction)
-  train, val = data[: data.size - n_val], data[data.size - n_val:]
+  train, val = data[: data.size - n_val], data[data.size - n_val :]
   if min(train.size, val.size) < window:
     need = int(np.ceil(window / val_fraction))
     raise DataError(
-        f"the text has {data.size} bytes; with --seq-len {window - 1} it needs at least "
-        f"{need} bytes, so that the last {val_fraction:.0%} (validation) holds one window")
+      f"the text has {data.size} bytes; with --seq-len {window - 1} it needs at least "
+      f"{need} bytes, so that the last {val_fraction:.0%} (validation) holds one window"
+    )
   return train, val
 
 

@@ -25,9 +25,12 @@ class Block(nn.Module):
     norm = lambda: nn.LayerNorm(dtype=p.output_dtype, param_dtype=p.param_dtype)
     dense = lambda n: nn.Dense(n, dtype=p.compute_dtype, param_dtype=p.param_dtype)
     h = nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads, dtype=p.compute_dtype, param_dtype=p.param_dtype,
-        force_fp32_for_softmax=jnp.dtype(p.output_dtype) == jnp.float32,
-        deterministic=True)(norm()(x), mask=mask)
+      num_heads=self.num_heads,
+      dtype=p.compute_dtype,
+      param_dtype=p.param_dtype,
+      force_fp32_for_softmax=jnp.dtype(p.output_dtype) == jnp.float32,
+      deterministic=True,
+    )(norm()(x), mask=mask)
     x = x + h
     h = dense(self.d_model)(nn.gelu(dense(4 * self.d_model)(norm()(x))))
     return x + h

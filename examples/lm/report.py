@@ -7,8 +7,8 @@ import math
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 
 def fmt_scale(s: float) -> str:
@@ -17,8 +17,18 @@ def fmt_scale(s: float) -> str:
   return f"2^{e - 1}" if m == 0.5 and e > 1 else f"{s:g}"
 
 
-COLUMNS = ("run", "val loss", "vs fp32", "train loss", "zero grads", "skipped", "recomputed", "extra passes",
-           "loss scale", "wall s")
+COLUMNS = (
+  "run",
+  "val loss",
+  "vs fp32",
+  "train loss",
+  "zero grads",
+  "skipped",
+  "recomputed",
+  "extra passes",
+  "loss scale",
+  "wall s",
+)
 
 
 def table(results: dict, reference: str = "fp32") -> str:
@@ -34,26 +44,50 @@ def table(results: dict, reference: str = "fp32") -> str:
   ref = results.get(reference)
   na = lambda x, fmt: "-" if x is None else fmt.format(x)
   rows = [COLUMNS] + [
-      (name, f"{r['val_loss']:.4f}", f"{r['val_loss'] / ref['val_loss'] - 1:+.1%}" if ref else "",
-       f"{r['train_loss']:.4f}", f"{r['zero_frac']:.1%}", str(r["skipped"]), na(r.get("recomputed"), "{}"),
-       na(r.get("extra_passes"), "{:.1%}"), fmt_scale(r["loss_scale"]), f"{r['wall_s']:.1f}")
-      for name, r in results.items()]
+    (
+      name,
+      f"{r['val_loss']:.4f}",
+      f"{r['val_loss'] / ref['val_loss'] - 1:+.1%}" if ref else "",
+      f"{r['train_loss']:.4f}",
+      f"{r['zero_frac']:.1%}",
+      str(r["skipped"]),
+      na(r.get("recomputed"), "{}"),
+      na(r.get("extra_passes"), "{:.1%}"),
+      fmt_scale(r["loss_scale"]),
+      f"{r['wall_s']:.1f}",
+    )
+    for name, r in results.items()
+  ]
   widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
   lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
   return "\n".join([lines[0], "-" * len(lines[0])] + lines[1:])
 
 
-COLORS = {"fp32": "0.55", "fp16": "tab:red", "fp16-dls": "tab:blue", "fp16-dls-recompute": "tab:green"}
-LABELS = {"fp32": "fp32", "fp16": "fp16, no loss scaling", "fp16-dls": "fp16 + dynamic loss scaling",
-          "fp16-dls-recompute": "fp16 + dynamic loss scaling, overflows recomputed"}
+COLORS = {
+  "fp32": "0.55",
+  "fp16": "tab:red",
+  "fp16-dls": "tab:blue",
+  "fp16-dls-recompute": "tab:green",
+}
+LABELS = {
+  "fp32": "fp32",
+  "fp16": "fp16, no loss scaling",
+  "fp16-dls": "fp16 + dynamic loss scaling",
+  "fp16-dls-recompute": "fp16 + dynamic loss scaling, overflows recomputed",
+}
 WIDTHS = {"fp32": 6.0}  # drawn wide, so that a run on top of it stays visible
 DASHED = ("fp16-dls-recompute",)  # drawn dashed, so that fp16-dls under it stays visible
 SCALED = ("fp16-dls", "fp16-dls-recompute")
 
 
 def _style(name: str) -> dict:
-  return {"color": COLORS.get(name), "lw": WIDTHS.get(name, 1.6), "alpha": 0.6 if name in WIDTHS else 1.0,
-          "zorder": 1 if name in WIDTHS else 2, "ls": "--" if name in DASHED else "-"}
+  return {
+    "color": COLORS.get(name),
+    "lw": WIDTHS.get(name, 1.6),
+    "alpha": 0.6 if name in WIDTHS else 1.0,
+    "zorder": 1 if name in WIDTHS else 2,
+    "ls": "--" if name in DASHED else "-",
+  }
 
 
 def _smooth(y: np.ndarray, k: int) -> np.ndarray:
@@ -68,9 +102,19 @@ def _val_panel(ax, histories: dict, reference: str) -> None:
   tops, lows = [], []
   for name, h in histories.items():
     step, val = np.asarray(h["eval_step"]), np.asarray(h["val_loss"], float)
-    gap = f" ({val[-1] / ref['val_loss'][-1] - 1:+.1%} vs {reference})" if ref is not None and name != reference else ""
-    ax.plot(step, val, marker="o" if name not in WIDTHS else None, ms=3,
-            label=f"{LABELS.get(name, name)}: {val[-1]:.3f}{gap}", **_style(name))
+    gap = (
+      f" ({val[-1] / ref['val_loss'][-1] - 1:+.1%} vs {reference})"
+      if ref is not None and name != reference
+      else ""
+    )
+    ax.plot(
+      step,
+      val,
+      marker="o" if name not in WIDTHS else None,
+      ms=3,
+      label=f"{LABELS.get(name, name)}: {val[-1]:.3f}{gap}",
+      **_style(name),
+    )
     late = val[step >= step[-1] / 6] if step.size > 1 else val
     tops.append(np.nanmax(late))
     lows.append(np.nanmin(val))
@@ -85,12 +129,16 @@ def _zero_panel(ax, histories: dict, k: int, reference: str) -> None:
   """Share of zero parameter-gradient entries per run, as a running mean."""
   for name, h in histories.items():
     z = 100 * _smooth(np.asarray(h["zero_frac"], float), k)
-    label = LABELS.get(name, name) + (": the floor, embedding rows of bytes absent from the batch"
-                                      if name == reference else "")
-    ax.plot(np.asarray(h["step"])[k - 1:], z, label=label, **_style(name))
+    label = LABELS.get(name, name) + (
+      ": the floor, embedding rows of bytes absent from the batch" if name == reference else ""
+    )
+    ax.plot(np.asarray(h["step"])[k - 1 :], z, label=label, **_style(name))
   ax.set_ylim(bottom=0)
   ax.set_ylabel("gradient entries\nthat are 0 (%)")
-  ax.set_title(f"parameter-gradient entries lost to float16 underflow (running mean over {k} steps)", fontsize=9)
+  ax.set_title(
+    f"parameter-gradient entries lost to float16 underflow (running mean over {k} steps)",
+    fontsize=9,
+  )
   ax.legend(fontsize=8, loc="upper left")
 
 
@@ -109,18 +157,38 @@ def _scale_panel(ax, histories: dict, scaled_runs: tuple[str, ...]) -> None:
     style = {k: v for k, v in _style(name).items() if k in ("color", "ls")}
     ax.step(step, scale, where="post", label=f"{name}", **style)
     if skipped.any() or name not in DASHED:
-      ax.plot(step[skipped], scale[skipped], "x", color="tab:orange", ms=7, mew=2,
-              label=f"{name}: skipped (overflow, batch lost, S halved): {int(skipped.sum())}")
+      ax.plot(
+        step[skipped],
+        scale[skipped],
+        "x",
+        color="tab:orange",
+        ms=7,
+        mew=2,
+        label=f"{name}: skipped (overflow, batch lost, S halved): {int(skipped.sum())}",
+      )
     if recomputed.any() or name in DASHED:
-      ax.plot(step[recomputed], scale[recomputed], "o", mfc="none", color="tab:purple", ms=7, mew=1.5,
-              label=f"{name}: recomputed (overflow, S halved, batch kept): {int(recomputed.sum())}")
+      ax.plot(
+        step[recomputed],
+        scale[recomputed],
+        "o",
+        mfc="none",
+        color="tab:purple",
+        ms=7,
+        mew=1.5,
+        label=f"{name}: recomputed (overflow, S halved, batch kept): {int(recomputed.sum())}",
+      )
   ax.set_yscale("log", base=2)
   ax.set_ylabel("loss scale S")
   ax.legend(fontsize=8, loc="lower right")
 
 
-def plot(histories: dict, path: str, tokens: int | None = None, scaled_runs: tuple[str, ...] = SCALED,
-         reference: str = "fp32") -> None:
+def plot(
+  histories: dict,
+  path: str,
+  tokens: int | None = None,
+  scaled_runs: tuple[str, ...] = SCALED,
+  reference: str = "fp32",
+) -> None:
   """Validation loss of every run, its zero-gradient share, and the loss-scale traces (PNG).
 
   Args:
@@ -142,9 +210,14 @@ def plot(histories: dict, path: str, tokens: int | None = None, scaled_runs: tup
   for ax in (ax1, ax2, ax3):
     ax.grid(alpha=0.3)
   per_step = f", loss averaged over {tokens:,} tokens per step" if tokens else ""
-  recompute = " (overflowing steps skipped or recomputed)" if any(r in DASHED for r in histories) else ""
-  fig.suptitle(f"fp32 vs fp16 vs fp16 with dynamic loss scaling{recompute}\n"
-               f"byte-level transformer LM{per_step}", fontsize=12)
+  recompute = (
+    " (overflowing steps skipped or recomputed)" if any(r in DASHED for r in histories) else ""
+  )
+  fig.suptitle(
+    f"fp32 vs fp16 vs fp16 with dynamic loss scaling{recompute}\n"
+    f"byte-level transformer LM{per_step}",
+    fontsize=12,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -19,21 +19,25 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import optax_dls  # noqa: E402
+import optax_dls
 
 PSPECS = {"w": P("data"), "b": P()}  # "w" sharded over all 4 devices, "b" replicated
 
 
 def _tx(axis_name):
-  return optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10, axis_name=axis_name,
-                                      skip_lowering=os.environ.get("OPTAX_DLS_TEST_LOWERING", "auto"))
+  return optax_dls.dynamic_loss_scale(
+    optax.sgd(0.1),
+    init_scale=2.0**10,
+    axis_name=axis_name,
+    skip_lowering=os.environ.get("OPTAX_DLS_TEST_LOWERING", "auto"),
+  )
 
 
 def _params():
@@ -49,23 +53,29 @@ def _grads(scale, inf_row=None):
 
 def _global(tree, mesh, specs):
   """Global arrays; each process supplies only the blocks its own devices hold."""
+
   def one(x, spec):
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
   return jax.tree.map(one, tree, specs)
 
 
 def _run(mesh, tx, step, state_specs, inf_row):
   """Step 0 with an inf in ``inf_row`` of "w", step 1 clean; what this process sees after each."""
   params = _global(_params(), mesh, PSPECS)
-  state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs))(params)
+  state = jax.jit(
+    tx.init, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs)
+  )(params)
   out = {}
   for i, row in enumerate([inf_row, None]):
     scale = float(state.loss_scale.addressable_shards[0].data)
     params, state = step(params, state, _global(_grads(scale, row), mesh, PSPECS))
     out[f"step{i}"] = {
-        "scales": [float(s.data) for s in state.loss_scale.addressable_shards],
-        "finite": [bool(s.data) for s in state.last_step_finite.addressable_shards],
-        "params": {k: multihost_utils.process_allgather(v, tiled=True).tolist() for k, v in params.items()},
+      "scales": [float(s.data) for s in state.loss_scale.addressable_shards],
+      "finite": [bool(s.data) for s in state.last_step_finite.addressable_shards],
+      "params": {
+        k: multihost_utils.process_allgather(v, tiled=True).tolist() for k, v in params.items()
+      },
     }
   return out
 
@@ -74,6 +84,7 @@ def _train_step(tx):
   def f(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return f
 
 
@@ -86,8 +97,14 @@ def _jit_run(mesh, state_specs, inf_row):
 def _shard_map_run(mesh, state_specs, inf_row):
   """shard_map over "data", with axis_name="data"."""
   tx = _tx("data")
-  step = jax.jit(jax.shard_map(_train_step(tx), mesh=mesh, in_specs=(PSPECS, state_specs, PSPECS),
-                               out_specs=(PSPECS, state_specs)))
+  step = jax.jit(
+    jax.shard_map(
+      _train_step(tx),
+      mesh=mesh,
+      in_specs=(PSPECS, state_specs, PSPECS),
+      out_specs=(PSPECS, state_specs),
+    )
+  )
   return _run(mesh, tx, step, state_specs, inf_row)
 
 
@@ -105,8 +122,12 @@ def _reference(inf_row):
 
 def main():
   process_id, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                             process_id=process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   assert jax.process_count() == 2 and jax.local_device_count() == 2, jax.devices()
   mesh = jax.make_mesh((4,), ("data",))
   w_map = NamedSharding(mesh, PSPECS["w"]).devices_indices_map((8, 3))
@@ -115,14 +136,19 @@ def main():
 
   tx = _tx(None)
   state_specs = optax.tree_map_params(
-      tx, lambda _, s: s, tx.init(_params()), PSPECS,
-      transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    tx,
+    lambda _, s: s,
+    tx.init(_params()),
+    PSPECS,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda x: isinstance(x, P),
+  )
   result = {
-      "process_index": jax.process_index(),
-      "inf_row": inf_row,
-      "jit": _jit_run(mesh, state_specs, inf_row),
-      "shard_map": _shard_map_run(mesh, state_specs, inf_row),
-      "reference": _reference(inf_row),
+    "process_index": jax.process_index(),
+    "inf_row": inf_row,
+    "jit": _jit_run(mesh, state_specs, inf_row),
+    "shard_map": _shard_map_run(mesh, state_specs, inf_row),
+    "reference": _reference(inf_row),
   }
   with open(out_path, "w") as f:
     json.dump(result, f)

@@ -52,10 +52,13 @@ def test_the_hand_written_skips_apply_a_finite_step_and_skip_a_non_finite_one():
 def _copies(compiled) -> int:
   """Instructions of the compiled program's entry that copy (or transpose) an array."""
   text = compiled.as_text()
-  entry = text[text.index("\nENTRY"):]
-  entry = entry[:entry.index("\n}")]
-  return sum(1 for line in entry.splitlines()
-             if re.search(r"= \S+\{[\d,]*\} (copy\(|fusion\(.*calls=%wrapped_(copy|transpose)_)", line))
+  entry = text[text.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  return sum(
+    1
+    for line in entry.splitlines()
+    if re.search(r"= \S+\{[\d,]*\} (copy\(|fusion\(.*calls=%wrapped_(copy|transpose)_)", line)
+  )
 
 
 def test_the_recompute_step_writes_no_more_layout_copies_than_the_plain_step():
@@ -68,6 +71,7 @@ def test_the_recompute_step_writes_no_more_layout_copies_than_the_plain_step():
   counts = {}
   for recompute in (False, True):
     tx = e2e.VARIANTS["dynamic_loss_scale"]()
-    counts[recompute] = _copies(e2e.make_step(model, tx, recompute=recompute).lower(
-        params, tx.init(params), batch).compile())
+    counts[recompute] = _copies(
+      e2e.make_step(model, tx, recompute=recompute).lower(params, tx.init(params), batch).compile()
+    )
   assert counts[True] <= counts[False], counts

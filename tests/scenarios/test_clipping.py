@@ -9,8 +9,10 @@ import pytest
 import optax_dls
 
 CLIP = 0.5
-GRADS = [{"w": jnp.array([3.0, -4.0], jnp.float32), "b": jnp.array(1.5, jnp.float32)},
-         {"w": jnp.array([0.1, 0.2], jnp.float32), "b": jnp.array(-0.05, jnp.float32)}]
+GRADS = [
+  {"w": jnp.array([3.0, -4.0], jnp.float32), "b": jnp.array(1.5, jnp.float32)},
+  {"w": jnp.array([0.1, 0.2], jnp.float32), "b": jnp.array(-0.05, jnp.float32)},
+]
 
 
 def _inner():
@@ -38,7 +40,9 @@ def test_clip_sees_unscaled_gradients_at_every_scale(make, lowering):
     if make == "static":
       tx = optax_dls.static_loss_scale(_inner(), scale, skip_lowering=lowering)
     else:
-      tx = optax_dls.dynamic_loss_scale(_inner(), init_scale=scale, max_scale=scale, skip_lowering=lowering)
+      tx = optax_dls.dynamic_loss_scale(
+        _inner(), init_scale=scale, max_scale=scale, skip_lowering=lowering
+      )
     got = _updates(tx, scale)
     for u, r in zip(got, reference):
       jax.tree.map(np.testing.assert_array_equal, u, r)
@@ -46,7 +50,12 @@ def test_clip_sees_unscaled_gradients_at_every_scale(make, lowering):
 
 def test_clipping_outside_the_loss_scaling_clips_scaled_gradients(lowering):
   # The wrong order, for contrast: the clip sees S * g, so the update depends on S.
-  wrong = [optax.chain(optax.clip_by_global_norm(CLIP), optax_dls.static_loss_scale(optax.sgd(1.0), s, skip_lowering=lowering))
-           for s in (1.0, 2.0**10)]
+  wrong = [
+    optax.chain(
+      optax.clip_by_global_norm(CLIP),
+      optax_dls.static_loss_scale(optax.sgd(1.0), s, skip_lowering=lowering),
+    )
+    for s in (1.0, 2.0**10)
+  ]
   small = [_updates(tx, s)[1] for tx, s in zip(wrong, (1.0, 2.0**10))]
   assert not np.allclose(small[0]["w"], small[1]["w"])

@@ -35,14 +35,16 @@ def test_rule1_unscale_with_the_scale_the_loss_used(lowering):
   """u = g * (1/S) in float32, cast back per leaf; int, bool and None untouched; old S."""
   s = 2.0**10
   # growth_interval=1: S grows on this very step; the unscale must still use the old S.
-  tx = optax_dls.dynamic_loss_scale(optax.identity(), init_scale=s, growth_interval=1, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.identity(), init_scale=s, growth_interval=1, skip_lowering=lowering
+  )
   grads = {
-      "f32": jnp.array([3.0, -7.5, 1e-3], jnp.float32) * s,
-      "f16": jnp.array([0.1, 3.0], jnp.float16) * jnp.float16(s),
-      "bf16": jnp.array([0.1, -2.0], jnp.bfloat16) * jnp.bfloat16(s),
-      "i": jnp.array([3, 4], jnp.int32),
-      "b": jnp.array([True, False]),
-      "none": None,
+    "f32": jnp.array([3.0, -7.5, 1e-3], jnp.float32) * s,
+    "f16": jnp.array([0.1, 3.0], jnp.float16) * jnp.float16(s),
+    "bf16": jnp.array([0.1, -2.0], jnp.bfloat16) * jnp.bfloat16(s),
+    "i": jnp.array([3, 4], jnp.int32),
+    "b": jnp.array([True, False]),
+    "none": None,
   }
   state = tx.init(grads)
   updates, state = _stepper(tx, grads)(grads, state)
@@ -61,8 +63,11 @@ def test_rule1_unscale_with_the_scale_the_loss_used(lowering):
 def test_rule2_finite_check_is_exact_and_reduced_over_axis_name(lowering):
   tx = optax_dls.static_loss_scale(optax.identity(), 1.0, skip_lowering=lowering)
   step = _stepper(tx, None)
-  big = {"a": jnp.array([3e38, -3e38], jnp.float32), "b": jnp.array([65504.0], jnp.float16),
-         "c": jnp.array([3e38], jnp.bfloat16)}
+  big = {
+    "a": jnp.array([3e38, -3e38], jnp.float32),
+    "b": jnp.array([65504.0], jnp.float16),
+    "c": jnp.array([3e38], jnp.bfloat16),
+  }
   state = tx.init(big)
   _, s = step(big, state)
   assert bool(s.last_step_finite)
@@ -75,14 +80,18 @@ def test_rule2_finite_check_is_exact_and_reduced_over_axis_name(lowering):
   # With axis_name under shard_map: inf in one device's shard makes every device skip.
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
   P_ = jax.sharding.PartitionSpec
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name="d", skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=4.0, axis_name="d", skip_lowering=lowering
+  )
   st0 = tx.init({"w": jnp.zeros(1)})
 
   def local(g, state):
     _, state = tx.update({"w": g}, state, None)
     return state.last_step_finite[None], state.loss_scale[None]
 
-  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P_("d"), P_()), out_specs=(P_("d"), P_("d"))))
+  f = jax.jit(
+    jax.shard_map(local, mesh=mesh, in_specs=(P_("d"), P_()), out_specs=(P_("d"), P_("d")))
+  )
   finite, scales = f(jnp.ones(8).at[6].set(jnp.inf), st0)
   assert not np.any(np.asarray(finite)) and np.all(np.asarray(scales) == 2.0)
   finite, scales = f(jnp.ones(8), st0)
@@ -115,42 +124,75 @@ def test_rule3_inner_update_only_on_finite_and_never_sees_nonfinite(lowering):
 
 
 def test_rule4_growth_on_the_interval_th_clean_step_capped_and_after_warmup(lowering):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=3, max_scale=16.0, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=4.0, growth_interval=3, max_scale=16.0, skip_lowering=lowering
+  )
   scales, state = _scales(tx, P, [F] * 10)
   assert scales == [4, 4, 8, 8, 8, 16, 16, 16, 16, 16]
   assert int(state.policy_state.growth_tracker) == 1  # reset on growth, including capped growth
   # warmup_steps: no growth while fewer than 4 updates ran before this one.
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=1, warmup_steps=4, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=4.0, growth_interval=1, warmup_steps=4, skip_lowering=lowering
+  )
   assert _scales(tx, P, [F] * 6)[0] == [4, 4, 4, 4, 8, 16]
   # Ceiling at max_scale with a non-power-of-two factor: never above it, never inf.
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**125, growth_factor=3.0,
-                                    growth_interval=1, max_scale=2.0**126, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0),
+    init_scale=2.0**125,
+    growth_factor=3.0,
+    growth_interval=1,
+    max_scale=2.0**126,
+    skip_lowering=lowering,
+  )
   assert _scales(tx, P, [F] * 3)[0] == [2.0**126] * 3
   # consecutive_hysteresis refills the hysteresis on every clean step.
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=100, hysteresis=2,
-                                    consecutive_hysteresis=True, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0),
+    init_scale=4.0,
+    growth_interval=100,
+    hysteresis=2,
+    consecutive_hysteresis=True,
+    skip_lowering=lowering,
+  )
   scales, state = _scales(tx, P, [I, F, I, F, I])
   assert scales == [4] * 5 and int(state.policy_state.hysteresis_left) == 1
 
 
 def test_rule5_backoff_floor_and_hysteresis(lowering):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=2, min_scale=2.0, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=8.0, growth_interval=2, min_scale=2.0, skip_lowering=lowering
+  )
   scales, state = _scales(tx, P, [F, I, F, I, I, I])
   assert scales == [8, 4, 4, 2, 2, 2]  # the tracker reset by the overflow delays growth
   assert int(state.policy_state.growth_tracker) == 0
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=100, hysteresis=3, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=8.0, growth_interval=100, hysteresis=3, skip_lowering=lowering
+  )
   scales, state = _scales(tx, P, [I, I, I, I, F, I])
-  assert scales == [8, 8, 4, 2, 2, 1]  # hysteresis_left floors at 0: every further overflow backs off
+  assert scales == [
+    8,
+    8,
+    4,
+    2,
+    2,
+    1,
+  ]  # hysteresis_left floors at 0: every further overflow backs off
   assert int(state.policy_state.hysteresis_left) == 0
 
 
 def test_rule6_counters_saturate_and_consecutive_skips_resets(lowering):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=INT32_MAX, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=8.0, growth_interval=INT32_MAX, skip_lowering=lowering
+  )
   step = _stepper(tx, P)
   state = tx.init(P)
   near = jnp.asarray(INT32_MAX - 1, jnp.int32)
-  state = state._replace(num_steps=near, num_skipped=near, consecutive_skips=near,
-                         policy_state=state.policy_state._replace(growth_tracker=near))
+  state = state._replace(
+    num_steps=near,
+    num_skipped=near,
+    consecutive_skips=near,
+    policy_state=state.policy_state._replace(growth_tracker=near),
+  )
   for _ in range(3):
     _, state = step(F, state)
   assert int(state.num_steps) == INT32_MAX

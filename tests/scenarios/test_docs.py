@@ -22,7 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # Pages whose ```python blocks form one runnable program each (run in order, one namespace).
 RUNNABLE_PAGES = ["index.md", "troubleshooting.md"] + sorted(
-    str(p.relative_to(DOCS)) for p in (DOCS / "guide").glob("*.md"))
+  str(p.relative_to(DOCS)) for p in (DOCS / "guide").glob("*.md")
+)
 OPTIONAL = {"flax", "orbax"}  # a page that imports one of these is skipped without it
 
 
@@ -47,7 +48,7 @@ def test_docstring_examples_pass():
 
 
 def _directives(text: str) -> set[str]:
-  return set(re.findall(r"^::: ([\w.]+)\s*$", text, re.M))
+  return set(re.findall(r"^::: ([\w.]+)\s*$", text, re.MULTILINE))
 
 
 def test_api_reference_lists_every_public_name():
@@ -55,13 +56,21 @@ def test_api_reference_lists_every_public_name():
   missing = [n for n in optax_dls.__all__ if f"optax_dls.{n}" not in documented]
   assert not missing, f"add '::: optax_dls.NAME' to docs/api.md for: {missing}"
   assert "optax_dls.flax" in documented
-  submodules = {"compat", "config", "group_scale", "checkpoint", "writers", "flax", "cli"}  # public submodules
+  submodules = {
+    "compat",
+    "config",
+    "group_scale",
+    "checkpoint",
+    "writers",
+    "flax",
+    "cli",
+  }  # public submodules
   unknown = [d for d in documented if d.split(".")[1] not in set(optax_dls.__all__) | submodules]
   assert not unknown, f"docs/api.md documents names that are not public: {unknown}"
 
 
 def _python_blocks(page: str) -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```\s*$", (DOCS / page).read_text(), re.S | re.M)
+  return re.findall(r"^```python\n(.*?)^```\s*$", (DOCS / page).read_text(), re.DOTALL | re.MULTILINE)
 
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
@@ -85,8 +94,22 @@ def test_site_builds_strict(tmp_path):
       pytest.skip(f"{module} is not installed: pip install -e '.[docs]'")
   site = tmp_path / "site"
   proc = subprocess.run(
-      [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-m",
+      "mkdocs",
+      "build",
+      "--strict",
+      "-f",
+      str(ROOT / "mkdocs.yml"),
+      "-d",
+      str(site),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   api = (site / "api" / "index.html").read_text()
   missing = [n for n in optax_dls.__all__ if n != "writers" and f'id="optax_dls.{n}"' not in api]

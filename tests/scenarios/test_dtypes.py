@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import enable_x64
 from jax import lax
 
 import optax_dls
-from _compat import enable_x64
 
 S = 2.0**12
 
@@ -56,10 +56,16 @@ def test_f64_grads_unscaled_in_f64_under_x64(lowering):
 
 
 def test_int_and_none_leaves_pass_through(lowering):
-  grads = {"f": jnp.array([1.0, 2.0]) * S, "i": jnp.array([7, -3], jnp.int32), "n": None,
-           "b": jnp.array(True)}
-  for tx in (optax_dls.dynamic_loss_scale(optax.identity(), init_scale=S, skip_lowering=lowering),
-             optax_dls.static_loss_scale(optax.identity(), S, skip_lowering=lowering)):
+  grads = {
+    "f": jnp.array([1.0, 2.0]) * S,
+    "i": jnp.array([7, -3], jnp.int32),
+    "n": None,
+    "b": jnp.array(True),
+  }
+  for tx in (
+    optax_dls.dynamic_loss_scale(optax.identity(), init_scale=S, skip_lowering=lowering),
+    optax_dls.static_loss_scale(optax.identity(), S, skip_lowering=lowering),
+  ):
     step = jax.jit(tx.update)
     state = tx.init(grads)
     updates, state = step(grads, state)
@@ -69,7 +75,9 @@ def test_int_and_none_leaves_pass_through(lowering):
     bad = dict(grads, f=grads["f"].at[0].set(jnp.inf))
     skipped, state = step(bad, state)  # same compiled program, same output types
     assert jax.tree.structure(skipped) == jax.tree.structure(updates)
-    assert [x.dtype for x in jax.tree.leaves(skipped)] == [x.dtype for x in jax.tree.leaves(updates)]
+    assert [x.dtype for x in jax.tree.leaves(skipped)] == [
+      x.dtype for x in jax.tree.leaves(updates)
+    ]
     assert not any(bool(jnp.any(x != 0)) for x in jax.tree.leaves(skipped))
     assert not bool(state.last_step_finite)
     assert step._cache_size() == 1
@@ -81,8 +89,9 @@ def _types(tree):
 
 def test_state_dtypes_unchanged_after_scan_over_100_steps(lowering):
   params = {"w": jnp.zeros(4, jnp.float32)}
-  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=2.0**4, growth_interval=3,
-                                    hysteresis=2, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.adam(1e-3), init_scale=2.0**4, growth_interval=3, hysteresis=2, skip_lowering=lowering
+  )
   state0 = tx.init(params)
   # Every 7th step has an inf: growth, hysteresis and backoff all happen.
   gs = jnp.ones((100, 4), jnp.float16).at[::7, 1].set(jnp.inf)
@@ -105,7 +114,9 @@ def test_state_dtypes_unchanged_after_scan_over_100_steps(lowering):
 def test_jitted_update_compiles_once_over_10_steps(lowering):
   traces = []
   params = {"w": jnp.zeros(3, jnp.float32)}
-  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=4.0, growth_interval=2, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.adam(1e-3), init_scale=4.0, growth_interval=2, skip_lowering=lowering
+  )
 
   @jax.jit
   def step(params, state, g):

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import enable_x64
 from jax import lax
 
 import optax_dls
-from _compat import enable_x64
 
 P = {"w": jnp.zeros(3, jnp.float32)}
 FINITE = {"w": jnp.ones(3, jnp.float32)}
@@ -33,8 +33,13 @@ def _train(tx, grads_seq, params=P):
 
 
 def test_1_scale_never_grows_to_inf(lowering):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1e-3), init_scale=2.0**120, growth_interval=1,
-                                    max_scale=2.0**126, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1e-3),
+    init_scale=2.0**120,
+    growth_interval=1,
+    max_scale=2.0**126,
+    skip_lowering=lowering,
+  )
   _, _, scales = _train(tx, [FINITE] * 20)
   assert all(np.isfinite(scales)) and max(scales) == 2.0**126
   assert scales[:6] == [2.0**121, 2.0**122, 2.0**123, 2.0**124, 2.0**125, 2.0**126]
@@ -51,7 +56,9 @@ def test_2_scale_never_backs_off_to_zero(lowering):
 
 def test_3_unscale_uses_the_scale_of_this_loss_on_a_growth_step(lowering):
   x = jnp.array([0.3, -1.7, 2.5e-3], jnp.float32)
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**8, growth_interval=1, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=2.0**8, growth_interval=1, skip_lowering=lowering
+  )
   bare = optax.sgd(1.0)
   state, bstate, w = tx.init(P), bare.init(P), P
 
@@ -73,8 +80,10 @@ def test_5_skipped_step_does_not_advance_count_or_schedule(lowering):
   sched = lambda t: t + 1.0  # lr(t) = t + 1
   g = jnp.array([0.5, -2.0, 1.0], jnp.float32)
   tx = optax_dls.dynamic_loss_scale(
-      optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(sched)),
-      init_scale=4.0, skip_lowering=lowering)
+    optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(sched)),
+    init_scale=4.0,
+    skip_lowering=lowering,
+  )
   tx2 = optax_dls.dynamic_loss_scale(optax.sgd(sched), init_scale=4.0, skip_lowering=lowering)
   for t in (tx, tx2):
     state = t.init(P)
@@ -99,7 +108,9 @@ def _same(a, b):
 
 @pytest.mark.parametrize("round_trip", ["flatten", "jit", "scan"])
 def test_7_round_trip_keeps_every_field_and_the_next_step(round_trip, lowering):
-  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=512.0, growth_interval=2, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.adam(1e-3), init_scale=512.0, growth_interval=2, skip_lowering=lowering
+  )
   step = jax.jit(lambda g, s: tx.update(jax.tree.map(lambda x: x * s.loss_scale, g), s, P)[1])
   saved = step(FINITE, step(FINITE, tx.init(P)))  # S: 512 -> 1024 (growth), tracker 0
   saved = step(FINITE, saved)  # tracker 1
@@ -124,7 +135,10 @@ def test_8_nonfinite_detected_in_every_float_dtype(dtype, lowering):
 
     @jax.jit
     def step(bad):
-      grads = {"ok": jnp.ones(2, jnp.float32), "x": jnp.array([1.0, 1.0, 2.0], dtype).at[1].set(bad)}
+      grads = {
+        "ok": jnp.ones(2, jnp.float32),
+        "x": jnp.array([1.0, 1.0, 2.0], dtype).at[1].set(bad),
+      }
       updates, state = tx.update(grads, tx.init(grads))
       return optax_dls.all_finite(grads), state.last_step_finite, updates["x"]
 
@@ -135,13 +149,22 @@ def test_8_nonfinite_detected_in_every_float_dtype(dtype, lowering):
       assert bool(jnp.any(ux != 0)) == np.isfinite(bad)
 
 
-@pytest.mark.parametrize("consecutive,seq,expected", [
+@pytest.mark.parametrize(
+  "consecutive,seq,expected",
+  [
     (False, "IFI", [2**16, 2**16, 2**15]),
     (True, "IFI", [2**16, 2**16, 2**16]),
     (False, "III", [2**16, 2**15, 2**14]),
-])
+  ],
+)
 def test_9_hysteresis_sequences(consecutive, seq, expected, lowering):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**16, growth_interval=10_000,
-                                    hysteresis=2, consecutive_hysteresis=consecutive, skip_lowering=lowering)
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0),
+    init_scale=2.0**16,
+    growth_interval=10_000,
+    hysteresis=2,
+    consecutive_hysteresis=consecutive,
+    skip_lowering=lowering,
+  )
   _, _, scales = _train(tx, [BAD if c == "I" else FINITE for c in seq])
   assert scales == expected

@@ -31,9 +31,14 @@ def results(tmp_path_factory, request):
   try:
     for pid in range(2):
       with open(logs[pid], "w") as log:
-        procs.append(subprocess.Popen(
+        procs.append(
+          subprocess.Popen(
             [sys.executable, str(WORKER), str(pid), str(port), str(tmp / f"p{pid}.json")],
-            env=env, stdout=log, stderr=subprocess.STDOUT))
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+          )
+        )
     for p in procs:
       p.wait(timeout=TIMEOUT_S)
     for p, log in zip(procs, logs):

@@ -32,8 +32,12 @@ except ImportError:
   jmp = None
 
 # Each oracle skips on its own, with the reason shown, when its package is absent.
-needs_torch = pytest.mark.skipif(torch is None, reason="torch (test extra) is needed for the GradScaler oracle")
-needs_jmp = pytest.mark.skipif(jmp is None, reason="jmp (test extra) is needed for the DynamicLossScale oracle")
+needs_torch = pytest.mark.skipif(
+  torch is None, reason="torch (test extra) is needed for the GradScaler oracle"
+)
+needs_jmp = pytest.mark.skipif(
+  jmp is None, reason="jmp (test extra) is needed for the DynamicLossScale oracle"
+)
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_LEN = 40
@@ -43,13 +47,18 @@ TINY = 2.0**-126  # our smallest min_scale: 40 backoffs from >= 1 never reach it
 HUGE = 2.0**126  # our largest max_scale: 40 growths from <= 2**20 never reach it.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ours(growth_factor, backoff_factor, growth_interval, min_scale, max_scale):
   """One compiled lax.scan over MAX_LEN steps per setting; init_scale is set in the state."""
   tx = optax_dls.dynamic_loss_scale(
-      optax.sgd(0.1), init_scale=max(min_scale, 1.0), growth_factor=growth_factor,
-      backoff_factor=backoff_factor, growth_interval=growth_interval,
-      min_scale=min_scale, max_scale=max_scale)
+    optax.sgd(0.1),
+    init_scale=max(min_scale, 1.0),
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+    min_scale=min_scale,
+    max_scale=max_scale,
+  )
   params = {"w": jnp.zeros(2, jnp.float32)}
 
   def step(state, g):
@@ -82,8 +91,12 @@ def run_torch(kinds, init_scale, growth_factor, backoff_factor, growth_interval)
   p = torch.nn.Parameter(torch.zeros(2))
   opt = torch.optim.SGD([p], lr=0.1)
   scaler = torch.amp.GradScaler(
-      "cpu", init_scale=init_scale, growth_factor=growth_factor,
-      backoff_factor=backoff_factor, growth_interval=growth_interval)
+    "cpu",
+    init_scale=init_scale,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+  )
   scales, skipped = [], []
   for k in kinds:
     scaler.scale(p.sum()).backward()
@@ -98,7 +111,7 @@ def run_torch(kinds, init_scale, growth_factor, backoff_factor, growth_interval)
   return scales, skipped
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jmp(factor, period):
   # jmp's tree_unflatten drops min_loss_scale (back to its default 1.0), so the
   # scanned adjust always floors at 1.0; the test uses min_scale=1.0 to match.
@@ -124,28 +137,50 @@ def run_jmp(kinds, init_scale, factor, period):
 
 @needs_torch
 @SETTINGS
-@given(kinds=STEPS, interval=st.integers(1, 3), init_exp=st.integers(0, 20),
-       factors=st.sampled_from([(2.0, 0.5), (1.5, 0.75)]))
+@given(
+  kinds=STEPS,
+  interval=st.integers(1, 3),
+  init_exp=st.integers(0, 20),
+  factors=st.sampled_from([(2.0, 0.5), (1.5, 0.75)]),
+)
 def test_scale_trajectory_equals_torch_grad_scaler(kinds, interval, init_exp, factors):
   # (1.5, 0.75): scales that are not powers of two check the float32 rounding too.
   init, (growth_factor, backoff_factor) = 2.0**init_exp, factors
   expected, torch_skipped = run_torch(kinds, init, growth_factor, backoff_factor, interval)
-  got, skipped = run_ours(kinds, init_scale=init, growth_factor=growth_factor,
-                          backoff_factor=backoff_factor, growth_interval=interval,
-                          min_scale=TINY, max_scale=HUGE)
+  got, skipped = run_ours(
+    kinds,
+    init_scale=init,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=interval,
+    min_scale=TINY,
+    max_scale=HUGE,
+  )
   assert got == expected
   assert skipped == torch_skipped == [k != "f" for k in kinds]
 
 
 @needs_jmp
 @SETTINGS
-@given(kinds=STEPS, interval=st.integers(1, 3), init_exp=st.integers(0, 20), factor=st.sampled_from([2, 4]))
+@given(
+  kinds=STEPS,
+  interval=st.integers(1, 3),
+  init_exp=st.integers(0, 20),
+  factor=st.sampled_from([2, 4]),
+)
 def test_scale_trajectory_equals_jmp_dynamic_loss_scale(kinds, interval, init_exp, factor):
   # jmp floors at min_loss_scale=1.0 like our default min_scale, so the floor binds in both.
   init = 2.0**init_exp
   expected = run_jmp(kinds, init, factor, interval)
-  got, _ = run_ours(kinds, init_scale=init, growth_factor=float(factor), backoff_factor=1.0 / factor,
-                    growth_interval=interval, min_scale=1.0, max_scale=HUGE)
+  got, _ = run_ours(
+    kinds,
+    init_scale=init,
+    growth_factor=float(factor),
+    backoff_factor=1.0 / factor,
+    growth_interval=interval,
+    min_scale=1.0,
+    max_scale=HUGE,
+  )
   assert got == expected
 
 
@@ -154,8 +189,15 @@ def test_floor_is_torch_clamped_at_min_scale():
   # By design: torch has no floor (its scale goes to 0, and 1/S to inf); ours stops at min_scale.
   kinds = ["inf"] * 10 + ["f"] * 3 + ["nan"] * 3 + ["f"] * 4
   torch_scales, _ = run_torch(kinds, 16.0, 2.0, 0.5, 2)
-  got, _ = run_ours(kinds, init_scale=16.0, growth_factor=2.0, backoff_factor=0.5,
-                    growth_interval=2, min_scale=1.0, max_scale=HUGE)
+  got, _ = run_ours(
+    kinds,
+    init_scale=16.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=2,
+    min_scale=1.0,
+    max_scale=HUGE,
+  )
   # Clamping torch's trajectory by hand only agrees until the first growth after the floor.
   floor_hits = [max(s, 1.0) for s in torch_scales[:10]]
   assert got[:10] == floor_hits
@@ -170,7 +212,14 @@ def test_ceiling_is_torch_clamped_at_max_scale():
   # By design: torch grows until the product would be inf; ours stops at max_scale.
   kinds = ["f"] * 12
   torch_scales, _ = run_torch(kinds, 2.0**20, 2.0, 0.5, 1)
-  got, _ = run_ours(kinds, init_scale=2.0**20, growth_factor=2.0, backoff_factor=0.5,
-                    growth_interval=1, min_scale=1.0, max_scale=2.0**24)
+  got, _ = run_ours(
+    kinds,
+    init_scale=2.0**20,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=1,
+    min_scale=1.0,
+    max_scale=2.0**24,
+  )
   assert got == [min(s, 2.0**24) for s in torch_scales]
   assert torch_scales[-1] > 2.0**24 == got[-1]

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import pcast_varying
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
-from _compat import pcast_varying
 
 BAD = (3, 1)  # mesh coordinates (data, model) of the one device whose shard gets the inf
 AXES = ("data", "model")
@@ -20,8 +20,13 @@ PSPECS = {"w": P("data", "model"), "b": P()}  # "w" sharded over both axes, "b" 
 
 
 def _tx(axis_name, lowering="auto"):
-  return optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2,
-                                      axis_name=axis_name, skip_lowering=lowering)
+  return optax_dls.dynamic_loss_scale(
+    optax.adam(1e-2),
+    init_scale=2.0**10,
+    growth_interval=2,
+    axis_name=axis_name,
+    skip_lowering=lowering,
+  )
 
 
 def _params():
@@ -37,8 +42,14 @@ def _grads(scale, bad=None):
 
 
 def _state_specs(tx, state):
-  return optax.tree_map_params(tx, lambda _, s: s, state, PSPECS,
-                               transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+  return optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    state,
+    PSPECS,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def _sharded_update(tx, mesh, check_vma=True):
@@ -53,8 +64,13 @@ def _sharded_update(tx, mesh, check_vma=True):
       per_device = pcast_varying(per_device, AXES)
     return updates, state, per_device
 
-  fn = jax.shard_map(update, mesh=mesh, in_specs=(PSPECS, state_specs, PSPECS),
-                     out_specs=(PSPECS, state_specs, P(AXES)), check_vma=check_vma)
+  fn = jax.shard_map(
+    update,
+    mesh=mesh,
+    in_specs=(PSPECS, state_specs, PSPECS),
+    out_specs=(PSPECS, state_specs, P(AXES)),
+    check_vma=check_vma,
+  )
 
   def run(grads, state, params):
     put = lambda t, s: jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), t, s)
@@ -117,7 +133,9 @@ def test_shard_map_norm_of_huge_finite_gradients_is_global_without_overflow(mesh
   assert per_device[:, 1].all() and not per_device[:, 2].any()  # every device applies the step
   expected = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values())) / 2.0**10
   np.testing.assert_allclose(per_device[:, 3], expected, rtol=1e-5)
-  single = jax.jit(_tx(None, lowering=lowering).update)(grads, _tx(None, lowering=lowering).init(params), params)[1]
+  single = jax.jit(_tx(None, lowering=lowering).update)(
+    grads, _tx(None, lowering=lowering).init(params), params
+  )[1]
   np.testing.assert_allclose(float(single.grad_norm), expected, rtol=1e-5)
 
 
@@ -126,8 +144,9 @@ def test_shard_map_missing_axis_name_raises_at_trace_time(mesh, axis_name, lower
   tx = _tx(axis_name, lowering=lowering)
   params = _params()
   state_specs = _state_specs(tx, tx.init(params))
-  fn = jax.shard_map(tx.update, mesh=mesh, in_specs=(PSPECS, state_specs, PSPECS),
-                     out_specs=(PSPECS, state_specs))
+  fn = jax.shard_map(
+    tx.update, mesh=mesh, in_specs=(PSPECS, state_specs, PSPECS), out_specs=(PSPECS, state_specs)
+  )
   put = lambda t, s: jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), t, s)
   args = put(_grads(1.0), PSPECS), put(tx.init(params), state_specs), put(params, PSPECS)
   with pytest.raises(ValueError, match=r"axis_name=.*'model'") as err:
@@ -187,7 +206,9 @@ def test_pmap_clean_steps_match_single_device(lowering):
     return optax.apply_updates(params, updates), state
 
   def ref_step(params, state):
-    grads = jax.grad(lambda p: optax_dls.scale_loss(jnp.mean(jnp.sin(p["w"] * xs).sum(1)), state))(params)
+    grads = jax.grad(lambda p: optax_dls.scale_loss(jnp.mean(jnp.sin(p["w"] * xs).sum(1)), state))(
+      params
+    )
     updates, state = _tx(None, lowering=lowering).update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -195,7 +216,9 @@ def test_pmap_clean_steps_match_single_device(lowering):
   for _ in range(3):
     params, state = pstep(params, state, xs)
     ref_params, ref_state = jax.jit(ref_step)(ref_params, ref_state)
-  np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(ref_params["w"]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(params["w"]), np.asarray(ref_params["w"]), rtol=1e-5, atol=1e-6
+  )
   assert float(state.loss_scale) == float(ref_state.loss_scale) == 2.0**11
   np.testing.assert_allclose(float(state.grad_norm), float(ref_state.grad_norm), rtol=1e-5)
 
@@ -210,11 +233,19 @@ def test_pmap_without_axis_name_decides_per_device(lowering):
   assert not finite[6] and finite[:6].all() and finite[7:].all()
 
 
-@pytest.mark.parametrize("make_tx,backs_off", [
+@pytest.mark.parametrize(
+  "make_tx,backs_off",
+  [
     (lambda a: optax_dls.no_loss_scale(optax.sgd(0.1), axis_name=a), False),
-    (lambda a: optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy(init_scale=2.0**10), axis_name=a),
-     True),
-], ids=["no_loss_scale", "amax_policy"])
+    (
+      lambda a: optax_dls.loss_scaled(
+        optax.sgd(0.1), optax_dls.amax_policy(init_scale=2.0**10), axis_name=a
+      ),
+      True,
+    ),
+  ],
+  ids=["no_loss_scale", "amax_policy"],
+)
 def test_shard_map_statistics_are_global_and_replicated(mesh, make_tx, backs_off, lowering):
   """The stored norm (and an amax-driven scale) come from the whole gradient, the same on every device."""
   tx = make_tx(AXES)

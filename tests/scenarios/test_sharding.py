@@ -14,7 +14,9 @@ BAD_DEVICE = 6  # the one device whose shard gets the inf
 
 
 def _tx(lowering="auto"):
-  return optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2, skip_lowering=lowering)
+  return optax_dls.dynamic_loss_scale(
+    optax.adam(1e-2), init_scale=2.0**10, growth_interval=2, skip_lowering=lowering
+  )
 
 
 def _init(in_dim=16, out_dim=8):
@@ -42,8 +44,14 @@ def _put(tree, mesh, specs):
 
 def _state_specs(tx, state, param_specs):
   """Inner-state leaves shaped like the parameters take their spec; every other leaf is replicated."""
-  return optax.tree_map_params(tx, lambda _, s: s, state, param_specs,
-                               transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+  return optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    state,
+    param_specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def _single_device_run(batches):
@@ -56,15 +64,17 @@ def _single_device_run(batches):
 
 
 def _assert_specs(tree, mesh, specs):
-  for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))):
+  for x, s in zip(
+    jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))
+  ):
     assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (x.sharding, s)
 
 
 LAYOUTS = {
-    # data-parallel: parameters replicated, batch split over all 8 devices.
-    "data_parallel": ((8,), ("data",), {"w": P(), "b": P()}),
-    # FSDP-style: parameters, gradients and optimizer state sharded too.
-    "fsdp": ((4, 2), ("data", "model"), {"w": P("data", "model"), "b": P("model")}),
+  # data-parallel: parameters replicated, batch split over all 8 devices.
+  "data_parallel": ((8,), ("data",), {"w": P(), "b": P()}),
+  # FSDP-style: parameters, gradients and optimizer state sharded too.
+  "fsdp": ((4, 2), ("data", "model"), {"w": P("data", "model"), "b": P("model")}),
 }
 
 
@@ -86,15 +96,19 @@ def test_clean_steps_match_single_device_and_keep_shardings(layout, lowering):
   ref_params, ref_state = _single_device_run(batches)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  assert float(state.loss_scale) == float(ref_state.loss_scale) == 2.0**11  # grew after 2 clean steps
+  assert (
+    float(state.loss_scale) == float(ref_state.loss_scale) == 2.0**11
+  )  # grew after 2 clean steps
   np.testing.assert_allclose(float(state.grad_norm), float(ref_state.grad_norm), rtol=1e-5)
   _assert_specs(params, mesh, pspecs)
   _assert_specs(state, mesh, sspecs)
   assert state.loss_scale.sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize("layout,axis_type", [
-    ("data_parallel", AxisType.Explicit), ("fsdp", AxisType.Explicit), ("fsdp", AxisType.Auto)])
+@pytest.mark.parametrize(
+  "layout,axis_type",
+  [("data_parallel", AxisType.Explicit), ("fsdp", AxisType.Explicit), ("fsdp", AxisType.Auto)],
+)
 def test_inf_in_one_device_shard_skips_everywhere(layout, axis_type, lowering):
   shape, names, pspecs = LAYOUTS[layout]
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
@@ -111,7 +125,9 @@ def test_inf_in_one_device_shard_skips_everywhere(layout, axis_type, lowering):
   w_grad[row, col] = np.inf
   grads = {"w": jax.device_put(w_grad, w_sharding), "b": jnp.ones_like(params["b"])}
   if layout == "fsdp":
-    owners = [s.device for s in grads["w"].addressable_shards if not np.isfinite(np.asarray(s.data)).all()]
+    owners = [
+      s.device for s in grads["w"].addressable_shards if not np.isfinite(np.asarray(s.data)).all()
+    ]
     assert owners == [bad]
 
   update = jax.jit(tx.update)

@@ -16,20 +16,62 @@ from optax_dls import cli
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
-import train_lm  # noqa: E402
+import train_lm
 
 RUNS = ("fp32", "fp16", "fp16-dls", "fp16-dls-recompute")
 STEPS = 10
-TINY = ["--steps", str(STEPS), "--batch-size", "4", "--seq-len", "16", "--d-model", "16",
-        "--layers", "1", "--heads", "2", "--eval-every", "5", "--eval-batches", "2", "--lr", "1e-2"]
+TINY = [
+  "--steps",
+  str(STEPS),
+  "--batch-size",
+  "4",
+  "--seq-len",
+  "16",
+  "--d-model",
+  "16",
+  "--layers",
+  "1",
+  "--heads",
+  "2",
+  "--eval-every",
+  "5",
+  "--eval-batches",
+  "2",
+  "--lr",
+  "1e-2",
+]
 # The loss of each step averaged over 4096 replicas x 2 micro-batches x 4 x 16 tokens: per-token
 # gradients of p / 524,288, which float16 cannot hold without loss scaling. The loss-scaled runs
 # start at 2**31, where some micro-batches overflow: fp16-dls skips those steps, fp16-dls-recompute
 # recomputes them.
-REGIME = ["--replicas", "4096", "--micro-batches", "2", "--init-scale", str(2.0**31), "--max-scale", str(2.0**40)]
-TRAIN_KEYS = {"run", "step", "loss", "loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps",
-              "update_ratio", "grad_norm", "fp32_fallback", "recomputed_steps", "recompute_tries",
-              "underflow/zero_frac", "underflow/subnormal_frac", "wall_s"}
+REGIME = [
+  "--replicas",
+  "4096",
+  "--micro-batches",
+  "2",
+  "--init-scale",
+  str(2.0**31),
+  "--max-scale",
+  str(2.0**40),
+]
+TRAIN_KEYS = {
+  "run",
+  "step",
+  "loss",
+  "loss_scale",
+  "skipped",
+  "skip_count",
+  "consecutive_skips",
+  "num_steps",
+  "update_ratio",
+  "grad_norm",
+  "fp32_fallback",
+  "recomputed_steps",
+  "recompute_tries",
+  "underflow/zero_frac",
+  "underflow/subnormal_frac",
+  "wall_s",
+}
 EVAL_KEYS = {"run", "step", "val_loss", "wall_s"}
 
 
@@ -63,14 +105,18 @@ def test_metrics_jsonl_has_every_step_of_every_run(out):
     assert all(set(r) == TRAIN_KEYS and r["run"] == run for r in train)
     assert all(set(r) == EVAL_KEYS for r in evals)
     assert all(isinstance(r["skipped"], bool) for r in train)
-  assert all(r["loss_scale"] > 1 for r in train_rows(out, "fp16-dls") + train_rows(out, "fp16-dls-recompute"))
+  assert all(
+    r["loss_scale"] > 1 for r in train_rows(out, "fp16-dls") + train_rows(out, "fp16-dls-recompute")
+  )
   assert {r["loss_scale"] for r in train_rows(out, "fp32")} == {1.0}
 
 
 def test_fp16_loses_gradient_entries_that_loss_scaling_keeps(out):
   rows = {run: train_rows(out, run) for run in RUNS}
   for fp32, fp16, dls, recompute in zip(*rows.values()):
-    assert fp16["underflow/zero_frac"] > fp32["underflow/zero_frac"] + 0.1  # flushed to zero by float16
+    assert (
+      fp16["underflow/zero_frac"] > fp32["underflow/zero_frac"] + 0.1
+    )  # flushed to zero by float16
     # The fp32 floor (embedding rows of bytes absent from the batch), on every applied step.
     for scaled in (dls, recompute) if not dls["skipped"] else (recompute,):
       assert abs(scaled["underflow/zero_frac"] - fp32["underflow/zero_frac"]) < 0.01
@@ -79,13 +125,20 @@ def test_fp16_loses_gradient_entries_that_loss_scaling_keeps(out):
 def test_recompute_run_applies_every_step_that_fp16_dls_skips(out):
   dls, recompute = train_rows(out, "fp16-dls"), train_rows(out, "fp16-dls-recompute")
   assert dls[-1]["skip_count"] >= 1 and not any(r["skipped"] for r in recompute)
-  assert recompute[-1]["recomputed_steps"] >= 1 and recompute[-1]["recompute_tries"] >= recompute[-1]["recomputed_steps"]
+  assert (
+    recompute[-1]["recomputed_steps"] >= 1
+    and recompute[-1]["recompute_tries"] >= recompute[-1]["recomputed_steps"]
+  )
   assert dls[-1]["recompute_tries"] == 0
   # The same batches, and no step lost: its training loss is fp32's to float16 rounding.
-  np.testing.assert_allclose([r["loss"] for r in recompute], [r["loss"] for r in train_rows(out, "fp32")], rtol=1e-2)
+  np.testing.assert_allclose(
+    [r["loss"] for r in recompute], [r["loss"] for r in train_rows(out, "fp32")], rtol=1e-2
+  )
   row = json.loads((out / "summary.json").read_text())["runs"]["fp16-dls-recompute"]
   assert row["skipped"] == 0 and row["recomputed"] == recompute[-1]["recomputed_steps"]
-  assert row["extra_passes"] == recompute[-1]["recompute_tries"] / (STEPS * 2)  # 2 micro-batches a step
+  assert row["extra_passes"] == recompute[-1]["recompute_tries"] / (
+    STEPS * 2
+  )  # 2 micro-batches a step
 
 
 def test_plot_and_tensorboard_files(out):
@@ -100,10 +153,20 @@ def test_summary(out):
   assert set(summary["runs"]) == set(RUNS)
   assert summary["tokens_per_step"] == 4096 * 2 * 4 * 16
   for name, row in summary["runs"].items():
-    assert set(row) == {"train_loss", "val_loss", "zero_frac", "skipped", "recomputed", "extra_passes",
-                        "loss_scale", "wall_s"}
+    assert set(row) == {
+      "train_loss",
+      "val_loss",
+      "zero_frac",
+      "skipped",
+      "recomputed",
+      "extra_passes",
+      "loss_scale",
+      "wall_s",
+    }
     assert 0 <= row["zero_frac"] <= 1 and row["wall_s"] > 0
-    assert (row["recomputed"] is None) == (row["extra_passes"] is None) == (name != "fp16-dls-recompute")
+    assert (
+      (row["recomputed"] is None) == (row["extra_passes"] is None) == (name != "fp16-dls-recompute")
+    )
 
 
 def test_loss_scaled_run_learns(out):
@@ -115,7 +178,9 @@ def test_redirected_output_is_plain_lines(out):
   printed = (out / "stdout.txt").read_text()
   assert "\r" not in printed and "fp16-dls: step 10/10" in printed
   assert "fp16-dls-recompute: step 10/10" in printed and "recomputed" in printed
-  assert "vs fp32" in printed and "extra passes" in printed and f"optax-dls inspect {out}" in printed
+  assert (
+    "vs fp32" in printed and "extra passes" in printed and f"optax-dls inspect {out}" in printed
+  )
 
 
 def test_inspect_reads_every_run_and_flags_the_unscaled_fp16_run(out):
@@ -141,15 +206,23 @@ def test_replicas_change_only_the_backward_pass_normalisation():
 
 def test_a_recomputed_micro_batch_brings_the_earlier_ones_to_its_scale():
   """The step equals one run directly at the final scale: the sum so far follows the backoff."""
-  args = train_lm.parse_args(TINY + ["--replicas", "4096", "--micro-batches", "2", "--init-scale", str(2.0**31)])
+  args = train_lm.parse_args(
+    TINY + ["--replicas", "4096", "--micro-batches", "2", "--init-scale", str(2.0**31)]
+  )
   model = train_lm.Transformer(args.d_model, args.layers, args.heads, args.seq_len, train_lm.FP16)
   params = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
   # At 2**31 the first micro-batch's gradients fit float16 and the second's overflow.
   starts = np.stack([np.arange(4) * 1000 + 37, np.arange(4) * 1000])
   batches = train_lm.data.gather(args.train, starts, args.seq_len + 1)
   tx = train_lm.make_optimizer("fp16-dls-recompute", args)
-  new, _, m = train_lm.make_train_step(model, tx, args, max_tries=3)(params, tx.init(params), batches)
-  assert int(m["recompute_tries"]) == 1 and int(m["skip_count"]) == 0 and float(m["loss_scale"]) == 2.0**30
+  new, _, m = train_lm.make_train_step(model, tx, args, max_tries=3)(
+    params, tx.init(params), batches
+  )
+  assert (
+    int(m["recompute_tries"]) == 1
+    and int(m["skip_count"]) == 0
+    and float(m["loss_scale"]) == 2.0**30
+  )
   plain = train_lm.make_optimizer("fp16-dls", args)
   direct = optax_dls.reset_scale(plain.init(params), 2.0**30)
   new_d, _, m_d = train_lm.make_train_step(model, plain, args)(params, direct, batches)
@@ -164,12 +237,15 @@ def test_runs_subset_is_parsed_in_order():
   assert train_lm.parse_args(["--runs", "fp16-dls, fp32"]).runs == ["fp16-dls", "fp32"]
 
 
-@pytest.mark.parametrize("content, message", [
+@pytest.mark.parametrize(
+  "content, message",
+  [
     (None, "no such file"),
     (b"", "file is empty"),
     (b"too short", "needs at least"),
     (b"\xff\xfe not utf-8 " * 50, "is not UTF-8"),
-])
+  ],
+)
 def test_text_errors_exit_2_with_a_message(tmp_path, capsys, content, message):
   path = tmp_path / "corpus.txt"
   if content is not None:
@@ -182,7 +258,9 @@ def test_text_errors_exit_2_with_a_message(tmp_path, capsys, content, message):
   assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags, message", [
+@pytest.mark.parametrize(
+  "flags, message",
+  [
     (["--runs", "fp32,bf16"], "--runs"),
     (["--heads", "3"], "--heads"),
     (["--steps", "0"], "--steps"),
@@ -195,7 +273,8 @@ def test_text_errors_exit_2_with_a_message(tmp_path, capsys, content, message):
     (["--max-tries", "-1"], "--max-tries"),
     (["--init-scale", "nan"], "--init-scale"),
     (["--max-scale", "1024"], "--max-scale"),
-])
+  ],
+)
 def test_bad_flags_exit_2(tmp_path, capsys, flags, message):
   with pytest.raises(SystemExit) as e:
     train_lm.main(flags + ["--out", str(tmp_path / "out")])
@@ -215,4 +294,4 @@ def test_text_file_is_split_90_10(tmp_path):
   path.write_text("é" * 1000, encoding="utf-8")  # 2000 bytes
   args = train_lm.parse_args(["--text", str(path), "--seq-len", "8"])
   assert (args.train.size, args.val.size) == (1800, 200)
-  assert bytes(args.train[:2]) == "é".encode("utf-8")
+  assert bytes(args.train[:2]) == "é".encode()

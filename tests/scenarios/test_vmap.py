@@ -10,17 +10,24 @@ import optax_dls
 MEMBERS = 4
 # finite (True) / non-finite (False) per step and member: member 2 overflows
 # alone at step 0, member 0 at step 2, member 3 twice.
-PATTERN = np.array([
+PATTERN = np.array(
+  [
     [True, True, False, True],
     [True, True, True, False],
     [False, True, True, False],
     [True, True, True, True],
-])
+  ]
+)
 
 
 def _tx(axis_name=None, lowering="auto"):
-  return optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2,
-                                      axis_name=axis_name, skip_lowering=lowering)
+  return optax_dls.dynamic_loss_scale(
+    optax.adam(1e-2),
+    init_scale=2.0**10,
+    growth_interval=2,
+    axis_name=axis_name,
+    skip_lowering=lowering,
+  )
 
 
 def _grads(step, member, scale, finite):
@@ -38,8 +45,10 @@ def test_each_member_skips_and_scales_on_its_own(lowering):
   state = jax.vmap(tx.init)(params)
   update = jax.jit(jax.vmap(tx.update))
 
-  solo = [(jax.tree.map(lambda x: x[m], params), tx.init(jax.tree.map(lambda x: x[m], params)))
-          for m in range(MEMBERS)]
+  solo = [
+    (jax.tree.map(lambda x: x[m], params), tx.init(jax.tree.map(lambda x: x[m], params)))
+    for m in range(MEMBERS)
+  ]
   solo_update = jax.jit(tx.update)
   for step, finite in enumerate(PATTERN):
     scales = np.asarray(state.loss_scale)
@@ -62,7 +71,9 @@ def test_each_member_skips_and_scales_on_its_own(lowering):
     np.testing.assert_allclose(np.asarray(params["w"][m]), np.asarray(p["w"]), rtol=1e-6, atol=1e-7)
     assert float(state.loss_scale[m]) == float(s.loss_scale)
     assert int(state.num_skipped[m]) == int(s.num_skipped) == int((~PATTERN[:, m]).sum())
-    np.testing.assert_array_equal(np.asarray(state.inner_state[0].count[m]), np.asarray(s.inner_state[0].count))
+    np.testing.assert_array_equal(
+      np.asarray(state.inner_state[0].count[m]), np.asarray(s.inner_state[0].count)
+    )
   # The scales really did move apart: 2**10 -> grown, backed off, or both.
   assert len(set(np.asarray(state.loss_scale).tolist())) > 1
 
