@@ -21,19 +21,20 @@ from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
 from optax_dls._access import find_state, loss_scale, metrics, reset_scale, scale_loss
 from optax_dls._alerts import SkipAlerts
-from optax_dls._fallback import fp32_fallback, select_precision
 from optax_dls._numerics import all_finite
 from optax_dls._policies import (
   GradStats,
   LossScalePolicy,
   amax_policy,
   dynamic_policy,
+  fp32_fallback,
   noop_policy,
+  skips_at_min_scale,
   static_policy,
 )
+from optax_dls._precision import select_precision
 from optax_dls._recompute import value_and_grad
 from optax_dls._scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
-from optax_dls._skips_at_min_scale import skips_at_min_scale
 from optax_dls._state import LossScaleState
 from optax_dls._transform import LossScaledTransformation, apply_step, loss_scaled
 from optax_dls._underflow import underflow_stats

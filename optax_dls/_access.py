@@ -8,8 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_dls import _accumulation
-from optax_dls import _validation as v
+from optax_dls import _accumulation, _validation
 from optax_dls._state import LossScaleState
 
 
@@ -252,9 +251,9 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
         f"value must be a scalar of shape (), got a traced value {value!r} of shape {value.shape}."
       )
   else:
-    value = v.scale("value", value)
+    value = _validation.scale("value", value)
     if not isinstance(state.min_scale, jax.core.Tracer):
-      v.scale("value", value, float(state.min_scale), float(state.max_scale))
+      _validation.scale("value", value, float(state.min_scale), float(state.max_scale))
 
   scale = jnp.clip(jnp.asarray(value, jnp.float32), state.min_scale, state.max_scale)
   policy_state = jax.tree.map(

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from optax_dls import _validation as v
+from optax_dls import _validation
 
 logger = logging.getLogger("optax_dls")
 
@@ -55,7 +55,7 @@ class SkipAlerts:
   """
 
   def __init__(self, alert_after: int = 3):
-    self.alert_after = v.count("alert_after", alert_after)
+    self.alert_after = _validation.count("alert_after", alert_after)
     self.fired: list[str] = []
     self._episode = {"skips": None, "at_min": None}
 

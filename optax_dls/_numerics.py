@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_dls import _multi_device as md
+from optax_dls import _multi_device
 
 
 def is_float(x: Any) -> bool:
@@ -46,7 +46,7 @@ def nonfinite_sum(tree: Any) -> jax.Array:
   return total
 
 
-def all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
+def all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
   """Returns whether every floating-point entry of ``tree`` is finite.
 
   The check is exact: finite values of any size count as finite, and a single
@@ -83,7 +83,7 @@ def all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
     >>> bool(optax_dls.all_finite({'w': jnp.array([1.0, jnp.inf], jnp.float16)}))
     False
   """
-  names = md.axis_names(md.check_axis_name(axis_name))
+  names = _multi_device.axis_names(_multi_device.check_axis_name(axis_name))
   for leaf in jax.tree.leaves(tree):
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
       raise TypeError(
@@ -99,9 +99,9 @@ def all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   )
 
 
-def exact_all_finite(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
+def exact_all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
   """bool ``()``: :func:`all_finite` always entry by entry (one read, no cond)."""
-  return jnp.isfinite(md.psum(nonfinite_sum(tree), axis_name))
+  return jnp.isfinite(_multi_device.psum(nonfinite_sum(tree), axis_name))
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:
@@ -132,17 +132,17 @@ def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
   return out
 
 
-def global_amax(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
+def global_amax(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
   """float32 ``()``: largest absolute value over every floating leaf (0 if none),
   maximised over ``axis_name`` when given."""
   amax = jnp.zeros([], jnp.float32)
   for x in float_leaves(tree):
     if x.size:
       amax = jnp.maximum(amax, jnp.max(jnp.abs(x)).astype(jnp.float32))
-  return md.pmax(amax, axis_name)
+  return _multi_device.pmax(amax, axis_name)
 
 
-def sum_squares(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
+def sum_squares(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
   """float32 ``()``: sum of ``|x|**2`` over every floating entry of ``tree``.
 
   One fused read of each leaf, squared and accumulated in float32 (float64
@@ -156,18 +156,18 @@ def sum_squares(tree: Any, axis_name: md.AxisName = None) -> jax.Array:
   over a named axis (it does not vary over it) is divided by that axis' size
   first, so it is counted once (see :func:`finite_and_norm`).
   """
-  sizes = md.axis_sizes(axis_name)
+  sizes = _multi_device.axis_sizes(axis_name)
   sq = jnp.zeros([], jnp.float32)
   for leaf in float_leaves(tree):
     x = leaf.astype(compute_dtype(leaf.dtype))
     part = jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32)
-    copies = md.replicas(leaf, sizes)
+    copies = _multi_device.replicas(leaf, sizes)
     sq = sq + (part / copies if copies > 1 else part)
-  return md.psum(sq, axis_name)
+  return _multi_device.psum(sq, axis_name)
 
 
 def robust_norm(
-  tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: md.AxisName = None
+  tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: _multi_device.AxisName = None
 ) -> jax.Array:
   """float32 ``()``: global L2 norm of a finite ``tree`` times ``inv_scale``,
   without overflow in the squares (two reads of each leaf; :func:`sum_squares`
@@ -179,7 +179,7 @@ def robust_norm(
   only when the norm itself is past the float32 range. Axes as in
   :func:`sum_squares`.
   """
-  sizes = md.axis_sizes(axis_name)
+  sizes = _multi_device.axis_sizes(axis_name)
   leaves = float_leaves(tree)
   parts = []
   for leaf, m in zip(leaves, leaf_amax(leaves)):
@@ -191,13 +191,13 @@ def robust_norm(
     y = x / m  # each read fuses on its own: nothing of the leaf's size is written
     q = jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32)
     unscaled_m = (m * jnp.asarray(inv_scale, m.dtype)).astype(jnp.float32)
-    parts.append((unscaled_m, q / md.replicas(leaf, sizes)))
+    parts.append((unscaled_m, q / _multi_device.replicas(leaf, sizes)))
   if not parts:
     return jnp.zeros([], jnp.float32)
-  top = md.pmax(jnp.max(jnp.stack([m for m, _ in parts])), axis_name)
+  top = _multi_device.pmax(jnp.max(jnp.stack([m for m, _ in parts])), axis_name)
   # m == top covers top == inf (a leaf past float32 range: the norm is inf too).
   total = sum(q * jnp.square(jnp.where(m == top, 1.0, m / top)) for m, q in parts)
-  return top * jnp.sqrt(md.psum(total, axis_name))
+  return top * jnp.sqrt(_multi_device.psum(total, axis_name))
 
 
 def valid_scale(scale: jax.Array) -> jax.Array:
@@ -209,7 +209,7 @@ def valid_scale(scale: jax.Array) -> jax.Array:
 
 
 def finite_and_norm(
-  grads: Any, scale: jax.Array, axis_name: md.AxisName = None
+  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
   """``(finite, norm)`` of ``u = unscale(grads, 1/scale)``: whether ``scale`` is a
   valid loss scale (:func:`valid_scale`) and every entry of ``u`` is finite,
@@ -280,7 +280,7 @@ _HI = 2.0**-100
 
 
 def finite_and_norm_fused(
-  grads: Any, scale: jax.Array, axis_name: md.AxisName = None
+  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`finite_and_norm` with no conditional: every statistic is a sibling
   reduction of the same read of each leaf, which XLA fuses into one pass on
@@ -296,14 +296,14 @@ def finite_and_norm_fused(
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
-  sizes = md.axis_sizes(axis_name)
+  sizes = _multi_device.axis_sizes(axis_name)
   leaves = float_leaves(grads)
   sq = sq_hi = bad = jnp.zeros([], jnp.float32)
   # A run-time factor: XLA folds (x * c)**2 into x**2 * c**2 for a constant c, and c**2 is 0.
   hi = lax.optimization_barrier(jnp.float32(_HI))
   for leaf, amax in zip(leaves, leaf_amax(leaves)):
     x = leaf.astype(compute_dtype(leaf.dtype))
-    copies = md.replicas(leaf, sizes)
+    copies = _multi_device.replicas(leaf, sizes)
     y = x * hi.astype(x.real.dtype)
     sq = sq + jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32) / copies
     sq_hi = sq_hi + jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32) / copies
@@ -311,7 +311,7 @@ def finite_and_norm_fused(
     d = jnp.real(d) + jnp.imag(d) if jnp.issubdtype(d.dtype, jnp.complexfloating) else d
     unscaled = unscale(amax, jnp.where(inv > 1, inv, 1.0).astype(jnp.float32))
     bad = bad + jnp.sum(d).astype(jnp.float32) + (unscaled - unscaled).astype(jnp.float32)
-  sq, sq_hi, bad = md.psum((sq, sq_hi, bad), axis_name)
+  sq, sq_hi, bad = _multi_device.psum((sq, sq_hi, bad), axis_name)
   # sqrt(sq_hi) * 2**50 * inv * 2**50: no intermediate overflows or underflows unless the norm does.
   norm = jnp.where(jnp.isfinite(sq), jnp.sqrt(sq) * inv, jnp.sqrt(sq_hi) * 2.0**50 * inv * 2.0**50)
   return jnp.isfinite(bad) & valid, norm

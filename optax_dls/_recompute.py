@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from optax_dls import _access
-from optax_dls import _validation as v
+from optax_dls import _access, _validation
 
 
 def value_and_grad(
@@ -111,18 +110,18 @@ def value_and_grad(
     >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['recompute_tries'])
     (8192.0, 3)
   """
-  v.function("fun", fun)
+  _validation.function("fun", fun)
   if fp32_fun is not None:
-    v.function("fp32_fun", fp32_fun)
+    _validation.function("fp32_fun", fp32_fun)
   back_off = getattr(tx, "back_off", None)
   if not callable(back_off):
     raise TypeError(
       f"tx must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
       f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
     )
-  max_tries = v.count("max_tries", max_tries, low=0, high=64)
-  argnums = v.argnums(argnums)
-  has_aux = v.boolean("has_aux", has_aux)
+  max_tries = _validation.count("max_tries", max_tries, low=0, high=64)
+  argnums = _validation.argnums(argnums)
+  has_aux = _validation.boolean("has_aux", has_aux)
 
   def grads_of(f):
     def scaled(scale, *args, **kwargs):
@@ -240,4 +239,6 @@ def _cast(out: Any, types: Any) -> Any:
 
 def _add(count: jax.Array, n: jax.Array) -> jax.Array:
   """``count + n`` for int32 ``n >= 0``, saturating at ``2**31 - 1``."""
-  return jnp.where(count > v.INT32_MAX - n, v.INT32_MAX, count + n).astype(jnp.int32)
+  return jnp.where(count > _validation.INT32_MAX - n, _validation.INT32_MAX, count + n).astype(
+    jnp.int32
+  )

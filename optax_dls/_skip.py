@@ -43,8 +43,7 @@ import optax
 from jax import lax
 from jax.extend import core as jax_core
 
-from optax_dls import _multi_device as md
-from optax_dls import _numerics
+from optax_dls import _multi_device, _numerics
 
 LOWERINGS = ("auto", "cond", "where")
 # What "auto" takes on each platform, as (check, skip); any other platform gets "where"'s.
@@ -72,13 +71,13 @@ def like(x: Any, target: Any) -> Any:
   if not hasattr(x, "dtype") or not hasattr(target, "dtype"):
     return x
   x = x if x.dtype == target.dtype else x.astype(target.dtype)
-  return md.vary_like(x, target)
+  return _multi_device.vary_like(x, target)
 
 
 def zeros_like(target: Any) -> Any:
   """Zeros of ``target``'s type: shape, dtype, sharding (``Explicit`` mesh axes
   included) and the mesh axes it varies over."""
-  return md.vary_like(jnp.zeros_like(target), target)
+  return _multi_device.vary_like(jnp.zeros_like(target), target)
 
 
 # What a step returns: the updates (``tx.update``) or the new parameters

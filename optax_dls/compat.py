@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_dls import _validation as v
+from optax_dls import _validation
 from optax_dls._policies import LossScalePolicy, dynamic_rule
 from optax_dls._validation import SCALE_MAX, SCALE_MIN
 
@@ -40,12 +40,12 @@ def _rule(
 ) -> LossScalePolicy:
   """:func:`optax_dls._policies.dynamic_rule` with a checked ``low <= init`` pair (each
   a ``(name, value)``) and no ceiling below ``2**126``, as in the references."""
-  init_scale, min_scale, _ = v.scale_range(init, low, ("max_scale", SCALE_MAX))
+  init_scale, min_scale, _ = _validation.scale_range(init, low, ("max_scale", SCALE_MAX))
   return dynamic_rule(init_scale=init_scale, min_scale=min_scale, max_scale=SCALE_MAX, **options)
 
 
 def _window(name: str, value: Any, low: int = 1) -> int:
-  return v.count(name, value, low=low, high=v.INT32_MAX - 1)
+  return _validation.count(name, value, low=low, high=_validation.INT32_MAX - 1)
 
 
 def torch_policy(
@@ -82,8 +82,8 @@ def torch_policy(
   """
   return _rule(
     init=("init_scale", init_scale),
-    growth_factor=v.growth_factor("growth_factor", growth_factor),
-    backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+    growth_factor=_validation.growth_factor("growth_factor", growth_factor),
+    backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
     growth_after=_window("growth_interval", growth_interval),
   )
 
@@ -133,7 +133,7 @@ def jmp_policy(
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  factor = v.growth_factor("factor", factor)
+  factor = _validation.growth_factor("factor", factor)
   return _rule(
     init=("loss_scale", loss_scale),
     low=("min_loss_scale", min_loss_scale),
@@ -174,9 +174,9 @@ def flax_policy(
   return _rule(
     init=("scale", scale),
     low=("minimum_scale", floor),
-    growth_factor=v.growth_factor("growth_factor", growth_factor),
-    backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
-    growth_after=min(interval + 1, v.INT32_MAX - 1),
+    growth_factor=_validation.growth_factor("growth_factor", growth_factor),
+    backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
+    growth_after=min(interval + 1, _validation.INT32_MAX - 1),
   )
 
 
@@ -212,8 +212,8 @@ def megatron_policy(
   return _rule(
     init=("initial_scale", initial_scale),
     low=("min_scale", min_scale),
-    growth_factor=v.growth_factor("growth_factor", growth_factor),
-    backoff_factor=v.backoff_factor("backoff_factor", backoff_factor),
+    growth_factor=_validation.growth_factor("growth_factor", growth_factor),
+    backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
     growth_after=_window("growth_interval", growth_interval),
     hysteresis=_window("hysteresis", hysteresis),
   )
@@ -254,7 +254,7 @@ def deepspeed_policy(
   Raises:
     ValueError / TypeError: as :func:`torch_policy`.
   """
-  window = v.count("scale_window", scale_window, high=v.INT32_MAX - 2)
+  window = _validation.count("scale_window", scale_window, high=_validation.INT32_MAX - 2)
   return _rule(
     init=("init_scale", init_scale),
     low=("min_scale", min_scale),
@@ -263,5 +263,5 @@ def deepspeed_policy(
     growth_after=window + 1,
     reset_after_growth=1,
     hysteresis=_window("delayed_shift", delayed_shift),
-    consecutive_hysteresis=v.boolean("consecutive_hysteresis", consecutive_hysteresis),
+    consecutive_hysteresis=_validation.boolean("consecutive_hysteresis", consecutive_hysteresis),
   )

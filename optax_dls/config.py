@@ -21,7 +21,7 @@ from typing import Any
 
 import optax
 
-from optax_dls import _fallback, _policies, _transform, _underflow
+from optax_dls import _policies, _transform, _underflow
 
 __all__ = ["from_config", "load_config", "preset", "preset_reason"]
 
@@ -309,7 +309,7 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
     if k.startswith("fallback_")
   }
   if fallback.get("after") is not None:
-    policy = _fallback.fp32_fallback(policy, **fallback)
+    policy = _policies.fp32_fallback(policy, **fallback)
   elif set(fallback) - {"after"}:
     raise ValueError(
       f"loss-scale configuration keys {sorted('fallback_' + k for k in fallback)} "

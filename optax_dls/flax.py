@@ -33,8 +33,7 @@ _versions.check_flax()  # before flax is used: a clear ImportError when it is to
 
 from flax import nnx
 
-from optax_dls import _access
-from optax_dls import _validation as v
+from optax_dls import _access, _validation
 from optax_dls._access import find_state, scale_loss
 from optax_dls._recompute import value_and_grad as _recompute_value_and_grad
 from optax_dls._transform import apply_step
@@ -149,11 +148,11 @@ def value_and_grad(
       here, before any tracing); ``max_tries`` out of range, or ``fp32_fun``
       without ``max_tries``.
   """
-  v.function("fun", fun)
-  has_aux = v.boolean("has_aux", has_aux)
-  argnums = v.argnums(argnums)
+  _validation.function("fun", fun)
+  has_aux = _validation.boolean("has_aux", has_aux)
+  argnums = _validation.argnums(argnums)
   if fp32_fun is not None:
-    v.function("fp32_fun", fp32_fun)
+    _validation.function("fp32_fun", fp32_fun)
     if max_tries is None:
       raise ValueError(
         "fp32_fun is the last resort of a recomputed step: pass max_tries too "
@@ -161,7 +160,7 @@ def value_and_grad(
       )
   is_opt = isinstance(opt, nnx.Optimizer)
   if max_tries is not None:
-    max_tries = v.count("max_tries", max_tries, low=0, high=64)
+    max_tries = _validation.count("max_tries", max_tries, low=0, high=64)
     _check_recomputable(opt, is_opt)
   source = opt.opt_state if is_opt else opt
   find_state(source)

@@ -21,14 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dls import _numerics
-from optax_dls import _validation as v
+from optax_dls import _numerics, _validation
 
 __all__ = ["group_scaled", "group_unscale", "scale_gradient"]
 
 
 def _factor(value: Any) -> float:
-  return v.scale("factor", value)
+  return _validation.scale("factor", value)
 
 
 def _arrays(name: str, tree: Any) -> Any:
@@ -133,7 +132,7 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
     TypeError: ``fn`` is not callable, or ``factor`` is not a static number.
     ValueError: ``factor`` out of range.
   """
-  v.function("fn", fn)
+  _validation.function("fn", fn)
   factor = _factor(factor)
   inverse = _factor(1.0 / factor)
 

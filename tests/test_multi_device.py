@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from optax_dls import _multi_device as md
+from optax_dls import _multi_device
 
 MESH = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
 
@@ -15,13 +15,13 @@ MESH = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "mo
   "name, expected", [(None, ()), ("d", ("d",)), (["a", "b"], ("a", "b")), (("a",), ("a",))]
 )
 def test_axis_names(name, expected):
-  assert md.axis_names(md.check_axis_name(name)) == expected
+  assert _multi_device.axis_names(_multi_device.check_axis_name(name)) == expected
 
 
 @pytest.mark.parametrize("bad", [5, (), ("a", 3), [None]])
 def test_bad_axis_name_is_a_type_error_naming_it(bad):
   with pytest.raises(TypeError, match="axis_name"):
-    md.check_axis_name(bad)
+    _multi_device.check_axis_name(bad)
 
 
 def _in_shard_map(fn, spec=P("data", "model")):
@@ -39,11 +39,11 @@ def test_varying_axes_vary_like_and_replicas():
   def probe(x):
     zero = jnp.zeros([])
     return {
-      "x": md.varying_axes(x),
-      "zero": md.varying_axes(zero),
-      "zero_like_x": md.varying_axes(md.vary_like(zero, x)),
-      "copies": md.replicas(zero, {"data": 4, "model": 2}),
-      "x_copies": md.replicas(x, {"data": 4, "model": 2}),
+      "x": _multi_device.varying_axes(x),
+      "zero": _multi_device.varying_axes(zero),
+      "zero_like_x": _multi_device.varying_axes(_multi_device.vary_like(zero, x)),
+      "copies": _multi_device.replicas(zero, {"data": 4, "model": 2}),
+      "x_copies": _multi_device.replicas(x, {"data": 4, "model": 2}),
     }
 
   got = _in_shard_map(probe)
@@ -53,14 +53,14 @@ def test_varying_axes_vary_like_and_replicas():
     and got["zero_like_x"] == {"data", "model"}
   )
   assert got["copies"] == 8 and got["x_copies"] == 1
-  assert md.varying_axes(jnp.ones(3)) == frozenset()  # outside shard_map
+  assert _multi_device.varying_axes(jnp.ones(3)) == frozenset()  # outside shard_map
 
 
 def test_coverage_check_names_the_missing_axis():
   def probe(x):
-    md.check_axis_coverage([x], jnp.zeros([]), ("data", "model"))  # covered: no error
+    _multi_device.check_axis_coverage([x], jnp.zeros([]), ("data", "model"))  # covered: no error
     with pytest.raises(ValueError, match=r"\['model'\].*axis_name=\('data', 'model'\)"):
-      md.check_axis_coverage([x], jnp.zeros([]), "data")
+      _multi_device.check_axis_coverage([x], jnp.zeros([]), "data")
     return {}
 
   _in_shard_map(probe)
@@ -68,9 +68,9 @@ def test_coverage_check_names_the_missing_axis():
 
 def test_an_axis_that_is_not_mapped_is_a_clear_error():
   with pytest.raises(ValueError, match="not mapped here"):
-    jax.jit(lambda x: md.axis_sizes("data"))(1.0)
+    jax.jit(lambda x: _multi_device.axis_sizes("data"))(1.0)
 
 
 def test_psum_and_pmax_are_identities_without_names():
   x = jnp.arange(3.0)
-  assert md.psum(x, None) is x and md.pmax(x, None) is x
+  assert _multi_device.psum(x, None) is x and _multi_device.pmax(x, None) is x

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import _policies
+from optax_dls._policies.base import LossScalePolicy, check_policy
 
 
 class SkipsAtMinScaleState(NamedTuple):
@@ -27,7 +27,7 @@ class SkipsAtMinScaleState(NamedTuple):
     return {"skips_at_min_scale": self.skips_at_min_scale}
 
 
-def skips_at_min_scale(policy: _policies.LossScalePolicy) -> _policies.LossScalePolicy:
+def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
   """Wraps ``policy`` to count consecutive skips taken at its ``min_scale``.
 
   A step that overflows although the scale is already at its floor cannot be
@@ -54,7 +54,7 @@ def skips_at_min_scale(policy: _policies.LossScalePolicy) -> _policies.LossScale
     >>> int(optax_dls.metrics(state)['skips_at_min_scale'])
     1
   """
-  policy = _policies.check_policy(policy)
+  policy = check_policy(policy)
   floor = jnp.float32(policy.min_scale)
 
   def init():

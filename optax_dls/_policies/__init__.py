@@ -1,0 +1,40 @@
+"""Loss-scale policies: the programmable rule that moves the loss scale.
+
+A policy is a pair of pure functions over a small policy-state pytree, in the
+style of an optax ``GradientTransformation`` (:mod:`.base`). The dynamic rule
+is written once (:mod:`.dynamic`) and reused by the dynamic, static and no-op
+policies and every preset of :mod:`optax_dls.compat`; :mod:`.amax` follows
+the gradients' magnitude. Policy wrappers own state beside the wrapped
+policy's: the float32 fallback (:mod:`.fallback`) and the count of skips at
+the minimum scale (:mod:`.min_scale`).
+"""
+
+from optax_dls._policies.amax import AmaxScaleState, amax_policy
+from optax_dls._policies.base import STATS, GradStats, LossScalePolicy, check_policy
+from optax_dls._policies.dynamic import (
+  DynamicScaleState,
+  dynamic_policy,
+  dynamic_rule,
+  noop_policy,
+  static_policy,
+)
+from optax_dls._policies.fallback import FallbackState, fp32_fallback
+from optax_dls._policies.min_scale import SkipsAtMinScaleState, skips_at_min_scale
+
+__all__ = [
+  "STATS",
+  "AmaxScaleState",
+  "DynamicScaleState",
+  "FallbackState",
+  "GradStats",
+  "LossScalePolicy",
+  "SkipsAtMinScaleState",
+  "amax_policy",
+  "check_policy",
+  "dynamic_policy",
+  "dynamic_rule",
+  "fp32_fallback",
+  "noop_policy",
+  "skips_at_min_scale",
+  "static_policy",
+]

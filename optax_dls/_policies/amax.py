@@ -1,0 +1,165 @@
+"""Gradient-aware loss scaling: the scale follows a short history of the gradients' magnitude."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_dls import _validation
+from optax_dls._policies.base import GradStats, LossScalePolicy
+
+
+class AmaxScaleState(NamedTuple):
+  """Policy state of :func:`amax_policy`.
+
+  Attributes:
+    amax_history: float32 ``[history_len]``. The unscaled gradient statistic
+      (amax or global norm) of the last ``history_len`` steps, newest first;
+      0 marks an empty slot. A non-finite step at scale S records
+      ``max_value / S``, the least magnitude that overflows at S.
+    growth_tracker: int32 ``()``. Consecutive finite steps since the scale
+      last moved.
+  """
+
+  amax_history: jax.Array
+  growth_tracker: jax.Array
+
+
+def _pow2_floor(x: jax.Array) -> jax.Array:
+  """The largest power of two <= x, for normal positive float32 x."""
+  _, exponent = jnp.frexp(x)
+  return jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1)
+
+
+def amax_policy(
+  init_scale: float = 2.0**15,
+  margin: float = 2.0,
+  history_len: int = 16,
+  growth_interval: int = 16,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  min_scale: float = 1.0,
+  max_scale: float = 2.0**24,
+  max_value: float = 65504.0,
+  statistic: str = "amax",
+) -> LossScalePolicy:
+  """Gradient-aware loss scaling: keep the scaled amax ``margin`` octaves below fp16 max.
+
+  The dynamic rule learns the largest safe scale only by overflowing. This
+  policy keeps a short history of the gradients' magnitude instead, the recipe
+  of delayed scaling for FP8 (Micikevicius et al. 2022, *FP8 Formats for Deep
+  Learning*; NVIDIA Transformer Engine ``DelayedScaling``). Each step records
+  the unscaled gradient statistic ``a`` (the amax of the scaled gradients
+  divided by S, or the global norm) and computes the target scale
+  ``T = pow2_floor(max_value / 2**margin / max(history))``, clipped to
+  ``[min_scale, max_scale]``: the largest power of two at which every recent
+  scaled gradient stays below ``max_value / 2**margin``.
+
+  * Finite step, ``T < S``: back off to ``T`` at once, before any overflow.
+  * Finite step, ``T > S`` and ``growth_interval`` consecutive finite steps
+    since the scale last moved: grow to ``min(S * growth_factor, T)``.
+  * Non-finite step (skipped): ``S = max(S * backoff_factor, min_scale)`` as
+    in the dynamic rule, and ``max_value / S`` enters the history (an
+    overflow at S means the magnitude was at least that), which holds the
+    scale down for the next ``history_len`` steps.
+
+  The amax is taken over the gradients the optimizer receives: with float32
+  master parameters cast to float16 inside the model, the float16 parameter
+  gradients upcast. Activation cotangents inside the network are not seen;
+  they can be larger, which is what ``margin`` absorbs. With
+  ``statistic="grad_norm"`` the (larger) global norm stands in for the amax.
+
+  Args:
+    init_scale: float, the first scale, in ``[min_scale, max_scale]``.
+      Default ``2**15``.
+    margin: float in [0, 64], octaves of headroom below ``max_value``.
+      Default 2.
+    history_len: int in [1, 4096], steps in the history. Default 16.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps between
+      two growths. Default 16.
+    growth_factor: float > 1, the largest growth per step. Default 2.
+    backoff_factor: float in (0, 1), backoff on a non-finite step. Default 0.5.
+    min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
+    max_scale: float in [min_scale, 2**126], ceiling of the scale. Default
+      ``2**24``.
+    max_value: float, the largest finite value of the compute dtype; it and
+      ``max_value * 2**-margin`` must be normal finite float32 numbers.
+      Default 65504 (float16).
+    statistic: ``"amax"`` (default; asks the wrapper for the amax) or
+      ``"grad_norm"``.
+
+  Returns:
+    A :class:`LossScalePolicy` whose state is an :class:`AmaxScaleState`.
+
+  Raises:
+    ValueError: a value outside its range; the message names it.
+    TypeError: a wrong type, or a traced value where a static number is needed.
+  """
+  init_scale, min_scale, max_scale = _validation.scale_range(
+    ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+  )
+  margin = _validation.real("margin", margin)
+  _validation.check(0.0 <= margin <= 64.0, "margin", margin, "0 <= value <= 64")
+  history_len = _validation.count("history_len", history_len, high=4096)
+  growth_interval = _validation.count("growth_interval", growth_interval)
+  growth_factor = _validation.growth_factor("growth_factor", growth_factor)
+  backoff_factor = _validation.backoff_factor("backoff_factor", backoff_factor)
+  max_value = _validation.real("max_value", max_value)
+  _validation.check(0.0 < max_value < math.inf, "max_value", max_value, "0 < value < inf")
+  tiny = float(np.finfo(np.float32).tiny)
+  for name, value in (
+    ("max_value", max_value),
+    ("max_value * 2**-margin", max_value * 2.0**-margin),
+  ):
+    _validation.float32(
+      name, value, lambda r: tiny <= r < math.inf, "2**-126 <= value < inf (a normal number)"
+    )
+  if not isinstance(statistic, str) or statistic not in ("amax", "grad_norm"):
+    kind = ValueError if isinstance(statistic, str) else TypeError
+    raise kind(f"statistic must be 'amax' or 'grad_norm', got statistic={statistic!r}.")
+  headroom = jnp.float32(max_value * 2.0**-margin)
+  lo, hi = jnp.float32(min_scale), jnp.float32(max_scale)
+
+  def init():
+    return (
+      jnp.asarray(init_scale, jnp.float32),
+      AmaxScaleState(jnp.zeros([history_len], jnp.float32), jnp.zeros([], jnp.int32)),
+    )
+
+  def update(scale: jax.Array, state: AmaxScaleState, stats: GradStats) -> tuple[jax.Array, Any]:
+    finite = stats.finite
+    observed = stats.amax / scale if statistic == "amax" else stats.grad_norm
+    observed = jnp.where(finite, observed, jnp.float32(max_value) / scale).astype(jnp.float32)
+    history = jnp.roll(state.amax_history, 1).at[0].set(observed)
+    peak = jnp.max(history)
+    raw = jnp.where(peak > 0, headroom / jnp.maximum(peak, jnp.finfo(jnp.float32).tiny), hi)
+    target = jnp.maximum(_pow2_floor(jnp.clip(raw, lo, hi)), lo)
+    tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
+    shrink = finite & (target < scale)
+    grow = finite & (target > scale) & (tracker >= growth_interval)
+    new_scale = jnp.where(
+      shrink,
+      target,
+      jnp.where(
+        grow,
+        jnp.minimum(scale * jnp.float32(growth_factor), target),
+        jnp.where(finite, scale, jnp.maximum(scale * jnp.float32(backoff_factor), lo)),
+      ),
+    )
+    moved = shrink | grow
+    return new_scale.astype(jnp.float32), AmaxScaleState(
+      history, jnp.where(moved, 0, tracker).astype(jnp.int32)
+    )
+
+  return LossScalePolicy(
+    init,
+    update,
+    stats=("amax",) if statistic == "amax" else (),
+    min_scale=min_scale,
+    max_scale=max_scale,
+  )

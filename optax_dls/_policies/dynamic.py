@@ -1,0 +1,201 @@
+"""The dynamic rule (Micikevicius et al. 2018, *Mixed Precision Training*, Sec. 3.2, with the
+hysteresis of Megatron-LM and DeepSpeed), written once, and the dynamic, static and no-op
+policies built on its state layout; :mod:`optax_dls.compat` reuses it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_dls import _validation
+from optax_dls._policies.base import LossScalePolicy
+
+
+class DynamicScaleState(NamedTuple):
+  """Policy state of the dynamic rule (and, held constant, of the static and no-op policies).
+
+  Attributes:
+    growth_tracker: int32 ``()``. Consecutive finite steps since the last
+      growth or overflow.
+    hysteresis_left: int32 ``()``. Overflows still tolerated before a backoff.
+  """
+
+  growth_tracker: jax.Array
+  hysteresis_left: jax.Array
+
+
+def _dynamic_state(hysteresis: int) -> DynamicScaleState:
+  return DynamicScaleState(jnp.zeros([], jnp.int32), jnp.asarray(hysteresis, jnp.int32))
+
+
+def dynamic_rule(
+  *,
+  init_scale: float,
+  min_scale: float,
+  max_scale: float,
+  growth_factor: float,
+  growth_after: int,
+  backoff_factor: float | None = None,
+  backoff_divisor: float | None = None,
+  reset_after_growth: int = 0,
+  hysteresis: int = 1,
+  consecutive_hysteresis: bool = False,
+  warmup_steps: int = 0,
+) -> LossScalePolicy:
+  """The dynamic rule, with every variation of the established scalers as an option.
+
+  Arguments are already checked. Finite step: ``tracker += 1``; with
+  ``consecutive_hysteresis`` the hysteresis is refilled; when ``tracker >=
+  growth_after`` and ``step >= warmup_steps``: ``S = min(S * growth_factor,
+  max_scale)``, ``tracker = reset_after_growth``, hysteresis refilled.
+  Non-finite step: ``tracker = 0``, the hysteresis drops by one (floored at
+  0) and at 0 ``S = max(S * backoff_factor, min_scale)`` (or ``S /
+  backoff_divisor``). Products and quotients are float32, each rounded once.
+  """
+  gf, lo, hi = jnp.float32(growth_factor), jnp.float32(min_scale), jnp.float32(max_scale)
+
+  def init():
+    return jnp.asarray(init_scale, jnp.float32), _dynamic_state(hysteresis)
+
+  def update(scale, state, stats):
+    finite = stats.finite
+    tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
+    grow = finite & (tracker >= growth_after) & (stats.step >= warmup_steps)
+    left = jnp.maximum(state.hysteresis_left - 1, 0)
+    backoff = ~finite & (left == 0)
+    backed = (
+      scale * jnp.float32(backoff_factor)
+      if backoff_divisor is None
+      else scale / jnp.float32(backoff_divisor)
+    )
+    new_scale = jnp.where(
+      grow, jnp.minimum(scale * gf, hi), jnp.where(backoff, jnp.maximum(backed, lo), scale)
+    )
+    kept = jnp.asarray(hysteresis, jnp.int32) if consecutive_hysteresis else state.hysteresis_left
+    new_state = DynamicScaleState(
+      growth_tracker=jnp.where(grow, reset_after_growth, tracker).astype(jnp.int32),
+      hysteresis_left=jnp.where(finite, jnp.where(grow, hysteresis, kept), left).astype(jnp.int32),
+    )
+    return new_scale.astype(jnp.float32), new_state
+
+  return LossScalePolicy(init, update, min_scale=min_scale, max_scale=max_scale)
+
+
+def dynamic_policy(
+  init_scale: float = 2.0**15,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+  min_scale: float = 1.0,
+  max_scale: float = 2.0**24,
+  hysteresis: int = 1,
+  consecutive_hysteresis: bool = False,
+  warmup_steps: int = 0,
+) -> LossScalePolicy:
+  """Dynamic loss scaling (Micikevicius et al. 2018, Mixed Precision Training).
+
+  On a finite step the growth tracker counts up; on the ``growth_interval``-th
+  consecutive finite step (and once ``warmup_steps`` updates have run) the
+  scale is multiplied by ``growth_factor``, capped at ``max_scale``, the
+  tracker resets and the hysteresis is refilled. On a non-finite step the
+  tracker resets and the hysteresis drops by one (floored at 0); when it is 0
+  the scale is multiplied by ``backoff_factor``, floored at ``min_scale``.
+  The growth timing matches PyTorch ``GradScaler``, jmp and Keras; flax's
+  ``DynamicScale`` grows one step later.
+
+  Args:
+    init_scale: float, initial loss scale S. Default ``2**15``. Must satisfy
+      ``min_scale <= init_scale <= max_scale``.
+    growth_factor: float > 1, finite, also once rounded to float32 (so not
+      within ~6e-8 of 1). Default 2.
+    backoff_factor: float in (0, 1), also once rounded to float32 (so not
+      within ~3e-8 of 1, nor below ~1e-45). Default 0.5.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps before a
+      growth. Default 2000.
+    min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
+    max_scale: float in [min_scale, 2**126], ceiling of the scale (never
+      inf). Default ``2**24``.
+    hysteresis: int in [1, 2**31 - 1], overflows tolerated before a backoff
+      (DeepSpeed ``delayed_shift``, Megatron ``hysteresis``). With 1 (the
+      default) every overflow backs off, as in PyTorch.
+    consecutive_hysteresis: bool. If True, every finite step refills the
+      hysteresis (DeepSpeed's option); otherwise only a growth does (Megatron).
+      Default False.
+    warmup_steps: int in [0, 2**31 - 1]. No growth before this many updates.
+      Default 0.
+
+  Returns:
+    A :class:`LossScalePolicy` whose state is a :class:`DynamicScaleState`.
+
+  Raises:
+    ValueError: a value outside its valid range; the message names it.
+    TypeError: a value of the wrong type, or a traced (non-static) value.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_dls
+    >>> policy = optax_dls.dynamic_policy(init_scale=8.0, growth_interval=2)
+    >>> scale, state = policy.init()
+    >>> for finite in [True, True, False]:
+    ...   stats = optax_dls.GradStats(finite=jnp.array(finite), step=jnp.array(0),
+    ...                               grad_norm=jnp.array(1.0))
+    ...   scale, state = policy.update(scale, state, stats)
+    ...   print(float(scale))
+    8.0
+    16.0
+    8.0
+  """
+  growth_factor = _validation.growth_factor("growth_factor", growth_factor)
+  backoff_factor = _validation.backoff_factor("backoff_factor", backoff_factor)
+  growth_interval = _validation.count("growth_interval", growth_interval)
+  init_scale, min_scale, max_scale = _validation.scale_range(
+    ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+  )
+  return dynamic_rule(
+    init_scale=init_scale,
+    min_scale=min_scale,
+    max_scale=max_scale,
+    growth_factor=growth_factor,
+    growth_after=growth_interval,
+    backoff_factor=backoff_factor,
+    hysteresis=_validation.count("hysteresis", hysteresis),
+    consecutive_hysteresis=_validation.boolean("consecutive_hysteresis", consecutive_hysteresis),
+    warmup_steps=_validation.count("warmup_steps", warmup_steps, low=0),
+  )
+
+
+def static_policy(scale: float) -> LossScalePolicy:
+  """A fixed loss scale: the scale never moves, non-finite steps are still skipped.
+
+  Args:
+    scale: float in [2**-126, 2**126], the constant loss scale S. It is also
+      the policy's ``min_scale`` and ``max_scale``.
+
+  Returns:
+    A :class:`LossScalePolicy` with the same state layout as
+    :func:`dynamic_policy` (a :class:`DynamicScaleState` held constant), so a
+    checkpoint moves between the two.
+
+  Raises:
+    ValueError: ``scale`` out of range.
+    TypeError: not a static number.
+  """
+  scale = _validation.scale("scale", scale)
+
+  def init():
+    return jnp.asarray(scale, jnp.float32), _dynamic_state(1)
+
+  return LossScalePolicy(init, lambda s, state, stats: (s, state), min_scale=scale, max_scale=scale)
+
+
+def noop_policy() -> LossScalePolicy:
+  """No loss scaling, for bf16 or fp32 training: S = 1, nothing checked or skipped.
+
+  Gradients reach the inner optimizer unchanged (``passthrough=True``), so the
+  result is bit-for-bit the bare inner optimizer's. The state layout is the
+  dynamic policy's, so the same training loop and checkpoints serve every
+  precision.
+  """
+  return static_policy(1.0)._replace(passthrough=True)
