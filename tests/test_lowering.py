@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
-from optax_dls import _skip
+from optax_dls import _jaxpr_select, _lowering
 
 PARAMS = {"a": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([[1.0, 3.0]], jnp.float32)}
 KEYS = jax.random.split(jax.random.key(0), 4)
@@ -235,7 +235,7 @@ def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
   assert "conditional" in _compiled(build("cond")) and "conditional" not in _compiled(
     build("where")
   )
-  assert _skip.AUTO == {"cpu": ("cond", "where")}
+  assert _lowering.AUTO == {"cpu": ("cond", "where")}
   assert "conditional" in _compiled(build("auto"))  # compiled for the CPU: the check of "cond"
   # The skip of "where": the updates are computed from the selected state and fuse
   # with the parameter update; nothing of a leaf's size is written to scratch
@@ -247,7 +247,7 @@ def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
     assert _temp_bytes(build("auto")) < leaf_bytes
     assert _temp_bytes(build("where")) < 2 * leaf_bytes  # the fused check's reads: one leaf at most
   # A platform missing from AUTO takes the default, "where": no conditional at all.
-  monkeypatch.setattr(_skip, "AUTO", {})
+  monkeypatch.setattr(_lowering, "AUTO", {})
   assert "conditional" not in _compiled(build("auto"))
 
 
@@ -262,10 +262,10 @@ def test_where_skip_selects_each_state_value_where_it_is_computed():
 
   finite = jnp.bool_(False)
   grads, state = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([5.0, 6.0])}
-  out, new_state = _skip.selected_at_definition(finite, apply, grads, state, None)
+  out, new_state = _jaxpr_select.selected_at_definition(finite, apply, grads, state, None)
   np.testing.assert_array_equal(out["w"], state["w"])  # built from the selected (old) state
   np.testing.assert_array_equal(new_state["w"], state["w"])
-  out, new_state = _skip.selected_at_definition(jnp.bool_(True), apply, grads, state, None)
+  out, new_state = _jaxpr_select.selected_at_definition(jnp.bool_(True), apply, grads, state, None)
   np.testing.assert_array_equal(out["w"], [6.0, 8.0])
   np.testing.assert_array_equal(new_state["w"], [6.0, 8.0])
 

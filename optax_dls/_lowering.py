@@ -1,0 +1,142 @@
+"""The two lowerings of the check and the skip, and the choice between them per platform.
+
+Both make the same skip decisions, keep the same scales and counters, and leave
+everything untouched on a skipped step bit for bit. The values of an applied
+step agree to float32 rounding: XLA fuses, and may contract, the optimizer's
+arithmetic differently in the two, so a few entries can differ in their last
+bit, and such differences carry into later steps (as between any two
+compilations of the same optimizer).
+
+* ``"cond"``: the check is one read of each gradient leaf with an exact path in
+  a ``lax.cond`` that runs only for a non-finite step
+  (:func:`optax_dls._numerics.finite_and_norm`); the skip is a ``lax.cond`` that
+  runs the inner update only on a finite step. The updates leave the
+  conditional and are written out, so on the ``tx.update`` +
+  ``optax.apply_updates`` path XLA cannot fuse them with the parameter update.
+  On a GPU a conditional may read its predicate back to the host unless the
+  runtime captures it in a graph.
+* ``"where"``: no conditional. The check's reductions are siblings of one read
+  (:func:`optax_dls._numerics.finite_and_norm_fused`); the inner update always
+  runs, on gradients replaced by zeros on a skipped step, and ``jnp.where``
+  keeps the old value of every output, each new state value selected where
+  the inner update computes it (:mod:`optax_dls._jaxpr_select`), so the
+  updates fuse with whatever consumes them and nothing is copied.
+
+``"auto"`` picks per platform with ``lax.platform_dependent``, from
+measurements (see ``docs/guide/performance.md``): on the CPU the check of
+``"cond"`` and the skip of ``"where"``; ``"where"`` everywhere else. The
+platform is the one the program is lowered for (``jax.export`` for another
+platform gets that platform's choice).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_dls import _jaxpr_select, _numerics, _types
+
+LOWERINGS = ("auto", "cond", "where")
+# What "auto" takes on each platform, as (check, skip); any other platform gets "where"'s.
+# On the CPU: the one-read check of "cond" (a conditional costs nothing there, the
+# sibling reductions of the fused check are separate reads) and the skip of "where".
+AUTO = {"cpu": ("cond", "where")}
+
+# ``apply(grads, inner_state, params) -> (out, inner_state)``, the step's work, and
+# ``skipped(params, out) -> out``, what it returns instead on a skipped step.
+Apply = Callable[[Any, Any, Any], tuple[Any, Any]]
+Skipped = Callable[[Any, Any], Any]
+
+
+def check_lowering(lowering: Any) -> str:
+  """``lowering`` if it is one of :data:`LOWERINGS`; TypeError / ValueError otherwise."""
+  if not isinstance(lowering, str):
+    raise TypeError(
+      f"skip_lowering must be one of {LOWERINGS}, got {lowering!r} of type "
+      f"{type(lowering).__name__}."
+    )
+  if lowering not in LOWERINGS:
+    raise ValueError(f"skip_lowering must be one of {LOWERINGS}, got skip_lowering={lowering!r}.")
+  return lowering
+
+
+def by_cond(
+  finite: jax.Array, apply: Apply, skipped: Skipped, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
+  """The skip as a ``lax.cond``: ``apply`` runs only when ``finite``; otherwise
+  ``(skipped(params, out), inner_state)``, in the types ``apply`` returns."""
+
+  def skip(g: Any, s: Any, p: Any) -> tuple[Any, Any]:
+    out, new_s = jax.eval_shape(apply, g, s, p)
+    return skipped(p, out), jax.tree.map(_types.like, s, new_s)
+
+  return lax.cond(finite, apply, skip, grads, inner_state, params)
+
+
+def by_where(
+  finite: jax.Array, apply: Apply, skipped: Skipped, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
+  """The skip as a selection: ``apply`` always runs, on zeros where the step is not
+  finite, each new state value selected where it is computed; the outputs are
+  ``skipped(params, out)`` on a skipped step. Equal to selecting at the end: on a
+  finite step every selection is the identity; on a skipped step the outputs are
+  replaced and the state is the old one."""
+  safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  out, new_s = _jaxpr_select.selected_at_definition(finite, apply, safe, inner_state, params)
+  replaced = skipped(params, out)
+  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), out, replaced), new_s
+
+
+class Lowering(NamedTuple):
+  """How the check and the skip are compiled.
+
+  Attributes:
+    check: ``(grads, scale, axis_name) -> Check``.
+    select: ``(finite, apply, skipped, grads, inner_state, params) -> (out, inner_state)``.
+  """
+
+  check: Callable[..., _numerics.Check]
+  select: Callable[..., tuple[Any, Any]]
+
+
+COND = Lowering(_numerics.finite_and_norm, by_cond)
+WHERE = Lowering(_numerics.finite_and_norm_fused, by_where)
+_BY_NAME = {"cond": COND, "where": WHERE}
+
+
+def _branches(part: int, run: Callable[..., Any]) -> dict[str, Any]:
+  """``lax.platform_dependent`` branches running ``run(lowering, *operands)`` with the
+  lowering :data:`AUTO` names for ``part`` (0: the check, 1: the skip) per platform."""
+  branch = lambda how: functools.partial(run, how)
+  return {
+    "default": branch(WHERE),
+    **{platform: branch(_BY_NAME[how[part]]) for platform, how in AUTO.items()},
+  }
+
+
+def auto_check(grads: Any, scale: jax.Array, axis_name: Any = None) -> _numerics.Check:
+  """The check of :data:`AUTO`'s lowering for the platform the program is lowered for."""
+  branches = _branches(0, lambda how, g, s: how.check(g, s, axis_name))
+  return lax.platform_dependent(grads, scale, **branches)
+
+
+def auto_select(
+  finite: jax.Array, apply: Apply, skipped: Skipped, *operands: Any
+) -> tuple[Any, Any]:
+  """The skip of :data:`AUTO`'s lowering for the platform the program is lowered for."""
+  branches = _branches(1, lambda how, f, *ops: how.select(f, apply, skipped, *ops))
+  return lax.platform_dependent(finite, *operands, **branches)
+
+
+AUTO_LOWERING = Lowering(auto_check, auto_select)
+
+
+def lowering(name: Any) -> Lowering:
+  """The :class:`Lowering` named ``name`` (checked: TypeError / ValueError)."""
+  name = check_lowering(name)
+  return AUTO_LOWERING if name == "auto" else _BY_NAME[name]
