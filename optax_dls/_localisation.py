@@ -12,11 +12,12 @@ from the parameters' key paths; nothing of them enters the compiled step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 WORD_BITS = 32
 
@@ -26,13 +27,12 @@ def num_words(num_leaves: int) -> int:
   return max(1, -(-num_leaves // WORD_BITS))
 
 
-def pack(flags: Sequence[jax.Array]) -> jax.Array:
-  """uint32 ``[num_words(len(flags))]``: bit ``k % 32`` of word ``k // 32`` set where ``flags[k]``."""
-  words = num_words(len(flags))
-  if not flags:
-    return jnp.zeros([words], jnp.uint32)
-  bits = jnp.stack([jnp.asarray(f, jnp.uint32) for f in flags])
-  bits = jnp.pad(bits, (0, words * WORD_BITS - len(flags))).reshape(words, WORD_BITS)
+def pack(flags: jax.Array) -> jax.Array:
+  """uint32 ``[num_words(n)]`` from bool ``[n]``: bit ``k % 32`` of word ``k // 32`` set
+  where ``flags[k]``."""
+  n = flags.shape[0]
+  words = num_words(n)
+  bits = jnp.pad(flags.astype(jnp.uint32), (0, words * WORD_BITS - n)).reshape(words, WORD_BITS)
   return jnp.sum(bits << jnp.arange(WORD_BITS, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
 
 
@@ -98,3 +98,85 @@ def decode(leaves: Any, nan: Any, names: Sequence[str]) -> dict[str, str]:
   bad = unpack(leaves, len(names))
   has_nan = unpack(nan, len(names))
   return {name: ("nan" if n else "inf") for name, b, n in zip(names, bad, has_nan) if b}
+
+
+class NonFiniteRecord(NamedTuple):
+  """Where the last non-finite step came from, in the loss-scale state.
+
+  Attributes:
+    step: int32 ``()``: the update number (``num_steps`` after it) of the last
+      non-finite step; 0 before any.
+    leaves: uint32 ``[W]``: one bit per floating gradient leaf, set where that
+      leaf was not finite on that step (:func:`decode` names them).
+    nan: uint32 ``[W]``: set where that leaf held a NaN (clear: infinities only).
+    loss: bool ``()``: whether the loss of that step was itself not finite
+      (known when the loss was handed to ``update`` or ``value_and_grad``).
+    overflows: dict of int32 ``()``, one per parameter-group label: the
+      non-finite steps so far in which some leaf of that group was not finite
+      (empty without labels). Saturating.
+  """
+
+  step: jax.Array
+  leaves: jax.Array
+  nan: jax.Array
+  loss: jax.Array
+  overflows: dict[str, jax.Array]
+
+
+def init_record(num_leaves: int, labels: Sequence[str] = ()) -> NonFiniteRecord:
+  """The record before the first step: nothing recorded, every count 0."""
+  clear = jnp.zeros([num_words(num_leaves)], jnp.uint32)
+  zero = jnp.zeros([], jnp.int32)
+  return NonFiniteRecord(
+    step=zero,
+    leaves=clear,
+    nan=jnp.zeros_like(clear),
+    loss=jnp.zeros([], jnp.bool_),
+    overflows={label: jnp.zeros([], jnp.int32) for label in sorted(set(labels))},
+  )
+
+
+def group_masks(labels: Sequence[str]) -> dict[str, np.ndarray]:
+  """uint32 ``[W]`` per label: the bits of the leaves labelled so (``labels``: one per leaf)."""
+  masks = {}
+  for label in sorted(set(labels)):
+    masks[label] = _pack_host(np.array([x == label for x in labels], bool))
+  return masks
+
+
+def _pack_host(flags: np.ndarray) -> np.ndarray:
+  words = num_words(flags.shape[0])
+  bits = np.zeros(words * WORD_BITS, np.uint64)
+  bits[: flags.shape[0]] = flags
+  weights = np.uint64(1) << np.arange(WORD_BITS, dtype=np.uint64)
+  return (bits.reshape(words, WORD_BITS) * weights).sum(axis=1).astype(np.uint32)
+
+
+def recorded(
+  record: NonFiniteRecord,
+  finite: jax.Array,
+  step: jax.Array,
+  leaves: jax.Array,
+  nan: jax.Array,
+  loss_bad: jax.Array,
+  masks: dict[str, np.ndarray],
+) -> NonFiniteRecord:
+  """``record`` after an update numbered ``step``: unchanged on a finite step; on a
+  non-finite one the new bits, and ``loss`` True when ``loss_bad`` or when the record
+  already says so for this very step (set before ``update`` by a recomputation that
+  saw the loss not finite)."""
+  keep = lambda old, new: jnp.where(finite, old, new)
+  loss = loss_bad | (record.loss & (record.step == step))
+  overflows = {
+    label: jnp.where(
+      ~finite & jnp.any((leaves & masks[label]) != 0), optax.safe_increment(count), count
+    )
+    for label, count in record.overflows.items()
+  }
+  return NonFiniteRecord(
+    step=keep(record.step, step),
+    leaves=keep(record.leaves, leaves),
+    nan=keep(record.nan, nan),
+    loss=keep(record.loss, loss),
+    overflows=overflows,
+  )

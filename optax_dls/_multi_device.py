@@ -16,7 +16,7 @@ import jax
 from jax import lax
 
 AxisName = str | Sequence[str] | None
-_typeof = getattr(jax, "typeof", None) or jax.core.get_aval
+typeof = getattr(jax, "typeof", None) or jax.core.get_aval
 
 
 def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
@@ -62,7 +62,7 @@ def varying_axes(x: Any) -> frozenset[str]:
   Empty outside ``shard_map``, under ``shard_map(check_vma=False)`` and under
   ``pmap``, where JAX does not track it.
   """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x)
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:
     return frozenset(mat.varying)

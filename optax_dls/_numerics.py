@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_dls import _multi_device
+from optax_dls import _localisation, _multi_device, _validation
 
 
 def is_float(x: Any) -> bool:
@@ -29,21 +29,6 @@ def compute_dtype(dtype: Any) -> Any:
   if jnp.issubdtype(dtype, jnp.complexfloating):
     return dtype
   return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-
-
-def nonfinite_sum(tree: Any) -> jax.Array:
-  """float32 ``()``: 0 when every floating leaf is finite, NaN otherwise.
-
-  Uses ``x - x``, which is 0 for every finite ``x`` however large and NaN for
-  inf, -inf and NaN: one fused read of each leaf, exact in every dtype.
-  """
-  total = jnp.zeros([], jnp.float32)
-  for x in float_leaves(tree):
-    d = x - x
-    if jnp.issubdtype(d.dtype, jnp.complexfloating):
-      d = jnp.real(d) + jnp.imag(d)
-    total = total + jnp.sum(d).astype(jnp.float32)
-  return total
 
 
 def all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
@@ -84,12 +69,7 @@ def all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array
     False
   """
   names = _multi_device.axis_names(_multi_device.check_axis_name(axis_name))
-  for leaf in jax.tree.leaves(tree):
-    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-      raise TypeError(
-        f"tree must be a pytree of arrays, got a leaf {leaf!r} of type {type(leaf).__name__} "
-        f"in tree={tree!r}."
-      )
+  _validation.arrays("tree", tree)
   # One plain read of each leaf decides the common case (a finite sum of
   # squares proves every entry finite); only a sum that is not finite pays
   # for the entry-by-entry check, in a cond.
@@ -100,8 +80,11 @@ def all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array
 
 
 def exact_all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
-  """bool ``()``: :func:`all_finite` always entry by entry (one read, no cond)."""
-  return jnp.isfinite(_multi_device.psum(nonfinite_sum(tree), axis_name))
+  """bool ``()``: :func:`all_finite` always entry by entry (one read of each leaf, no cond)."""
+  leaves = float_leaves(tree)
+  amax = leaf_amax(leaves)
+  bad = jnp.sum(leaf_codes(amax, jnp.float32(1.0)) > 0)
+  return _multi_device.psum(bad, axis_name) == 0
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:
@@ -115,21 +98,6 @@ def unscale(tree: Any, inv_scale: jax.Array) -> Any:
     return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
 
   return jax.tree.map(one, tree)
-
-
-def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
-  """Each leaf's largest real or imaginary magnitude, a ``()`` of the leaf's
-  real dtype (0 for an empty leaf)."""
-  out = []
-  for x in leaves:
-    part = jnp.real(x).dtype
-    if not x.size:
-      out.append(jnp.zeros([], part))
-    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
-      out.append(jnp.maximum(jnp.max(jnp.abs(jnp.real(x))), jnp.max(jnp.abs(jnp.imag(x)))))
-    else:
-      out.append(jnp.max(jnp.abs(x)))
-  return out
 
 
 def global_amax(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
@@ -156,48 +124,20 @@ def sum_squares(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Arra
   over a named axis (it does not vary over it) is divided by that axis' size
   first, so it is counted once (see :func:`finite_and_norm`).
   """
-  sizes = _multi_device.axis_sizes(axis_name)
-  sq = jnp.zeros([], jnp.float32)
-  for leaf in float_leaves(tree):
+  parts = square_sums(float_leaves(tree), _multi_device.axis_sizes(axis_name))
+  return _multi_device.psum(sum(parts, jnp.zeros([], jnp.float32)), axis_name)
+
+
+def square_sums(leaves: list[jax.Array], sizes: dict[str, int]) -> list[jax.Array]:
+  """float32 ``()`` per leaf: the sum of ``|x|**2`` (one read), divided by the number of
+  devices of the named axes (``sizes``) that hold the same copy of the leaf."""
+  parts = []
+  for leaf in leaves:
     x = leaf.astype(compute_dtype(leaf.dtype))
     part = jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32)
     copies = _multi_device.replicas(leaf, sizes)
-    sq = sq + (part / copies if copies > 1 else part)
-  return _multi_device.psum(sq, axis_name)
-
-
-def robust_norm(
-  tree: Any, inv_scale: jax.Array | float = 1.0, axis_name: _multi_device.AxisName = None
-) -> jax.Array:
-  """float32 ``()``: global L2 norm of a finite ``tree`` times ``inv_scale``,
-  without overflow in the squares (two reads of each leaf; :func:`sum_squares`
-  is one).
-
-  Each leaf is divided by its own largest real or imaginary magnitude ``m``
-  before squaring; the per-leaf sums are combined relative to the largest
-  ``m * inv_scale`` (taken in the leaf's compute dtype), so the result is inf
-  only when the norm itself is past the float32 range. Axes as in
-  :func:`sum_squares`.
-  """
-  sizes = _multi_device.axis_sizes(axis_name)
-  leaves = float_leaves(tree)
-  parts = []
-  for leaf, m in zip(leaves, leaf_amax(leaves)):
-    if not leaf.size:
-      continue
-    x = leaf.astype(compute_dtype(leaf.dtype))
-    m = m.astype(x.real.dtype)
-    m = jnp.where(m > 0, m, jnp.ones_like(m))
-    y = x / m  # each read fuses on its own: nothing of the leaf's size is written
-    q = jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32)
-    unscaled_m = (m * jnp.asarray(inv_scale, m.dtype)).astype(jnp.float32)
-    parts.append((unscaled_m, q / _multi_device.replicas(leaf, sizes)))
-  if not parts:
-    return jnp.zeros([], jnp.float32)
-  top = _multi_device.pmax(jnp.max(jnp.stack([m for m, _ in parts])), axis_name)
-  # m == top covers top == inf (a leaf past float32 range: the norm is inf too).
-  total = sum(q * jnp.square(jnp.where(m == top, 1.0, m / top)) for m, q in parts)
-  return top * jnp.sqrt(_multi_device.psum(total, axis_name))
+    parts.append(part / copies if copies > 1 else part)
+  return parts
 
 
 def valid_scale(scale: jax.Array) -> jax.Array:
@@ -208,110 +148,275 @@ def valid_scale(scale: jax.Array) -> jax.Array:
   return (inv > 0) & (inv < jnp.inf)
 
 
+def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Each leaf's largest real or imaginary magnitude, a ``()`` of the leaf's real dtype
+  (0 for an empty leaf): one read of the leaf. NaN when the leaf holds a NaN (``max``
+  propagates it), +inf when it holds an infinity and no NaN, finite otherwise."""
+  out = []
+  for x in leaves:
+    part = jnp.real(x).dtype
+    if not x.size:
+      out.append(jnp.zeros([], part))
+    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+      out.append(jnp.maximum(jnp.max(jnp.abs(jnp.real(x))), jnp.max(jnp.abs(jnp.imag(x)))))
+    else:
+      out.append(jnp.max(jnp.abs(x)))
+  return out
+
+
+def _unscaled_amax(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
+  """float32 ``[len(amax)]``: each largest magnitude unscaled, for a loss scale below 1, in
+  its own dtype (where it may overflow to inf) and then as float32; NaN stays NaN. The
+  scalars of one dtype are stacked and unscaled together: a few operations, whatever the
+  number of leaves."""
+  k = jnp.where(inv_scale > 1, inv_scale, 1.0).astype(jnp.float32)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, m in enumerate(amax):
+    by_dtype.setdefault(m.dtype, []).append(i)
+  order = [i for idx in by_dtype.values() for i in idx]
+  parts = [
+    unscale(jnp.stack([amax[i] for i in idx]), k).astype(jnp.float32) for idx in by_dtype.values()
+  ]
+  joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  return joined[np.argsort(np.asarray(order))]
+
+
+# Each entry times _TINY[compute dtype], squared: far from overflow for every finite
+# entry of that dtype (float32: (2**128 * 2**-100)**2 = 2**56, and a sum of 2**31 of them
+# 2**87; float64: (2**1024 * 2**-552)**2 = 2**944), so a sum of them is finite exactly when
+# every entry is, and the norm of a leaf whose plain squares overflow loses nothing to the
+# entries the factor flushes (float32: those below about 2**-37 in a norm above 2**64).
+# The factor is applied before squaring: its square is not a float32 number.
+_TINY = {jnp.dtype(jnp.float32): 2.0**-100, jnp.dtype(jnp.float64): 2.0**-552}
+# The float32 value of the scaled squares' sum of a float64 leaf (times 2**-1104) is its
+# own times this (times 2**-200, as a float32 leaf's).
+_TO_FLOAT32 = {jnp.dtype(jnp.float32): 1.0, jnp.dtype(jnp.float64): 2.0 ** (1104 - 200)}
+
+
+def _own_zero(x: jax.Array) -> jax.Array:
+  """A zero of ``x``'s real dtype computed from ``x``'s first entry (finite whatever it is).
+
+  XLA's CPU backend fuses an elementwise producer into a reduction only when it reads the
+  reduced array alone: a factor that is a constant or another array's scalar makes it write
+  the product out, an array of the leaf's size. A factor computed from the leaf itself
+  keeps the read fused. A leaf sharded over ``Explicit`` mesh axes gets a plain zero.
+  """
+  real = jnp.real(x).dtype
+  spec = getattr(getattr(_multi_device.typeof(x), "sharding", None), "spec", None)
+  if spec is not None and any(p is not None for p in spec):
+    return jnp.zeros([], real)  # an entry of an explicitly sharded leaf needs a collective
+  first = jnp.real(x.reshape(-1)[0])
+  return (jnp.isnan(first)).astype(real) * 0
+
+
+def tiny_square_sums(leaves: list[jax.Array], k: jax.Array | None = None) -> list[jax.Array]:
+  """Per leaf, the sum of ``|u * _TINY|**2`` in the leaf's compute dtype, one fused read,
+  with ``u`` the leaf times ``k`` (a float32 ``()`` >= 1, default 1; the compute dtype's
+  product, as :func:`unscale` forms it). Finite exactly when every entry of ``u`` is
+  finite, NaN when one is NaN, +inf when one is infinite and none NaN; and, brought to
+  float32 (:func:`tiny_norm`), the norm without overflow."""
+  out = []
+  for leaf in leaves:
+    ct = compute_dtype(leaf.dtype)
+    real = jnp.finfo(ct).dtype
+    x = leaf.astype(ct)
+    if not x.size:
+      out.append(jnp.zeros([], real))
+      continue
+    zero = _own_zero(x)
+    u = x if k is None else x * (k.astype(real) + zero)
+    v = u * (jnp.asarray(_TINY[jnp.dtype(real)], real) + zero)
+    out.append(jnp.sum(jnp.real(v * jnp.conj(v))))
+  return out
+
+
+def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
+  """bool ``()``: whether unscaling by ``k`` (> 1) overflows a leaf of a dtype narrower
+  than its compute dtype (float16, bfloat16): its largest product reaches the value that
+  rounds to inf in the leaf's dtype. One read of each such leaf."""
+  bad = jnp.zeros([], jnp.bool_)
+  for leaf in leaves:
+    ct = compute_dtype(leaf.dtype)
+    if jnp.dtype(leaf.dtype) == jnp.dtype(ct) or not leaf.size:
+      continue
+    x = leaf.astype(ct)
+    zero = _own_zero(x)
+    top = leaf_amax([x * (k.astype(jnp.finfo(ct).dtype) + zero)])[0]
+    bad = bad | ~jnp.isfinite(top.astype(leaf.dtype))  # rounds to the leaf's dtype as unscale
+  return bad
+
+
+def _codes_of(values: list[jax.Array]) -> jax.Array:
+  """int32 ``[n]``: 2 where a value is NaN, 1 where it is infinite, 0 otherwise."""
+  if not values:
+    return jnp.zeros([0], jnp.int32)
+  v = _stacked_float32(values)
+  return jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32)
+
+
+def _stacked_float32(values: list[jax.Array], factor: dict | None = None) -> jax.Array:
+  """float32 ``[n]`` of scalars of several dtypes, each stacked with its dtype and converted
+  (times ``factor[dtype]``, if given) in a few operations, whatever their number."""
+  by_dtype: dict[Any, list[int]] = {}
+  for i, v in enumerate(values):
+    by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
+  order, parts = [], []
+  for dtype, idx in by_dtype.items():
+    v = jnp.stack([values[i] for i in idx])
+    if factor is not None and factor[dtype] != 1.0:
+      v = v * jnp.asarray(factor[dtype], dtype)
+    parts.append(v.astype(jnp.float32))
+    order += idx
+  joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  return joined if order == sorted(order) else joined[np.argsort(np.asarray(order))]
+
+
+def tiny_norm(
+  leaves: list[jax.Array], tiny: list[jax.Array], inv_scale: jax.Array, axis_name: Any = None
+) -> jax.Array:
+  """float32 ``()``: the global L2 norm of ``leaves`` times ``inv_scale`` from their
+  :func:`tiny_square_sums`, each counted once per replica, as in :func:`sum_squares`:
+  inf only when the norm itself is past the float32 range."""
+  if not leaves:
+    return jnp.zeros([], jnp.float32)
+  sizes = _multi_device.axis_sizes(axis_name)
+  copies = jnp.asarray([_multi_device.replicas(x, sizes) for x in leaves], jnp.float32)
+  scaled = {k: v for k, v in _TO_FLOAT32.items()}
+  total = _multi_device.psum(jnp.sum(_stacked_float32(tiny, scaled) / copies), axis_name)
+  # sqrt(total) * 2**100 * inv: no intermediate overflows or underflows unless the norm does.
+  return jnp.sqrt(total) * 2.0**50 * inv_scale * 2.0**50
+
+
+class Check(NamedTuple):
+  """What the finite check learns about one step's scaled gradients.
+
+  Attributes:
+    finite: bool ``()``: the loss scale is valid and every floating entry of the
+      unscaled gradients is finite (reduced over the named axes).
+    grad_norm: float32 ``()``: the global L2 norm of the unscaled gradients (inf
+      or NaN on a non-finite step).
+    leaves: uint32 ``[W]``: one bit per floating gradient leaf, set where the
+      leaf is not finite (all clear on a finite step).
+    nan: uint32 ``[W]``: set where the leaf holds a NaN.
+  """
+
+  finite: jax.Array
+  grad_norm: jax.Array
+  leaves: jax.Array
+  nan: jax.Array
+
+
+def _check(
+  codes: jax.Array, valid: jax.Array, norm: jax.Array, axis_name: _multi_device.AxisName
+) -> Check:
+  """The :class:`Check` of per-leaf ``codes`` (0 finite, 1 inf, 2 NaN), the same on every
+  device of the named axes."""
+  codes = _multi_device.pmax(codes, axis_name)
+  finite = valid & ~jnp.any(codes > 0)
+  return Check(finite, norm, _localisation.pack(codes > 0), _localisation.pack(codes == 2))
+
+
+def leaf_codes(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
+  """int32 ``[len(amax)]`` from each leaf's largest magnitude (:func:`leaf_amax` of the
+  *scaled* leaf): 0 when every entry of the unscaled leaf is finite, 1 when one is
+  infinite (and none NaN), 2 when one is NaN. Exact: with a loss scale of at least 1
+  unscaling only shrinks values; below 1, rounding is monotone, so the largest
+  magnitude is the first entry to overflow when unscaled, in the leaf's own dtype."""
+  if not amax:
+    return jnp.zeros([0], jnp.int32)
+  u = _unscaled_amax(amax, inv_scale)
+  return jnp.where(jnp.isnan(u), 2, jnp.where(jnp.isinf(u), 1, 0)).astype(jnp.int32)
+
+
 def finite_and_norm(
   grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None
-) -> tuple[jax.Array, jax.Array]:
-  """``(finite, norm)`` of ``u = unscale(grads, 1/scale)``: whether ``scale`` is a
-  valid loss scale (:func:`valid_scale`) and every entry of ``u`` is finite,
-  reduced over ``axis_name``; and the global L2 norm of ``u``.
+) -> Check:
+  """The check of ``u = unscale(grads, 1/scale)``, for the CPU: a :class:`Check`.
 
-  On a normal step this is one fused read of each gradient leaf, and ``u``
-  is never materialised: :func:`sum_squares` of the *scaled* gradients is
-  finite only when every entry is. When the loss scale is at least 1,
-  ``|u| <= |grads|`` entry by entry (rounding is monotone), so ``u`` is then
-  finite too. Everything else goes to an exact path in a ``lax.cond`` that
-  runs only then: a sum of squares that is not finite (a non-finite entry, or
-  finite entries whose squares overflow), or a loss scale below 1, since
-  unscaling can then overflow a finite gradient (e.g. a float16 leaf past
-  65504). The exact path checks every entry of ``grads`` (``x - x`` is 0 for
-  finite ``x`` of any size, NaN otherwise) and, for a scale below 1, each
-  leaf's largest magnitude once unscaled: rounding is monotone, so that
-  entry is the first to overflow. It then computes the norm without
-  overflow. The flag is exact in every case, and neither path writes an
-  array of a leaf's size.
+  The common case is one read of each gradient leaf: :func:`sum_squares` of the
+  *scaled* gradients is finite only when every entry is, and with a loss scale of
+  at least 1, ``|u| <= |grads|`` entry by entry (rounding is monotone), so ``u`` is
+  finite too; ``u`` is never materialised. Anything else takes an exact path in a
+  ``lax.cond`` that runs only then: a sum of squares that is not finite (a
+  non-finite entry, or finite entries whose squares overflow), or a loss scale
+  below 1, where unscaling can overflow a finite gradient (a float16 leaf past
+  65504). The exact path reads each leaf once more for its largest magnitude
+  (:func:`leaf_codes`: it tells each leaf finite, holding an inf, or holding a
+  NaN, and catches the overflow of unscaling) and, only for a finite step whose
+  squares overflow float32, once more for the norm (:func:`robust_norm`). No path
+  writes an array of a leaf's size.
 
-  The norm is ``sqrt(sum_squares(grads)) / scale``, or, when the squares
-  overflow float32, the same norm taken relative to each leaf's largest
-  entry (see :func:`robust_norm`); inf or NaN when some entry is not finite
-  or the scale is not valid. Without ``axis_name`` it is local. With it, the
-  norm is that of the whole gradient as the devices hold it together: a leaf
-  that varies over a named axis (``shard_map(check_vma=True)`` types say so)
-  is taken to be sharded along it, so its squared norms are summed over that
-  axis; over a named axis along which it does not vary it is replicated and
-  counted once. Where JAX does not track variance (``pmap``,
-  ``check_vma=False``) every leaf is taken to be replicated and the squared
-  norm is averaged over the named axes: exact for data-parallel
-  (all-reduced) gradients, and the same value on every device in every case.
-
-  Returns:
-    A bool ``()`` and a float32 ``()``, both identical on every device of the
-    named axes.
+  The norm is ``sqrt(sum_squares(grads)) / scale``, or, when the squares overflow
+  float32, :func:`robust_norm`; inf or NaN when some entry is not finite or the
+  scale is not valid. Without ``axis_name`` it is local. With it, the norm is that
+  of the whole gradient as the devices hold it together: a leaf that varies over a
+  named axis (``shard_map(check_vma=True)`` types say so) is taken to be sharded
+  along it, so its squared norms are summed over that axis; over a named axis along
+  which it does not vary it is replicated and counted once. Where JAX does not
+  track variance (``pmap``, ``check_vma=False``) every leaf is taken to be
+  replicated and the squared norm is averaged over the named axes: exact for
+  data-parallel (all-reduced) gradients, and the same value on every device in
+  every case. The per-leaf bits are the same on every device.
   """
   valid = valid_scale(scale)
-  inv_scale = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
+  inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
+  leaves = float_leaves(grads)
   sq = sum_squares(grads, axis_name)
-  fast = jnp.isfinite(sq) & (inv_scale <= 1)
+  fast = jnp.isfinite(sq) & (inv <= 1)
+  words = _localisation.num_words(len(leaves))
 
-  def quick(g, i, s):
-    return jnp.bool_(True), jnp.sqrt(s) * i
+  def quick(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
+    clear = jnp.zeros([words], jnp.uint32)
+    return Check(jnp.bool_(True), jnp.sqrt(s) * i, clear, clear)
 
-  def exact(g, i, s):
-    # Rounding is monotone, so with a scale below 1 a leaf's largest magnitude
-    # is the first entry to overflow when unscaled: checking it is exact, and
-    # no array of the leaf's size is written.
-    finite = exact_all_finite(g, axis_name) & lax.cond(
-      i > 1,
-      lambda: exact_all_finite(unscale(leaf_amax(float_leaves(g)), i), axis_name),
-      lambda: jnp.bool_(True),
-    )
-    norm = lax.cond(
-      finite & ~jnp.isfinite(s), lambda: robust_norm(g, i, axis_name), lambda: jnp.sqrt(s) * i
-    )
-    return finite, norm
+  def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
+    k = jnp.where(i > 1, i, 1.0).astype(jnp.float32)  # a loss scale below 1: check u itself
+    tiny = tiny_square_sums(g, k)
+    codes = _codes_of(tiny)
+    norm = jnp.where(jnp.isfinite(s), jnp.sqrt(s) * i, tiny_norm(g, tiny, i / k, axis_name))
+    # Unscaling a float16 or bfloat16 leaf rounds it back to its dtype, where it overflows
+    # before float32 does: its largest entry decides, read only for such leaves.
+    low = [x for x in g if jnp.dtype(x.dtype) != jnp.dtype(compute_dtype(x.dtype))]
+    if low:
+      overflow = lax.cond(
+        i > 1, lambda: _low_precision_overflow(g, k), lambda: jnp.zeros([], jnp.bool_)
+      )
+      exact_codes = lambda: jnp.maximum(codes, leaf_codes(leaf_amax(g), i))
+      codes = lax.cond(overflow, exact_codes, lambda: codes)
+    return _check(codes, jnp.bool_(True), norm, axis_name)
 
-  finite, norm = lax.cond(fast, quick, exact, grads, inv_scale, sq)
-  return finite & valid, norm
-
-
-# Squares of entries times 2**-100 stay finite for every float32 entry, and a
-# norm past 2**128 (where the plain squares overflow) loses nothing measurable
-# to the entries that 2**-100 flushes (those below about 2**25).
-_HI = 2.0**-100
+  check = lax.cond(fast, quick, exact, leaves, inv, sq)
+  return check._replace(finite=check.finite & valid)
 
 
 def finite_and_norm_fused(
   grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None
-) -> tuple[jax.Array, jax.Array]:
-  """:func:`finite_and_norm` with no conditional: every statistic is a sibling
-  reduction of the same read of each leaf, which XLA fuses into one pass on
-  GPUs and TPUs, so no predicate has to reach the host.
+) -> Check:
+  """:func:`finite_and_norm` with no conditional, for GPUs and TPUs: every statistic is
+  a sibling reduction of the same read of each leaf, which XLA fuses into one pass
+  there, so no predicate has to reach the host.
 
-  Per leaf: the sum of ``|x|**2``, the sum of ``|x * 2**-100|**2`` (finite
-  for any float32 entries, where the first overflows), the sum of
-  ``x - x`` (exact: NaN iff an entry is not finite) and the largest
-  magnitude (unscaled, it tells whether a scale below 1 overflows a finite
-  entry: rounding is monotone). The flag is exactly that of
-  :func:`finite_and_norm`; the norm equals it when the squares do not
-  overflow, and is within float32 rounding of it otherwise.
+  Per leaf: the sum of ``|x|**2``, the sum of the scaled squares of
+  :func:`tiny_square_sums` (finite for any finite entries, where the first
+  overflows) and the largest magnitude, which gives each leaf's code exactly
+  (:func:`leaf_codes`). The flag and the bits equal those of :func:`finite_and_norm`;
+  the norm equals it when the squares do not overflow, and is within float32 rounding
+  of it otherwise.
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
-  sizes = _multi_device.axis_sizes(axis_name)
   leaves = float_leaves(grads)
-  sq = sq_hi = bad = jnp.zeros([], jnp.float32)
-  # A run-time factor: XLA folds (x * c)**2 into x**2 * c**2 for a constant c, and c**2 is 0.
-  hi = lax.optimization_barrier(jnp.float32(_HI))
-  for leaf, amax in zip(leaves, leaf_amax(leaves)):
-    x = leaf.astype(compute_dtype(leaf.dtype))
-    copies = _multi_device.replicas(leaf, sizes)
-    y = x * hi.astype(x.real.dtype)
-    sq = sq + jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32) / copies
-    sq_hi = sq_hi + jnp.sum(jnp.real(y * jnp.conj(y))).astype(jnp.float32) / copies
-    d = x - x
-    d = jnp.real(d) + jnp.imag(d) if jnp.issubdtype(d.dtype, jnp.complexfloating) else d
-    unscaled = unscale(amax, jnp.where(inv > 1, inv, 1.0).astype(jnp.float32))
-    bad = bad + jnp.sum(d).astype(jnp.float32) + (unscaled - unscaled).astype(jnp.float32)
-  sq, sq_hi, bad = _multi_device.psum((sq, sq_hi, bad), axis_name)
-  # sqrt(sq_hi) * 2**50 * inv * 2**50: no intermediate overflows or underflows unless the norm does.
-  norm = jnp.where(jnp.isfinite(sq), jnp.sqrt(sq) * inv, jnp.sqrt(sq_hi) * 2.0**50 * inv * 2.0**50)
-  return jnp.isfinite(bad) & valid, norm
+  names = _multi_device.axis_names(axis_name)
+  parts = square_sums(leaves, _multi_device.axis_sizes(names))
+  sq = _multi_device.psum(sum(parts, jnp.zeros([], jnp.float32)), names)
+  norm = jnp.where(
+    jnp.isfinite(sq),
+    jnp.sqrt(sq) * inv,
+    tiny_norm(leaves, tiny_square_sums(leaves), inv, axis_name),
+  )
+  # A NaN shows in its leaf's sum of squares whatever the reduction's order; a maximum
+  # taken across devices may drop it.
+  codes = leaf_codes(leaf_amax(leaves), inv)
+  if parts:
+    codes = jnp.where(jnp.isnan(_stacked_float32(parts)), 2, codes)
+  return _check(codes, valid, norm, axis_name)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import _multi_device, _numerics
+from optax_dls import _labels, _multi_device, _numerics
 
 # Smallest positive normal float16 number: below it fp16 values are subnormal.
 F16_MIN_NORMAL = 2.0**-14
@@ -42,45 +42,12 @@ class UnderflowState(NamedTuple):
     return out
 
 
-def _check_labels(labels: Any) -> Any:
-  if labels is None or callable(labels):
-    return labels
-  leaves = jax.tree.leaves(labels)
-  if not leaves:
-    raise ValueError(
-      f"labels must be None, a callable or a non-empty pytree of strings, got {labels!r}."
-    )
-  for label in leaves:
-    _check_label(label)
-  return labels
-
-
-def _check_label(label: Any) -> str:
-  if not isinstance(label, str):
-    raise TypeError(
-      f"underflow_stats labels must be strings, got label {label!r} of type {type(label).__name__}."
-    )
-  if not label or "/" in label or label in _RESERVED:
-    raise ValueError(
-      f"underflow_stats labels must be non-empty strings without '/' and other than "
-      f"{_RESERVED}, got label {label!r}."
-    )
-  return label
-
-
 def _groups(labels: Any, tree: Any) -> dict[str, list[jax.Array]]:
   """Floating leaves of ``tree`` grouped by label (trace-time Python)."""
-  labels = labels(tree) if callable(labels) else labels
-  label_leaves, treedef = jax.tree.flatten(labels)
-  try:
-    subtrees = treedef.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      f"underflow_stats labels do not match the gradient tree structure: {e}"
-    ) from None
   groups: dict[str, list[jax.Array]] = {}
-  for label, sub in zip(label_leaves, subtrees):
-    groups.setdefault(_check_label(label), []).extend(_numerics.float_leaves(sub))
+  names = _labels.leaf_labels(labels, tree, "underflow_stats", _RESERVED)
+  for label, leaf in zip(names, _numerics.float_leaves(tree), strict=True):
+    groups.setdefault(label, []).append(leaf)
   return groups
 
 
@@ -153,7 +120,7 @@ def underflow_stats(
     >>> float(optax_dls.metrics(state)['underflow/subnormal_frac'])
     0.25
   """
-  labels = _check_labels(labels)
+  labels = _labels.check_labels(labels, "underflow_stats", _RESERVED)
   axis_name = _multi_device.check_axis_name(axis_name)
 
   def init_fn(params):

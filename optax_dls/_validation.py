@@ -164,3 +164,15 @@ def function(name: str, value: Any) -> Any:
   if not callable(value):
     raise TypeError(f"{name} must be callable, got {value!r} of type {type(value).__name__}.")
   return value
+
+
+def arrays(name: str, tree: Any) -> Any:
+  """``tree`` if every leaf is an array or a number; TypeError naming ``name``, the leaf and
+  its path otherwise (a string, an object)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+      raise TypeError(
+        f"{name} must be a pytree of arrays, got the leaf {leaf!r} of type "
+        f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}."
+      )
+  return tree

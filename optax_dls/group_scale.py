@@ -30,17 +30,6 @@ def _factor(value: Any) -> float:
   return _validation.scale("factor", value)
 
 
-def _arrays(name: str, tree: Any) -> Any:
-  """``tree`` if every leaf is an array or a number; TypeError naming ``name`` and the leaf otherwise."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-      raise TypeError(
-        f"{name} must be a pytree of arrays, got the leaf {leaf!r} of type "
-        f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}."
-      )
-  return tree
-
-
 def _is_bool(leaf: Any) -> bool:
   return isinstance(leaf, (bool, np.bool_)) or (
     isinstance(leaf, (jax.Array, np.ndarray)) and leaf.shape == () and leaf.dtype == np.bool_
@@ -106,7 +95,7 @@ def scale_gradient(x: Any, factor: float) -> Any:
     TypeError: ``factor`` is not a static number, or a leaf of ``x`` is not
       an array or a number.
   """
-  return _scale_gradient(_arrays("x", x), _factor(factor))
+  return _scale_gradient(_validation.arrays("x", x), _factor(factor))
 
 
 def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
