@@ -19,7 +19,15 @@ from optax_dls import compat as compat
 from optax_dls import config as config
 from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
-from optax_dls._access import find_state, loss_scale, metrics, reset_scale, scale_loss
+from optax_dls._access import (
+  find_state,
+  leaf_names,
+  loss_scale,
+  metrics,
+  nonfinite_leaves,
+  reset_scale,
+  scale_loss,
+)
 from optax_dls._alerts import SkipAlerts
 from optax_dls._numerics import all_finite
 from optax_dls._policies import (
@@ -54,10 +62,12 @@ __all__ = [
   "dynamic_policy",
   "find_state",
   "fp32_fallback",
+  "leaf_names",
   "loss_scale",
   "loss_scaled",
   "metrics",
   "no_loss_scale",
+  "nonfinite_leaves",
   "noop_policy",
   "reset_scale",
   "scale_loss",

@@ -7,8 +7,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from optax_dls import _accumulation, _validation
+from optax_dls import _accumulation, _localisation, _validation
 from optax_dls._state import LossScaleState
 
 
@@ -151,9 +152,9 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
-  """What the loss scaler did, as a dict of 0-d arrays (no host transfer).
+  """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Keys:
+  Keys, every value a 0-d array except the two bit sets:
     ``loss_scale`` (float32): the scale for the next loss.
     ``skipped`` (bool): whether the last step was skipped.
     ``skip_count`` (int32): skipped steps so far.
@@ -161,17 +162,26 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``num_steps`` (int32): updates so far, skipped included.
     ``update_ratio`` (float32): applied steps over all steps (1 before any).
     ``grad_norm`` (float32): global L2 norm of the last step's unscaled
-      gradients (NaN before the first step).
-    ``fp32_fallback`` (bool): whether the float32 fallback is on (always
-      False without the :func:`fp32_fallback` policy wrapper).
-    ``recomputed_steps`` (int32): steps whose gradients
-      :func:`value_and_grad` recomputed after an overflow (0 without it).
-    ``recompute_tries`` (int32): the extra forward and backward passes
-      those took, the float32 last resort included.
-    The keys each feature adds: ``skips_at_min_scale`` (int32) with the
-    :func:`skips_at_min_scale` policy wrapper; ``underflow/zero_frac``,
+      gradients (NaN before the first step, and with :func:`no_loss_scale`
+      unless it tracks the norm).
+    ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
+      the last non-finite step; 0 before any.
+    ``nonfinite_loss`` (bool): whether the loss of that step was itself not
+      finite (known when the loss is handed to ``update(..., loss=)`` or to
+      :func:`value_and_grad`).
+    ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
+      floating gradient leaf): the leaves that were not finite on that step,
+      and those of them that held a NaN (the others held infinities);
+      :func:`nonfinite_leaves` names them, and
+      :class:`optax_dls.writers.MetricsWriter` logs the names.
+    ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
+      which some leaf of that parameter group was not finite.
+    The keys each feature adds: ``fp32_fallback`` (bool) with the
+    :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
+    :func:`skips_at_min_scale`; ``underflow/zero_frac``,
     ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
-    :func:`underflow_stats` chained inside.
+    :func:`underflow_stats` chained inside; ``recomputed_steps`` and
+    ``recompute_tries`` (int32) with ``recompute_stats`` chained inside.
 
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
@@ -189,6 +199,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
   s = find_state(opt_state)
   steps = s.num_steps.astype(jnp.float32)
   applied = steps - s.num_skipped.astype(jnp.float32)
+  record = s.nonfinite
   out = {
     "loss_scale": s.loss_scale,
     "skipped": ~s.last_step_finite,
@@ -197,9 +208,11 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     "num_steps": s.num_steps,
     "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
     "grad_norm": s.grad_norm,
-    "fp32_fallback": jnp.zeros_like(s.last_step_finite),
-    "recomputed_steps": s.recomputed_steps,
-    "recompute_tries": s.recompute_tries,
+    "nonfinite_step": record.step,
+    "nonfinite_loss": record.loss,
+    "nonfinite_leaves": record.leaves,
+    "nonfinite_nan": record.nan,
+    **{f"overflows/{label}": count for label, count in record.overflows.items()},
   }
   return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
 
@@ -216,26 +229,95 @@ def _feature_metrics(tree: Any) -> dict[str, jax.Array]:
   return out
 
 
+def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
+  """Names the gradient leaves that were not finite on the last non-finite step.
+
+  Host side: reads two small arrays from the device. The names are the key
+  paths of the parameter tree (``"params/decoder/layers_3/attn/query/kernel"``),
+  in leaf order.
+
+  Args:
+    opt_state: an optimizer state holding one :class:`LossScaleState`, or the
+      dict :func:`metrics` returns (device or host values).
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only the tree
+      and the dtypes are read), or the list of leaf names.
+
+  Returns:
+    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"``
+    where it held only infinities; empty before any non-finite step.
+
+  Raises:
+    ValueError: ``opt_state`` holds none or several loss-scale states, or the
+      number of leaves of ``params`` differs from the state's.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> params = {'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}}
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+    >>> grads = {'dense': {'kernel': jnp.array([1.0, jnp.nan]), 'bias': jnp.ones(1)}}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> optax_dls.nonfinite_leaves(state, params)
+    {'dense/kernel': 'nan'}
+  """
+  if isinstance(opt_state, dict) and "nonfinite_leaves" in opt_state:
+    words, nan = opt_state["nonfinite_leaves"], opt_state["nonfinite_nan"]
+  else:
+    record = find_state(opt_state).nonfinite
+    words, nan = record.leaves, record.nan
+  names = list(params) if _is_names(params) else _localisation.leaf_names(params)
+  words, nan = np.asarray(jax.device_get(words)), np.asarray(jax.device_get(nan))
+  if _localisation.num_words(len(names)) != words.shape[-1]:
+    raise ValueError(
+      f"params has {len(names)} floating leaves, which do not fit the state's record of "
+      f"{words.shape[-1]} words of 32 leaves: pass the parameters the state was built for."
+    )
+  return _localisation.decode(words, nan, names)
+
+
+def _is_names(params: Any) -> bool:
+  return isinstance(params, (list, tuple)) and all(isinstance(n, str) for n in params) and params
+
+
+def leaf_names(params: Any) -> list[str]:
+  """The names :func:`nonfinite_leaves` and the metrics writer give the floating leaves of
+  ``params``, in the order of the record's bits: key paths joined by ``/``
+  (``"params/decoder/layers_3/attn/query/kernel"``).
+
+  Args:
+    params: a pytree of arrays or ``jax.ShapeDtypeStruct``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_dls
+    >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
+    ['dense/bias', 'dense/kernel']
+  """
+  return _localisation.leaf_names(params)
+
+
 def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
-  The growth tracker of the built-in policies restarts at 0; every other
+  The policy state restarts its growth count (each node of it that defines
+  ``after_scale_reset()``, as the built-in policies' states do); every other
   field, the inner state included, is kept. The scale stays within the
   policy's ``[min_scale, max_scale]`` (``LossScaleState.min_scale`` /
   ``max_scale``): a static ``value`` outside it raises; a traced one is
   clamped into it (a traced NaN makes the next step skip and restart from
-  the policy's initial scale).
+  the policy's initial scale). A state stacked by ``jax.vmap(tx.init)`` (an
+  ensemble) takes one ``value`` for every member, or one per member (an
+  array of the stacked shape).
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
-    value: the new loss scale: a real number, or a float ``()`` array (traced
-      or not), in the policy's range.
+    value: the new loss scale: a real number, or a float array (traced or not)
+      of shape ``()`` or of the state's ``loss_scale`` shape, in the policy's
+      range.
 
   Raises:
     ValueError: a static ``value`` that is NaN, not finite, not > 0, or
       outside ``[min_scale, max_scale]`` (checked when ``opt_state`` is not
-      traced; outside ``[2**-126, 2**126]`` always); a traced ``value`` not of
-      shape ``()``; none or more than one loss-scale state in ``opt_state``.
+      traced; outside ``[2**-126, 2**126]`` always); a ``value`` of another
+      shape; none or more than one loss-scale state in ``opt_state``.
     TypeError: ``value`` not a real number.
 
   Example:
@@ -245,27 +327,41 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
     Array(4096., dtype=float32)
   """
   state = find_state(opt_state)
-  if isinstance(value, jax.core.Tracer):
-    if value.shape != ():
+  shape = jnp.shape(state.loss_scale)
+  if jnp.ndim(value) and not isinstance(value, jax.core.Tracer):
+    values = np.asarray(value)
+    if values.shape != shape:
       raise ValueError(
-        f"value must be a scalar of shape (), got a traced value {value!r} of shape {value.shape}."
+        f"value must be a number or an array of the loss scale's shape {shape}, got shape "
+        f"{values.shape}."
+      )
+    for v in values.reshape(-1):
+      _check_scale_value(state, v)
+  elif isinstance(value, jax.core.Tracer):
+    if value.shape not in ((), shape):
+      raise ValueError(
+        f"value must be a scalar or of the loss scale's shape {shape}, got a traced value "
+        f"{value!r} of shape {value.shape}."
       )
   else:
-    value = _validation.scale("value", value)
-    if not isinstance(state.min_scale, jax.core.Tracer):
-      _validation.scale("value", value, float(state.min_scale), float(state.max_scale))
-
+    value = _check_scale_value(state, value)
   scale = jnp.clip(jnp.asarray(value, jnp.float32), state.min_scale, state.max_scale)
+  scale = jnp.broadcast_to(scale, shape)
+  restarts = lambda n: hasattr(n, "after_scale_reset")
   policy_state = jax.tree.map(
-    _restart_growth, state.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")
+    lambda n: n.after_scale_reset() if restarts(n) else n, state.policy_state, is_leaf=restarts
   )
   return replace_state(opt_state, state._replace(loss_scale=scale, policy_state=policy_state))
 
 
-def _restart_growth(node: Any) -> Any:
-  if hasattr(node, "growth_tracker") and hasattr(node, "_replace"):
-    return node._replace(growth_tracker=jnp.zeros_like(node.growth_tracker))
-  return node
+def _check_scale_value(state: LossScaleState, value: Any) -> float:
+  """``value`` checked as a scale, and against every member's range when the state is concrete."""
+  value = _validation.scale("value", value)
+  if not isinstance(state.min_scale, jax.core.Tracer):
+    low = float(np.max(np.asarray(state.min_scale)))
+    high = float(np.min(np.asarray(state.max_scale)))
+    _validation.scale("value", value, low, high)
+  return value
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
 import optax
 
-from optax_dls import _policies
+from optax_dls import _labels, _policies, _transform, _validation
 from optax_dls._transform import LossScaledTransformation, loss_scaled
-
-_POLICY_ARGS = inspect.signature(_policies.dynamic_policy).parameters
 
 
 def dynamic_loss_scale(
   inner: optax.GradientTransformation,
   *,
+  init_scale: float = 2.0**15,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+  min_scale: float = 1.0,
+  max_scale: float = 2.0**24,
+  hysteresis: int = 1,
+  consecutive_hysteresis: bool = False,
+  warmup_steps: int = 0,
   axis_name: str | tuple[str, ...] | None = None,
   skip_lowering: str = "auto",
-  **policy_options: Any,
+  labels: _labels.Labels = None,
 ) -> LossScaledTransformation:
   """Dynamic loss scaling around any optax transformation.
 
@@ -27,25 +31,38 @@ def dynamic_loss_scale(
   transformation unscales the gradients, skips the step (zero updates, inner
   state untouched) when any is non-finite and backs S off, and grows S after
   ``growth_interval`` consecutive finite steps. Shorthand for
-  ``loss_scaled(inner, dynamic_policy(**policy_options), ...)``.
+  ``loss_scaled(inner, dynamic_policy(...), axis_name=..., skip_lowering=...,
+  labels=...)``.
 
   Args:
     inner: the optax transformation to wrap, e.g. ``optax.adamw(3e-4)``.
+    init_scale: float, the first loss scale, in ``[min_scale, max_scale]``.
+      Default ``2**15``.
+    growth_factor: float > 1, finite. Default 2.
+    backoff_factor: float in (0, 1). Default 0.5.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps before a
+      growth. Default 2000.
+    min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
+    max_scale: float in [min_scale, 2**126], ceiling of the scale. Default ``2**24``.
+    hysteresis: int in [1, 2**31 - 1], overflows tolerated before a backoff.
+      Default 1 (every overflow backs off, as in PyTorch).
+    consecutive_hysteresis: bool, refill the hysteresis on every finite step
+      (DeepSpeed's option) instead of only on growth. Default False.
+    warmup_steps: int in [0, 2**31 - 1], updates before the first growth.
+      Default 0.
     axis_name: as in :func:`loss_scaled`. Default None.
     skip_lowering: as in :func:`loss_scaled`. Default ``"auto"``.
-    **policy_options: the arguments of :func:`dynamic_policy`, with its
-      defaults and ranges: ``init_scale`` (``2**15``), ``growth_factor`` (2),
-      ``backoff_factor`` (0.5), ``growth_interval`` (2000), ``min_scale``
-      (1), ``max_scale`` (``2**24``), ``hysteresis`` (1),
-      ``consecutive_hysteresis`` (False), ``warmup_steps`` (0).
+    labels: as in :func:`loss_scaled`: parameter groups whose non-finite steps
+      are counted. Default None.
+
+  See :func:`dynamic_policy` for the rule these arguments set.
 
   Returns:
     A :class:`LossScaledTransformation`.
 
   Raises:
     ValueError: a hyperparameter outside its range (the message names it).
-    TypeError: an unknown keyword, a wrong type, or a traced value where a
-      static number is needed.
+    TypeError: a wrong type, or a traced value where a static number is needed.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_dls
@@ -58,26 +75,18 @@ def dynamic_loss_scale(
     >>> updates['w']
     Array([-0.2, -0.2, -0.2], dtype=float32)
   """
-  unknown = sorted(set(policy_options) - set(_POLICY_ARGS))
-  if unknown:
-    raise TypeError(
-      f"dynamic_loss_scale got unknown keyword argument(s) {unknown}; it takes "
-      f"axis_name, skip_lowering and the arguments of dynamic_policy: {list(_POLICY_ARGS)}."
-    )
-  return loss_scaled(
-    inner,
-    _policies.dynamic_policy(**policy_options),
-    axis_name=axis_name,
-    skip_lowering=skip_lowering,
+  policy = _policies.dynamic_policy(
+    init_scale=init_scale,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+    min_scale=min_scale,
+    max_scale=max_scale,
+    hysteresis=hysteresis,
+    consecutive_hysteresis=consecutive_hysteresis,
+    warmup_steps=warmup_steps,
   )
-
-
-dynamic_loss_scale.__signature__ = inspect.signature(dynamic_loss_scale).replace(
-  parameters=[
-    p for p in inspect.signature(dynamic_loss_scale).parameters.values() if p.kind != p.VAR_KEYWORD
-  ]
-  + [p.replace(kind=p.KEYWORD_ONLY) for p in _POLICY_ARGS.values()]
-)
+  return loss_scaled(inner, policy, axis_name=axis_name, skip_lowering=skip_lowering, labels=labels)
 
 
 def static_loss_scale(
@@ -86,6 +95,7 @@ def static_loss_scale(
   *,
   axis_name: str | tuple[str, ...] | None = None,
   skip_lowering: str = "auto",
+  labels: _labels.Labels = None,
 ) -> LossScaledTransformation:
   """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
@@ -96,6 +106,7 @@ def static_loss_scale(
     scale: float in [2**-126, 2**126], the constant loss scale.
     axis_name: as in :func:`loss_scaled`.
     skip_lowering: as in :func:`loss_scaled`.
+    labels: as in :func:`loss_scaled`.
 
   Raises:
     ValueError: ``scale`` out of range.
@@ -109,7 +120,11 @@ def static_loss_scale(
     Array([-1.], dtype=float32)
   """
   return loss_scaled(
-    inner, _policies.static_policy(scale), axis_name=axis_name, skip_lowering=skip_lowering
+    inner,
+    _policies.static_policy(scale),
+    axis_name=axis_name,
+    skip_lowering=skip_lowering,
+    labels=labels,
   )
 
 
@@ -117,23 +132,29 @@ def no_loss_scale(
   inner: optax.GradientTransformation,
   *,
   axis_name: str | tuple[str, ...] | None = None,
+  track_grad_norm: bool = False,
 ) -> LossScaledTransformation:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 
   Gradients go to ``inner`` unchanged, nothing is checked or skipped, and the
-  result is bit-for-bit that of ``inner`` alone; :func:`loss_scale` reads 1
-  and :func:`metrics` still work (``grad_norm`` is measured without
-  overflow), so one training loop serves fp16, bf16 and fp32.
+  result is bit-for-bit that of ``inner`` alone, at its cost: the state's
+  counters are a few scalar operations. :func:`loss_scale` reads 1 and
+  :func:`metrics` still work, so one training loop serves fp16, bf16 and
+  fp32. :func:`value_and_grad` and the Flax helpers do not multiply the loss
+  by this scale (it is 1 by construction), so their steps are a plain
+  ``jax.value_and_grad`` step's bit for bit.
 
   Args:
     inner: the optax transformation to wrap.
-    axis_name: as in :func:`loss_scaled`; here it only makes the stored
-      ``grad_norm`` metric the norm over every device (needed under
-      ``shard_map`` with sharded gradients, where it would otherwise differ
-      between devices).
+    axis_name: as in :func:`loss_scaled`; here it only makes the ``grad_norm``
+      metric the norm over every device.
+    track_grad_norm: bool, measure the global gradient norm for
+      :func:`metrics` (one more read of the gradients per step). Default
+      False: ``grad_norm`` stays NaN.
 
   Raises:
-    TypeError: ``inner`` is not an optax transformation.
+    TypeError: ``inner`` is not an optax transformation, or ``track_grad_norm``
+      is not a bool.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -142,4 +163,8 @@ def no_loss_scale(
     >>> updates['w'], float(optax_dls.loss_scale(state))
     (Array([-2.], dtype=float32), 1.0)
   """
-  return loss_scaled(inner, _policies.noop_policy(), axis_name=axis_name)
+  track = _validation.boolean("track_grad_norm", track_grad_norm)
+  scaler = _transform.build_scaler(
+    inner, _policies.noop_policy(), axis_name, "auto", None, track_grad_norm=track
+  )
+  return _transform.transformation(scaler)

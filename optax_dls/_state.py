@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_dls import _types
+from optax_dls._localisation import NonFiniteRecord
+
 
 class LossScaleState(NamedTuple):
   """State of a loss-scaled optimizer, kept inside the optax ``opt_state``.
@@ -33,10 +36,6 @@ class LossScaleState(NamedTuple):
       step; reset to 0 by a finite step. Saturating.
     last_step_finite: bool ``()``. Whether the last step was applied (True
       before the first step).
-    recomputed_steps: int32 ``()``. Steps whose gradients :func:`optax_dls.value_and_grad`
-      recomputed after an overflow. Saturating.
-    recompute_tries: int32 ``()``. Extra forward and backward passes those
-      recomputations took, the float32 last resort included. Saturating.
     grad_norm: float32 ``()``. Global L2 norm of the unscaled gradients of the
       last step (inf or NaN on a non-finite step; NaN before the first step);
       under ``pmap`` / ``shard_map`` with ``axis_name``, the norm over every
@@ -54,15 +53,18 @@ class LossScaleState(NamedTuple):
   num_skipped: jax.Array
   consecutive_skips: jax.Array
   last_step_finite: jax.Array
-  recomputed_steps: jax.Array
-  recompute_tries: jax.Array
   grad_norm: jax.Array
+  nonfinite: NonFiniteRecord
   policy_state: Any
   inner_state: Any
 
 
 def init_state(
-  loss_scale: Any, scale_range: tuple[float, float], policy_state: Any, inner_state: Any
+  loss_scale: Any,
+  scale_range: tuple[float, float],
+  policy_state: Any,
+  inner_state: Any,
+  nonfinite: NonFiniteRecord,
 ) -> LossScaleState:
   """Builds the state before the first step, with every field at its fixed dtype.
 
@@ -76,12 +78,48 @@ def init_state(
     num_skipped=jnp.zeros([], jnp.int32),
     consecutive_skips=jnp.zeros([], jnp.int32),
     last_step_finite=jnp.ones([], jnp.bool_),
-    recomputed_steps=jnp.zeros([], jnp.int32),
-    recompute_tries=jnp.zeros([], jnp.int32),
     grad_norm=jnp.full([], jnp.nan, jnp.float32),
+    nonfinite=nonfinite,
     policy_state=jax.tree.map(jnp.array, policy_state),
     inner_state=inner_state,
   )
+
+
+# Updates traced at init to find the inner state's settled dtypes: optimizers that
+# widen over several updates (optax.contrib.prodigy on float16 parameters) settle
+# within two or three.
+_SETTLE_TRIES = 4
+
+
+def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any) -> Any:
+  """``inner.init(params)`` in the types the inner state keeps from then on, so that
+  the loss-scaled state's types are a fixed point from ``init`` (no retrace, and a
+  ``lax.scan`` carry keeps its type).
+
+  Each leaf is widened to the dtype the inner updates give it (traced with
+  ``jax.eval_shape``, repeated until the dtypes stop changing) and made strongly
+  typed, as every update returns it; values are unchanged (widening is exact).
+  Where the inner update cannot be traced without its extra arguments (``value=``
+  of ``optax.contrib.reduce_on_plateau``, say), only the weak types are settled: a
+  state that such an optimizer widens on its first update then retraces once.
+  """
+  state = jax.tree.map(_types.strong, inner.init(params))
+  for _ in range(_SETTLE_TRIES):
+    try:
+      _, after = jax.eval_shape(inner.update, params, state, params)
+    except Exception:  # noqa: BLE001 (e.g. an update that needs extra arguments)
+      return state
+    if jax.tree.structure(after) != jax.tree.structure(state):
+      return state
+    widened = jax.tree.map(_types.like, state, after)
+    if _dtypes(widened) == _dtypes(state):
+      return state
+    state = widened
+  return state
+
+
+def _dtypes(tree: Any) -> list[Any]:
+  return [getattr(x, "dtype", None) for x in jax.tree.leaves(tree)]
 
 
 def with_scale(state: LossScaleState, loss_scale: jax.Array, policy_state: Any) -> LossScaleState:
@@ -96,17 +134,20 @@ def advance(
   state: LossScaleState,
   finite: jax.Array,
   grad_norm: jax.Array,
+  nonfinite: NonFiniteRecord,
   loss_scale: jax.Array,
   policy_state: Any,
   inner_state: Any,
 ) -> LossScaleState:
   """The state after one update: the new scale (kept in range), policy and inner
-  states, and the step counters moved by whether the step was ``finite``."""
+  states, the record of where a non-finite step came from, and the step counters
+  moved by whether the step was ``finite``."""
   return with_scale(state, loss_scale, policy_state)._replace(
     num_steps=optax.safe_increment(state.num_steps),
     num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
     consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
     last_step_finite=finite,
     grad_norm=grad_norm,
+    nonfinite=nonfinite,
     inner_state=inner_state,
   )

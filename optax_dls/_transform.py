@@ -1,50 +1,262 @@
-"""The core: unscale -> check -> skip or apply -> policy.update."""
+"""The core: check -> unscale -> skip or apply -> policy.update.
+
+:class:`LossScaler` holds one loss-scaled transformation's definition (the inner
+transformation, the policy, the axis names, the lowering) and its four
+functions; :class:`LossScaledTransformation` is the optax transformation that
+carries them. Everything optional composes around this: policies and policy
+wrappers own the scale, transformations chained inside own their statistics,
+and host-side code reads :func:`optax_dls.metrics`.
+"""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import _accumulation, _multi_device, _numerics, _policies, _skip
-from optax_dls._state import LossScaleState, advance, init_state, with_scale
+from optax_dls import (
+  _accumulation,
+  _labels,
+  _localisation,
+  _lowering,
+  _multi_device,
+  _numerics,
+  _policies,
+  _types,
+)
+from optax_dls._state import LossScaleState, advance, init_state, settled_inner_init, with_scale
+
+
+class _Output(NamedTuple):
+  """What a step returns: ``out(params, updates)``, or ``skipped(params, out)`` on a
+  skipped step."""
+
+  out: Callable[[Any, Any], Any]
+  skipped: Callable[[Any, Any], Any]
+
+
+def _updates(params: Any, updates: Any) -> Any:
+  del params
+  return updates
+
+
+def _skipped_updates(params: Any, out: Any) -> Any:
+  del params
+  return jax.tree.map(_types.negative_zeros_like, out)
+
+
+def _skipped_params(params: Any, out: Any) -> Any:
+  del out
+  return params  # bit for bit
+
+
+UPDATES = _Output(_updates, _skipped_updates)  # tx.update
+PARAMS = _Output(optax.apply_updates, _skipped_params)  # apply_step: updates applied inside
+
+
+class LossScaler:
+  """One loss-scaled transformation: its definition and its ``init``, ``update``,
+  ``fused_step`` and ``back_off``. Built by :func:`loss_scaled`; its methods are
+  what a :class:`LossScaledTransformation` carries."""
+
+  passthrough = False
+
+  def __init__(
+    self,
+    inner: optax.GradientTransformationExtraArgs,
+    policy: _policies.LossScalePolicy,
+    axis_name: str | tuple[str, ...] | None,
+    lowering: _lowering.Lowering,
+    labels: _labels.Labels,
+  ) -> None:
+    self.inner, self.policy, self.axis_name = inner, policy, axis_name
+    self.lowering, self.labels = lowering, labels
+    self.init_scale = policy.init()[0]
+
+  def init(self, params: Any) -> LossScaleState:
+    """The state before the first step (see :func:`loss_scaled`)."""
+    scale, policy_state = self.policy.init()
+    leaves = len(_numerics.float_leaves(params))
+    names = [] if self.labels is None else self._leaf_labels(params)
+    record = _localisation.init_record(leaves, names)
+    scale_range = (self.policy.min_scale, self.policy.max_scale)
+    return init_state(scale, scale_range, policy_state, self._inner_init(params), record)
+
+  def _inner_init(self, params: Any) -> Any:
+    return settled_inner_init(self.inner, params)
+
+  def update(
+    self, grads: Any, state: Any, params: Any = None, *, loss: Any = None, **extra_args: Any
+  ) -> tuple[Any, LossScaleState]:
+    """``(updates, state)``: one loss-scaled step (see :func:`loss_scaled`)."""
+    return self._step(grads, state, params, loss, extra_args, UPDATES)
+
+  def fused_step(
+    self, grads: Any, state: Any, params: Any, *, loss: Any = None, **extra_args: Any
+  ) -> tuple[Any, LossScaleState]:
+    """``(new_params, state)``: ``update`` and ``optax.apply_updates`` in one, the
+    updates applied inside the skip (:func:`apply_step`)."""
+    return self._step(grads, state, params, loss, extra_args, PARAMS)
+
+  def back_off(
+    self, grads: Any, state: Any, *, loss: Any = None
+  ) -> tuple[jax.Array, LossScaleState]:
+    """The check of ``update`` on the (scaled) ``grads``; when they (or ``loss``) are
+    not finite, ``state`` with the policy's move for that overflow (the scale to
+    recompute at) and the record of where it came from. Nothing else changes."""
+    check, finite = self._check(grads, state, loss)
+    new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
+    keep = lambda old, new: jnp.where(finite, old, new)
+    record = self._record(grads, state, check, finite, loss)
+    moved = with_scale(
+      state, keep(state.loss_scale, new_scale), jax.tree.map(keep, state.policy_state, policy_state)
+    )
+    return finite, moved._replace(nonfinite=record)
+
+  def _step(
+    self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
+  ) -> tuple[Any, LossScaleState]:
+    check, finite = self._check(grads, state, loss)
+    # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
+    inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
+
+    def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
+      unscaled = _numerics.unscale(g, inv_scale)
+      updates, inner_state = self.inner.update(unscaled, inner_state, p, **extra_args)
+      return output.out(p, updates), jax.tree.map(_types.strong, inner_state)
+
+    select = self.lowering.select
+    result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, params)
+    new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
+    record = self._record(grads, state, check, finite, loss)
+    new = advance(state, finite, check.grad_norm, record, new_scale, policy_state, inner_state)
+    return result, new
+
+  def _check(self, grads: Any, state: Any, loss: Any) -> tuple[_numerics.Check, jax.Array]:
+    """The lowering's check of the scaled gradients, and the step's finite flag (false
+    too for a loss that is not finite)."""
+    _check_state(state)
+    leaves = _numerics.float_leaves(grads) + ([] if loss is None else [jnp.asarray(loss)])
+    _multi_device.check_axis_coverage(leaves, state.loss_scale, self.axis_name)
+    check = self.lowering.check(grads, state.loss_scale, self.axis_name)
+    return check, check.finite & ~_loss_not_finite(loss, self.axis_name)
+
+  def _record(
+    self, grads: Any, state: LossScaleState, check: _numerics.Check, finite: jax.Array, loss: Any
+  ) -> _localisation.NonFiniteRecord:
+    masks = {} if self.labels is None else _localisation.group_masks(self._leaf_labels(grads))
+    step = optax.safe_increment(state.num_steps)
+    loss_bad = _loss_not_finite(loss, self.axis_name)
+    return _localisation.recorded(
+      state.nonfinite, finite, step, check.leaves, check.nan, loss_bad, masks
+    )
+
+  def _leaf_labels(self, tree: Any) -> list[str]:
+    return _labels.leaf_labels(self.labels, tree, "loss_scaled")
+
+  def _policy_step(
+    self, grads: Any, state: LossScaleState, finite: jax.Array, grad_norm: jax.Array
+  ) -> tuple[jax.Array, Any]:
+    """``policy.update`` on this step's statistics; an invalid scale restarts at the initial one."""
+    valid = _numerics.valid_scale(state.loss_scale)
+    wants_amax = "amax" in self.policy.stats
+    amax = _numerics.global_amax(grads, self.axis_name) if wants_amax else None
+    stats = _policies.GradStats(finite, state.num_steps, grad_norm, amax)
+    scale = jnp.where(valid, state.loss_scale, self.init_scale)
+    new_scale, policy_state = self.policy.update(scale, state.policy_state, stats)
+    return jnp.where(valid, new_scale, self.init_scale), policy_state
+
+
+class PassthroughScaler(LossScaler):
+  """The transformation of a ``passthrough`` policy (S = 1 by construction): gradients go
+  to ``inner`` unchanged, nothing is checked or skipped, and the inner state is exactly
+  what ``inner`` makes it (so the result is the bare ``inner``'s bit for bit); the state
+  keeps the loss-scaled layout. ``grad_norm`` is measured only when asked for."""
+
+  passthrough = True
+
+  def __init__(self, *args: Any, track_grad_norm: bool = False) -> None:
+    super().__init__(*args)
+    self.track_grad_norm = track_grad_norm
+
+  def _inner_init(self, params: Any) -> Any:
+    return self.inner.init(params)
+
+  def back_off(
+    self, grads: Any, state: Any, *, loss: Any = None
+  ) -> tuple[jax.Array, LossScaleState]:
+    _check_state(state)
+    return jnp.ones([], jnp.bool_), state  # nothing is checked: no overflow to back off from
+
+  def _step(
+    self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
+  ) -> tuple[Any, LossScaleState]:
+    _check_state(state)
+    norm = state.grad_norm
+    if self.track_grad_norm:
+      norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
+    updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
+    finite = jnp.ones([], jnp.bool_)
+    new = advance(
+      state, finite, norm, state.nonfinite, state.loss_scale, state.policy_state, inner_state
+    )
+    return output.out(params, updates), new
 
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation with loss scaling, and its fused step.
 
   It is an ``optax.GradientTransformationExtraArgs`` (``init``, ``update``),
-  usable wherever optax expects one. It also carries
+  usable wherever optax expects one, and an ordinary Python object: it copies,
+  deep-copies, pickles (where its inner transformation's and policy's
+  functions do) and rebuilds from its two fields. Its ``update`` is the method
+  of a :class:`LossScaler`, which also gives it
 
   * ``fused_step(grads, state, params, **extra_args) -> (new_params,
     new_state)``: the update and ``optax.apply_updates`` in one, which
     :func:`apply_step` calls;
-  * ``back_off(grads, state) -> (finite, state)``: the check of ``update`` on
-    (scaled) ``grads`` and, when they are not finite, ``state`` with the
-    policy's move for that overflow (the scale to recompute at), which
-    :func:`value_and_grad` calls. ``state`` is this transformation's
-    :class:`LossScaleState`; nothing else in it changes.
+  * ``back_off(grads, state, *, loss=None) -> (finite, state)``: the check of
+    ``update`` on (scaled) ``grads`` and, when they are not finite, ``state``
+    with the policy's move for that overflow (the scale to recompute at),
+    which :func:`value_and_grad` calls;
+  * ``passthrough``: True when the scale is 1 by construction
+    (:func:`no_loss_scale`): nothing is checked, and the loss need not be
+    multiplied by the scale.
+
+  They stay with the ``update`` they belong to through ``copy``,
+  ``_replace(init=...)`` and any rebuilding; an ``update`` replaced by another
+  function has none (None, False).
   """
 
-  def __new__(cls, init: Callable, update: Callable, fused_step: Callable, back_off: Callable):
-    tx = super().__new__(cls, init, update)
-    tx.fused_step, tx.back_off = fused_step, back_off
-    return tx
+  @property
+  def scaler(self) -> LossScaler | None:
+    """The :class:`LossScaler` whose ``update`` this is, or None."""
+    owner = getattr(self.update, "__self__", None)
+    return owner if isinstance(owner, LossScaler) else None
+
+  @property
+  def fused_step(self) -> Callable[..., tuple[Any, Any]] | None:
+    """``update`` and ``optax.apply_updates`` in one (None without a :class:`LossScaler`)."""
+    return None if self.scaler is None else self.scaler.fused_step
+
+  @property
+  def back_off(self) -> Callable[..., tuple[jax.Array, Any]] | None:
+    """The check and the policy's move for an overflow (None without a :class:`LossScaler`)."""
+    return None if self.scaler is None else self.scaler.back_off
+
+  @property
+  def passthrough(self) -> bool:
+    """Whether the loss scale is 1 by construction (:func:`no_loss_scale`)."""
+    return self.scaler is not None and self.scaler.passthrough
 
 
-# A pytree of its four functions, so that whoever rebuilds it from its leaves (as
-# some flax releases do with an ``nnx.Optimizer``'s ``tx``) keeps the last two.
-_FIELDS = ("init", "update", "fused_step", "back_off")
-jax.tree_util.register_pytree_with_keys(
-  LossScaledTransformation,
-  lambda tx: (tuple((jax.tree_util.GetAttrKey(f), getattr(tx, f)) for f in _FIELDS), None),
-  lambda _, children: LossScaledTransformation(*children),
-  flatten_func=lambda tx: (tuple(getattr(tx, f) for f in _FIELDS), None),
-)
+def transformation(scaler: LossScaler) -> LossScaledTransformation:
+  """The optax transformation carrying ``scaler``'s functions."""
+  return LossScaledTransformation(scaler.init, scaler.update)
 
 
 def loss_scaled(
@@ -53,21 +265,27 @@ def loss_scaled(
   *,
   axis_name: str | tuple[str, ...] | None = None,
   skip_lowering: str = "auto",
+  labels: _labels.Labels = None,
 ) -> LossScaledTransformation:
   """Wraps ``inner`` with loss scaling driven by ``policy``.
 
-  One ``update(grads, state, params=None, **extra_args)`` does, with S the
+  One ``update(grads, state, params=None, *, loss=None, **extra_args)`` does, with S the
   loss scale the loss was multiplied by (Micikevicius et al. 2018, *Mixed
   Precision Training*):
 
   1. unscale: ``u = grads * (1/S)`` in float32 (float64 for float64 leaves),
      cast back to each leaf's dtype; integer, bool and ``None`` leaves pass
      through untouched;
-  2. check: ``finite`` when S is a valid scale (finite, > 0) and every
-     floating entry of ``u`` is finite (exact), reduced over ``axis_name``;
+  2. check: ``finite`` when S is a valid scale (finite, > 0), every
+     floating entry of ``u`` is finite (exact) and, when ``loss`` is given,
+     the loss is finite too, reduced over ``axis_name``; a non-finite step
+     records which gradient leaves held an inf or a NaN and whether the loss
+     was not finite (:func:`nonfinite_leaves`, :func:`metrics`);
   3. skip or apply: if finite, ``inner.update(u, inner_state, params,
-     **extra_args)``; otherwise the updates are zeros of exactly the type the
-     applied step returns (structure, dtype, sharding) and ``inner_state`` is
+     **extra_args)``; otherwise the updates are negative zeros of exactly the
+     type the applied step returns (structure, dtype, sharding), so that
+     ``optax.apply_updates`` leaves every parameter bit for bit (``-0.0``
+     included; integer leaves get plain zeros), and ``inner_state`` is
      returned unchanged (bit for bit, or widened where the inner optimizer
      widens its own state), so its step count and learning-rate schedule do
      not advance, and the inner optimizer never sees a non-finite value;
@@ -77,7 +295,10 @@ def loss_scaled(
      step and comes back as the policy's initial scale.
 
   No host synchronisation. The state's types are a fixed point from ``init``
-  on (no retrace after the first step).
+  on (no retrace after the first step): ``init`` gives each inner state leaf
+  the dtype the inner updates settle on and makes it strongly typed (see
+  :func:`optax_dls._state.settled_inner_init` for the one exception, an inner
+  update that cannot be traced without its extra arguments).
 
   Args:
     inner: any optax ``GradientTransformation``; ``**extra_args`` of
@@ -99,6 +320,12 @@ def loss_scaled(
       entries may differ in the last bit); ``"auto"`` takes ``"where"``'s skip
       with ``"cond"``'s one-read check on the CPU, and ``"where"`` on every
       other platform (see ``docs/design.md``).
+    labels: ``None`` (default), or parameter-group labels as in
+      :func:`underflow_stats` (a pytree of strings matching the parameters, or
+      a prefix of them, or a callable ``params -> such a pytree``; non-empty,
+      without ``/``): the state then counts, per label, the non-finite steps in
+      which some leaf of that group was not finite (:func:`metrics` reports
+      them as ``overflows/<label>``), e.g. LoRA adapters against base weights.
 
   Returns:
     A :class:`LossScaledTransformation` whose state is a :class:`LossScaleState`.
@@ -106,9 +333,10 @@ def loss_scaled(
   Raises:
     TypeError: ``inner`` is not an optax transformation, ``policy`` is not a
       usable :class:`LossScalePolicy`, ``axis_name`` is not a string or tuple
-      of strings, or ``skip_lowering`` is not a string.
-    ValueError: ``skip_lowering`` is not one of the three, or the policy's
-      scales are out of range. At trace time, under ``shard_map`` (with
+      of strings, ``skip_lowering`` is not a string, or a label is not a string.
+    ValueError: ``skip_lowering`` is not one of the three, the policy's
+      scales are out of range, or the labels are empty or malformed (at
+      ``init``: they do not match the parameters). At trace time, under ``shard_map`` (with
       ``check_vma=True``), when the gradients vary over a mesh axis that
       ``axis_name`` leaves out, or ``axis_name`` names an axis that is not
       mapped where ``update`` runs.
@@ -119,102 +347,41 @@ def loss_scaled(
     >>> state = tx.init({'w': jnp.zeros(2)})
     >>> updates, state = tx.update({'w': jnp.array([4.0, jnp.inf])}, state)
     >>> updates['w'], bool(state.last_step_finite)
-    (Array([0., 0.], dtype=float32), False)
+    (Array([-0., -0.], dtype=float32), False)
   """
+  return transformation(build_scaler(inner, policy, axis_name, skip_lowering, labels))
+
+
+def build_scaler(
+  inner: Any, policy: Any, axis_name: Any, skip_lowering: Any, labels: Any, **options: Any
+) -> LossScaler:
+  """The :class:`LossScaler` of checked arguments (a :class:`PassthroughScaler` for a
+  passthrough policy, which takes ``options``)."""
   inner = optax.with_extra_args_support(_accumulation.check_inner(inner))
   policy = _policies.check_policy(policy)
   axis_name = _multi_device.check_axis_name(axis_name)
-  skip = _skip.lowering(skip_lowering)
-  if policy.passthrough:
-    return _passthrough(inner, policy, axis_name, skip)
-  init_scale = policy.init()[0]
+  lowering = _lowering.lowering(skip_lowering)
+  labels = _labels.check_labels(labels, "loss_scaled")
+  kind = PassthroughScaler if policy.passthrough else LossScaler
+  return kind(inner, policy, axis_name, lowering, labels, **options)
 
-  def init_fn(params):
-    scale, policy_state = policy.init()
-    return init_state(
-      scale, (policy.min_scale, policy.max_scale), policy_state, _skip.settled_init(inner, params)
+
+def _loss_not_finite(loss: Any, axis_name: Any) -> jax.Array:
+  """bool ``()``: whether ``loss`` (None: not given) has an entry that is not finite,
+  reduced over ``axis_name``."""
+  if loss is None:
+    return jnp.zeros([], jnp.bool_)
+  try:
+    value = None if isinstance(loss, (str, bytes)) else jnp.asarray(loss)
+  except (TypeError, ValueError):
+    value = None
+  if value is None or not jnp.issubdtype(value.dtype, jnp.inexact):
+    raise TypeError(
+      f"loss must be None or a floating-point array (the loss of this step), got {loss!r} "
+      f"of type {type(loss).__name__}."
     )
-
-  def step(grads, state, params, extra_args, out, skipped):
-    _check_state(state)
-    _multi_device.check_axis_coverage(_numerics.float_leaves(grads), state.loss_scale, axis_name)
-    # Check: one fused read of the scaled gradients; false for an invalid scale.
-    finite, grad_norm = skip.check(grads, state.loss_scale, axis_name)
-    # Unscale, inside the skip so it fuses with the optimizer; 0 on a skipped step.
-    inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
-
-    def apply(g, inner_state, p):
-      updates, inner_state = inner.update(
-        _numerics.unscale(g, inv_scale), inner_state, p, **extra_args
-      )
-      return out(p, updates), inner_state
-
-    result, inner_state = skip.select(finite, apply, skipped, grads, state.inner_state, params)
-    new_scale, policy_state = policy_step(grads, state, finite, grad_norm)
-    return result, advance(state, finite, grad_norm, new_scale, policy_state, inner_state)
-
-  def policy_step(grads, state, finite, grad_norm):
-    """``policy.update`` on this step's statistics; an invalid scale is replaced by the initial one."""
-    valid = _numerics.valid_scale(state.loss_scale)
-    amax = _numerics.global_amax(grads, axis_name) if "amax" in policy.stats else None
-    stats = _policies.GradStats(finite, state.num_steps, grad_norm, amax)
-    new_scale, policy_state = policy.update(
-      jnp.where(valid, state.loss_scale, init_scale), state.policy_state, stats
-    )
-    return jnp.where(valid, new_scale, init_scale), policy_state
-
-  def back_off(grads, state):
-    """The check of ``update``; on an overflow, the policy's move: the state to recompute at."""
-    _check_state(state)
-    finite, grad_norm = skip.check(grads, state.loss_scale, axis_name)
-    new_scale, policy_state = policy_step(grads, state, finite, grad_norm)
-    keep = lambda old, new: jnp.where(finite, old, new)
-    return finite, with_scale(
-      state, keep(state.loss_scale, new_scale), jax.tree.map(keep, state.policy_state, policy_state)
-    )
-
-  def update_fn(grads, state, params=None, **extra_args):
-    return step(grads, state, params, extra_args, _skip.updates_out, _skip.updates_skipped)
-
-  def fused_step(grads, state, params, **extra_args):
-    return step(grads, state, params, extra_args, _skip.params_out, _skip.params_skipped)
-
-  return LossScaledTransformation(init_fn, update_fn, fused_step, back_off)
-
-
-def _passthrough(
-  inner: optax.GradientTransformationExtraArgs,
-  policy: _policies.LossScalePolicy,
-  axis_name: Any,
-  skip: _skip.Lowering,
-) -> LossScaledTransformation:
-  """The transformation of a ``passthrough`` policy (S = 1): gradients go to
-  ``inner`` unchanged, nothing is checked or skipped; the state keeps the
-  loss-scaled layout, and ``grad_norm`` is measured (without overflow)."""
-
-  def init_fn(params):
-    scale, policy_state = policy.init()
-    return init_state(scale, (policy.min_scale, policy.max_scale), policy_state, inner.init(params))
-
-  def step(grads, state, params, extra_args, out):
-    _check_state(state)
-    _, grad_norm = skip.check(grads, jnp.float32(1.0), axis_name)
-    updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-    finite = jnp.ones([], jnp.bool_)
-    return out(params, updates), advance(
-      state, finite, grad_norm, state.loss_scale, state.policy_state, inner_state
-    )
-
-  def back_off(grads, state):
-    _check_state(state)
-    return jnp.ones([], jnp.bool_), state  # nothing is checked: no overflow to back off from
-
-  return LossScaledTransformation(
-    init_fn,
-    lambda grads, state, params=None, **extra: step(grads, state, params, extra, _skip.updates_out),
-    lambda grads, state, params, **extra: step(grads, state, params, extra, _skip.params_out),
-    back_off,
-  )
+  bad = jnp.any(~jnp.isfinite(value)).astype(jnp.int32)
+  return _multi_device.pmax(bad, axis_name) > 0
 
 
 def _check_state(state: Any) -> None:

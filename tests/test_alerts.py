@@ -84,7 +84,10 @@ def test_alerts_only_from_process_zero(caplog, monkeypatch):
 def test_one_warning_under_jit_with_8_device_named_sharding(caplog):
   mesh = jax.make_mesh((8,), ("data",))
   put = lambda t: jax.tree.map(
-    lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t
+    lambda x: jax.device_put(
+      x, NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % 8 == 0 else P())
+    ),
+    t,
   )
   state = _run(
     optax_dls.dynamic_loss_scale(optax.sgd(0.1)), [I, I, I, I], optax_dls.SkipAlerts(), put=put
@@ -109,7 +112,10 @@ def test_one_warning_under_pmap(caplog):
 def test_one_warning_under_shard_map(caplog):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   put = lambda t: jax.tree.map(
-    lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P())), t
+    lambda x: jax.device_put(
+      x, NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % 8 == 0 else P())
+    ),
+    t,
   )
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
   state_spec = jax.tree.map(lambda _: P(), tx.init(PARAMS))

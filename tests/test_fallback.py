@@ -86,7 +86,11 @@ def test_no_fallback_by_default():
   state = tx.init({"w": jnp.ones(2)})
   for _ in range(12):
     _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state)
-  assert not bool(optax_dls.metrics(state)["fp32_fallback"]) and float(state.loss_scale) == 2.0**8
+  m = optax_dls.metrics(state)
+  assert "fp32_fallback" not in m and float(state.loss_scale) == 2.0**8
+  # select_precision takes the float16 function without the fallback policy.
+  out = optax_dls.select_precision(state, lambda: jnp.float16(1), lambda: jnp.float32(2))
+  assert float(out) == 1.0
 
 
 def test_select_precision_promotes_and_checks_structure():

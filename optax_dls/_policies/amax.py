@@ -29,6 +29,11 @@ class AmaxScaleState(NamedTuple):
   amax_history: jax.Array
   growth_tracker: jax.Array
 
+  def after_scale_reset(self) -> AmaxScaleState:
+    """This state once :func:`optax_dls.reset_scale` has set a new scale: the growth
+    count restarts at 0."""
+    return self._replace(growth_tracker=jnp.zeros_like(self.growth_tracker))
+
 
 def _pow2_floor(x: jax.Array) -> jax.Array:
   """The largest power of two <= x, for normal positive float32 x."""

@@ -26,6 +26,11 @@ class DynamicScaleState(NamedTuple):
   growth_tracker: jax.Array
   hysteresis_left: jax.Array
 
+  def after_scale_reset(self) -> DynamicScaleState:
+    """This state once :func:`optax_dls.reset_scale` has set a new scale: the growth
+    count restarts at 0."""
+    return self._replace(growth_tracker=jnp.zeros_like(self.growth_tracker))
+
 
 def _dynamic_state(hysteresis: int) -> DynamicScaleState:
   return DynamicScaleState(jnp.zeros([], jnp.int32), jnp.asarray(hysteresis, jnp.int32))
