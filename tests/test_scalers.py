@@ -47,7 +47,11 @@ def test_no_loss_scale_is_bit_identical_to_bare_adam_over_50_steps():
 
 def test_no_loss_scale_measures_the_norm_of_huge_bf16_gradients():
   grads = {"w": jnp.array([1e20, -1e20], jnp.bfloat16)}
-  tx = optax_dls.no_loss_scale(optax.sgd(1.0))
+  # Measured only when asked: the bare optimizer's step measures nothing.
+  quiet = optax_dls.no_loss_scale(optax.sgd(1.0))
+  _, state = jax.jit(quiet.update)(grads, quiet.init(grads), grads)
+  assert np.isnan(float(optax_dls.metrics(state)["grad_norm"]))
+  tx = optax_dls.no_loss_scale(optax.sgd(1.0), track_grad_norm=True)
   _, state = jax.jit(tx.update)(grads, tx.init(grads), grads)
   expected = np.linalg.norm(np.asarray(grads["w"], np.float64))
   np.testing.assert_allclose(float(optax_dls.metrics(state)["grad_norm"]), expected, rtol=1e-6)
@@ -61,7 +65,9 @@ def test_no_loss_scale_measures_the_norm_of_huge_bf16_gradients():
 def test_dynamic_loss_scale_shows_the_policy_arguments_in_its_signature():
   params = inspect.signature(optax_dls.dynamic_loss_scale).parameters
   policy = inspect.signature(optax_dls.dynamic_policy).parameters
-  assert list(params) == ["inner", "axis_name", "skip_lowering", *policy]
+  assert list(params) == ["inner", *policy, "axis_name", "skip_lowering", "labels"]
+  assert all(params[k].kind == inspect.Parameter.KEYWORD_ONLY for k in list(params)[1:])
+  assert "__signature__" not in vars(optax_dls.dynamic_loss_scale)  # the real one
   assert all(params[k].default == policy[k].default for k in policy)
 
 

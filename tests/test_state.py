@@ -19,7 +19,8 @@ def _state0():
 
 def test_every_field_has_its_fixed_dtype_and_its_own_buffer():
   s = _state0()
-  dtypes = {f: getattr(s, f).dtype for f in s._fields if f not in ("policy_state", "inner_state")}
+  own = [f for f in s._fields if f not in ("nonfinite", "policy_state", "inner_state")]
+  dtypes = {f: getattr(s, f).dtype for f in own}
   assert dtypes == {
     "loss_scale": jnp.float32,
     "min_scale": jnp.float32,
@@ -28,10 +29,11 @@ def test_every_field_has_its_fixed_dtype_and_its_own_buffer():
     "num_skipped": jnp.int32,
     "consecutive_skips": jnp.int32,
     "last_step_finite": jnp.bool_,
-    "recomputed_steps": jnp.int32,
-    "recompute_tries": jnp.int32,
     "grad_norm": jnp.float32,
   }
+  record = s.nonfinite  # the last non-finite step's record: none yet
+  assert int(record.step) == 0 and record.leaves.dtype == record.nan.dtype == jnp.uint32
+  assert record.leaves.shape == (1,) and not bool(record.loss) and record.overflows == {}
   assert (
     float(s.min_scale) == 1.0 and float(s.max_scale) == 2.0**10 and np.isnan(float(s.grad_norm))
   )
@@ -47,12 +49,18 @@ def test_advance_keeps_the_scale_in_range_and_saturates_the_counters():
   )
   f = jnp.bool_(False)
   new = _state.advance(
-    s, f, jnp.float32(np.inf), jnp.float32(2.0**20), s.policy_state, s.inner_state
+    s, f, jnp.float32(np.inf), s.nonfinite, jnp.float32(2.0**20), s.policy_state, s.inner_state
   )
   assert float(new.loss_scale) == 2.0**10  # clamped to max_scale
   assert int(new.num_steps) == int(new.num_skipped) == int(new.consecutive_skips) == INT32_MAX
   new = _state.advance(
-    new, jnp.bool_(True), jnp.float32(1.0), jnp.float32(0.25), s.policy_state, s.inner_state
+    new,
+    jnp.bool_(True),
+    jnp.float32(1.0),
+    s.nonfinite,
+    jnp.float32(0.25),
+    s.policy_state,
+    s.inner_state,
   )
   assert (
     float(new.loss_scale) == 1.0 and int(new.consecutive_skips) == 0 and bool(new.last_step_finite)

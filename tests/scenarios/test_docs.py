@@ -70,7 +70,9 @@ def test_api_reference_lists_every_public_name():
 
 
 def _python_blocks(page: str) -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```\s*$", (DOCS / page).read_text(), re.DOTALL | re.MULTILINE)
+  return re.findall(
+    r"^```python\n(.*?)^```\s*$", (DOCS / page).read_text(), re.DOTALL | re.MULTILINE
+  )
 
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
