@@ -407,7 +407,7 @@ def finite_and_norm_fused(
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
   leaves = float_leaves(grads)
   names = _multi_device.axis_names(axis_name)
-  parts = square_sums(leaves, _multi_device.axis_sizes(names))
+  parts = square_sums(leaves, _multi_device.axis_sizes(axis_name))
   sq = _multi_device.psum(sum(parts, jnp.zeros([], jnp.float32)), names)
   norm = jnp.where(
     jnp.isfinite(sq),

@@ -10,6 +10,7 @@ and host-side code reads :func:`optax_dls.metrics`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -352,12 +353,29 @@ def loss_scaled(
   return transformation(build_scaler(inner, policy, axis_name, skip_lowering, labels))
 
 
+def _without_extra_args(
+  update: Callable[..., Any], updates: Any, state: Any, params: Any = None, **extra_args: Any
+) -> Any:
+  del extra_args
+  return update(updates, state, params)
+
+
+def _with_extra_args(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """``inner`` taking ``**extra_args`` (dropped where it takes none), as
+  ``optax.with_extra_args_support`` does, and as picklable as ``inner`` is."""
+  if isinstance(inner, optax.GradientTransformationExtraArgs):
+    return inner
+  return optax.GradientTransformationExtraArgs(
+    inner.init, functools.partial(_without_extra_args, inner.update)
+  )
+
+
 def build_scaler(
   inner: Any, policy: Any, axis_name: Any, skip_lowering: Any, labels: Any, **options: Any
 ) -> LossScaler:
   """The :class:`LossScaler` of checked arguments (a :class:`PassthroughScaler` for a
   passthrough policy, which takes ``options``)."""
-  inner = optax.with_extra_args_support(_accumulation.check_inner(inner))
+  inner = _with_extra_args(_accumulation.check_inner(inner))
   policy = _policies.check_policy(policy)
   axis_name = _multi_device.check_axis_name(axis_name)
   lowering = _lowering.lowering(skip_lowering)

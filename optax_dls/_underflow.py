@@ -8,6 +8,7 @@ signal that float16 loses without loss scaling.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -123,12 +124,17 @@ def underflow_stats(
   labels = _labels.check_labels(labels, "underflow_stats", _RESERVED)
   axis_name = _multi_device.check_axis_name(axis_name)
 
-  def init_fn(params):
-    shapes = jax.eval_shape(lambda p: _all_fractions(labels, p, None), params)
-    return UnderflowState(jax.tree.map(lambda s: jnp.full([], jnp.nan, jnp.float32), shapes))
+  init = functools.partial(_underflow_init, labels)
+  return optax.GradientTransformation(init, functools.partial(_underflow_update, labels, axis_name))
 
-  def update_fn(updates, state, params=None):
-    del params, state
-    return updates, UnderflowState(_all_fractions(labels, updates, axis_name))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+def _underflow_init(labels: Any, params: Any) -> UnderflowState:
+  shapes = jax.eval_shape(lambda p: _all_fractions(labels, p, None), params)
+  return UnderflowState(jax.tree.map(lambda s: jnp.full([], jnp.nan, jnp.float32), shapes))
+
+
+def _underflow_update(
+  labels: Any, axis_name: Any, updates: Any, state: UnderflowState, params: Any = None
+) -> tuple[Any, UnderflowState]:
+  del params, state
+  return updates, UnderflowState(_all_fractions(labels, updates, axis_name))

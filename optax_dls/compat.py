@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from optax_dls import _validation
-from optax_dls._policies import LossScalePolicy, dynamic_rule
+from optax_dls._policies import DynamicRule, LossScalePolicy, dynamic_rule
 from optax_dls._validation import SCALE_MAX, SCALE_MIN
 
 __all__ = [
@@ -41,7 +41,8 @@ def _rule(
   """:func:`optax_dls._policies.dynamic_rule` with a checked ``low <= init`` pair (each
   a ``(name, value)``) and no ceiling below ``2**126``, as in the references."""
   init_scale, min_scale, _ = _validation.scale_range(init, low, ("max_scale", SCALE_MAX))
-  return dynamic_rule(init_scale=init_scale, min_scale=min_scale, max_scale=SCALE_MAX, **options)
+  rule = DynamicRule(init_scale=init_scale, min_scale=min_scale, max_scale=SCALE_MAX, **options)
+  return dynamic_rule(rule)
 
 
 def _window(name: str, value: Any, low: int = 1) -> int:

@@ -12,6 +12,7 @@ the minimum scale (:mod:`.min_scale`).
 from optax_dls._policies.amax import AmaxScaleState, amax_policy
 from optax_dls._policies.base import STATS, GradStats, LossScalePolicy, check_policy
 from optax_dls._policies.dynamic import (
+  DynamicRule,
   DynamicScaleState,
   dynamic_policy,
   dynamic_rule,
@@ -24,6 +25,7 @@ from optax_dls._policies.min_scale import SkipsAtMinScaleState, skips_at_min_sca
 __all__ = [
   "STATS",
   "AmaxScaleState",
+  "DynamicRule",
   "DynamicScaleState",
   "FallbackState",
   "GradStats",

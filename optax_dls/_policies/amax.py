@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,44 +128,68 @@ def amax_policy(
   if not isinstance(statistic, str) or statistic not in ("amax", "grad_norm"):
     kind = ValueError if isinstance(statistic, str) else TypeError
     raise kind(f"statistic must be 'amax' or 'grad_norm', got statistic={statistic!r}.")
-  headroom = jnp.float32(max_value * 2.0**-margin)
-  lo, hi = jnp.float32(min_scale), jnp.float32(max_scale)
-
-  def init():
-    return (
-      jnp.asarray(init_scale, jnp.float32),
-      AmaxScaleState(jnp.zeros([history_len], jnp.float32), jnp.zeros([], jnp.int32)),
-    )
-
-  def update(scale: jax.Array, state: AmaxScaleState, stats: GradStats) -> tuple[jax.Array, Any]:
-    finite = stats.finite
-    observed = stats.amax / scale if statistic == "amax" else stats.grad_norm
-    observed = jnp.where(finite, observed, jnp.float32(max_value) / scale).astype(jnp.float32)
-    history = jnp.roll(state.amax_history, 1).at[0].set(observed)
-    peak = jnp.max(history)
-    raw = jnp.where(peak > 0, headroom / jnp.maximum(peak, jnp.finfo(jnp.float32).tiny), hi)
-    target = jnp.maximum(_pow2_floor(jnp.clip(raw, lo, hi)), lo)
-    tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
-    shrink = finite & (target < scale)
-    grow = finite & (target > scale) & (tracker >= growth_interval)
-    new_scale = jnp.where(
-      shrink,
-      target,
-      jnp.where(
-        grow,
-        jnp.minimum(scale * jnp.float32(growth_factor), target),
-        jnp.where(finite, scale, jnp.maximum(scale * jnp.float32(backoff_factor), lo)),
-      ),
-    )
-    moved = shrink | grow
-    return new_scale.astype(jnp.float32), AmaxScaleState(
-      history, jnp.where(moved, 0, tracker).astype(jnp.int32)
-    )
-
+  rule = _AmaxRule(
+    init_scale,
+    history_len,
+    statistic,
+    max_value,
+    max_value * 2.0**-margin,
+    min_scale,
+    max_scale,
+    growth_interval,
+    growth_factor,
+    backoff_factor,
+  )
   return LossScalePolicy(
-    init,
-    update,
+    functools.partial(_amax_init, rule),
+    functools.partial(_amax_update, rule),
     stats=("amax",) if statistic == "amax" else (),
     min_scale=min_scale,
     max_scale=max_scale,
+  )
+
+
+class _AmaxRule(NamedTuple):
+  """The checked settings of :func:`amax_policy` (``headroom``: ``max_value * 2**-margin``)."""
+
+  init_scale: float
+  history_len: int
+  statistic: str
+  max_value: float
+  headroom: float
+  min_scale: float
+  max_scale: float
+  growth_interval: int
+  growth_factor: float
+  backoff_factor: float
+
+
+def _amax_init(rule: _AmaxRule) -> tuple[jax.Array, AmaxScaleState]:
+  history = jnp.zeros([rule.history_len], jnp.float32)
+  return jnp.asarray(rule.init_scale, jnp.float32), AmaxScaleState(
+    history, jnp.zeros([], jnp.int32)
+  )
+
+
+def _amax_update(
+  rule: _AmaxRule, scale: jax.Array, state: AmaxScaleState, stats: GradStats
+) -> tuple[jax.Array, AmaxScaleState]:
+  lo, hi = jnp.float32(rule.min_scale), jnp.float32(rule.max_scale)
+  finite = stats.finite
+  observed = stats.amax / scale if rule.statistic == "amax" else stats.grad_norm
+  observed = jnp.where(finite, observed, jnp.float32(rule.max_value) / scale).astype(jnp.float32)
+  history = jnp.roll(state.amax_history, 1).at[0].set(observed)
+  peak = jnp.max(history)
+  headroom = jnp.float32(rule.headroom)
+  raw = jnp.where(peak > 0, headroom / jnp.maximum(peak, jnp.finfo(jnp.float32).tiny), hi)
+  target = jnp.maximum(_pow2_floor(jnp.clip(raw, lo, hi)), lo)
+  tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
+  shrink = finite & (target < scale)
+  grow = finite & (target > scale) & (tracker >= rule.growth_interval)
+  grown = jnp.minimum(scale * jnp.float32(rule.growth_factor), target)
+  backed = jnp.maximum(scale * jnp.float32(rule.backoff_factor), lo)
+  new_scale = jnp.where(shrink, target, jnp.where(grow, grown, jnp.where(finite, scale, backed)))
+  moved = shrink | grow
+  return new_scale.astype(jnp.float32), AmaxScaleState(
+    history, jnp.where(moved, 0, tracker).astype(jnp.int32)
   )

@@ -3,6 +3,7 @@ user's policy."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -138,36 +139,37 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
 
 def _checked_update(policy: LossScalePolicy, treedef: Any, specs: list) -> Callable:
   """``policy.update`` with trace-time checks of its output (pure Python, no runtime cost)."""
-  update = policy.update
+  return functools.partial(_checked, policy, treedef, specs)
 
-  def checked(scale, state, stats):
-    out = update(scale, state, stats)
-    name = _name(policy)
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError(
-        f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}."
-      )
-    new_scale, new_state = out
-    if np.shape(new_scale) != () or not jnp.issubdtype(jnp.result_type(new_scale), jnp.floating):
-      raise TypeError(
-        f"policy.update ({name}) must return a floating loss scale of shape (), got "
-        f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}."
-      )
-    leaves, new_def = jax.tree.flatten(new_state)
-    if new_def != treedef:
-      raise TypeError(
-        f"policy.update ({name}) must return a policy state with the tree structure of "
-        f"policy.init()'s, {treedef}, got {new_def}."
-      )
-    got = [_leaf_spec(x) for x in leaves]
-    if got != specs:
-      raise TypeError(
-        f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
-        f"policy.init()'s, {specs}, got {got}."
-      )
-    return new_scale, new_state
 
-  return checked
+def _checked(
+  policy: LossScalePolicy, treedef: Any, specs: list, scale: Any, state: Any, stats: GradStats
+) -> tuple[Any, Any]:
+  out = policy.update(scale, state, stats)
+  name = _name(policy)
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(
+      f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}."
+    )
+  new_scale, new_state = out
+  if np.shape(new_scale) != () or not jnp.issubdtype(jnp.result_type(new_scale), jnp.floating):
+    raise TypeError(
+      f"policy.update ({name}) must return a floating loss scale of shape (), got "
+      f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}."
+    )
+  leaves, new_def = jax.tree.flatten(new_state)
+  if new_def != treedef:
+    raise TypeError(
+      f"policy.update ({name}) must return a policy state with the tree structure of "
+      f"policy.init()'s, {treedef}, got {new_def}."
+    )
+  got = [_leaf_spec(x) for x in leaves]
+  if got != specs:
+    raise TypeError(
+      f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
+      f"policy.init()'s, {specs}, got {got}."
+    )
+  return new_scale, new_state
 
 
 def check_policy(policy: Any) -> LossScalePolicy:

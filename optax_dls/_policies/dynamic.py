@@ -4,6 +4,7 @@ policies built on its state layout; :mod:`optax_dls.compat` reuses it."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_dls import _validation
-from optax_dls._policies.base import LossScalePolicy
+from optax_dls._policies.base import GradStats, LossScalePolicy
 
 
 class DynamicScaleState(NamedTuple):
@@ -36,57 +37,74 @@ def _dynamic_state(hysteresis: int) -> DynamicScaleState:
   return DynamicScaleState(jnp.zeros([], jnp.int32), jnp.asarray(hysteresis, jnp.int32))
 
 
-def dynamic_rule(
-  *,
-  init_scale: float,
-  min_scale: float,
-  max_scale: float,
-  growth_factor: float,
-  growth_after: int,
-  backoff_factor: float | None = None,
-  backoff_divisor: float | None = None,
-  reset_after_growth: int = 0,
-  hysteresis: int = 1,
-  consecutive_hysteresis: bool = False,
-  warmup_steps: int = 0,
-) -> LossScalePolicy:
-  """The dynamic rule, with every variation of the established scalers as an option.
+class DynamicRule(NamedTuple):
+  """The dynamic rule's settings, with every variation of the established scalers.
 
-  Arguments are already checked. Finite step: ``tracker += 1``; with
-  ``consecutive_hysteresis`` the hysteresis is refilled; when ``tracker >=
-  growth_after`` and ``step >= warmup_steps``: ``S = min(S * growth_factor,
-  max_scale)``, ``tracker = reset_after_growth``, hysteresis refilled.
-  Non-finite step: ``tracker = 0``, the hysteresis drops by one (floored at
-  0) and at 0 ``S = max(S * backoff_factor, min_scale)`` (or ``S /
-  backoff_divisor``). Products and quotients are float32, each rounded once.
+  Already checked when the rule is built. Attributes: ``init_scale``, ``min_scale``,
+  ``max_scale`` (floats); ``growth_factor`` (float > 1); ``growth_after`` (int >= 1,
+  consecutive finite steps before a growth); ``backoff_factor`` (float in (0, 1)) or
+  ``backoff_divisor`` (float > 1), one of them None; ``reset_after_growth`` (int, the
+  tracker's value after a growth, 0 by default); ``hysteresis`` (int >= 1);
+  ``consecutive_hysteresis`` (bool); ``warmup_steps`` (int >= 0).
   """
-  gf, lo, hi = jnp.float32(growth_factor), jnp.float32(min_scale), jnp.float32(max_scale)
 
-  def init():
-    return jnp.asarray(init_scale, jnp.float32), _dynamic_state(hysteresis)
+  init_scale: float
+  min_scale: float
+  max_scale: float
+  growth_factor: float
+  growth_after: int
+  backoff_factor: float | None = None
+  backoff_divisor: float | None = None
+  reset_after_growth: int = 0
+  hysteresis: int = 1
+  consecutive_hysteresis: bool = False
+  warmup_steps: int = 0
 
-  def update(scale, state, stats):
-    finite = stats.finite
-    tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
-    grow = finite & (tracker >= growth_after) & (stats.step >= warmup_steps)
-    left = jnp.maximum(state.hysteresis_left - 1, 0)
-    backoff = ~finite & (left == 0)
-    backed = (
-      scale * jnp.float32(backoff_factor)
-      if backoff_divisor is None
-      else scale / jnp.float32(backoff_divisor)
-    )
-    new_scale = jnp.where(
-      grow, jnp.minimum(scale * gf, hi), jnp.where(backoff, jnp.maximum(backed, lo), scale)
-    )
-    kept = jnp.asarray(hysteresis, jnp.int32) if consecutive_hysteresis else state.hysteresis_left
-    new_state = DynamicScaleState(
-      growth_tracker=jnp.where(grow, reset_after_growth, tracker).astype(jnp.int32),
-      hysteresis_left=jnp.where(finite, jnp.where(grow, hysteresis, kept), left).astype(jnp.int32),
-    )
-    return new_scale.astype(jnp.float32), new_state
 
-  return LossScalePolicy(init, update, min_scale=min_scale, max_scale=max_scale)
+def _rule_init(rule: DynamicRule) -> tuple[jax.Array, DynamicScaleState]:
+  return jnp.asarray(rule.init_scale, jnp.float32), _dynamic_state(rule.hysteresis)
+
+
+def _rule_update(
+  rule: DynamicRule, scale: jax.Array, state: DynamicScaleState, stats: GradStats
+) -> tuple[jax.Array, DynamicScaleState]:
+  finite = stats.finite
+  tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
+  grow = finite & (tracker >= rule.growth_after) & (stats.step >= rule.warmup_steps)
+  left = jnp.maximum(state.hysteresis_left - 1, 0)
+  backoff = ~finite & (left == 0)
+  if rule.backoff_divisor is None:
+    backed = scale * jnp.float32(rule.backoff_factor)
+  else:
+    backed = scale / jnp.float32(rule.backoff_divisor)
+  grown = jnp.minimum(scale * jnp.float32(rule.growth_factor), jnp.float32(rule.max_scale))
+  backed = jnp.maximum(backed, jnp.float32(rule.min_scale))
+  new_scale = jnp.where(grow, grown, jnp.where(backoff, backed, scale))
+  full = jnp.asarray(rule.hysteresis, jnp.int32)
+  kept = full if rule.consecutive_hysteresis else state.hysteresis_left
+  new_state = DynamicScaleState(
+    growth_tracker=jnp.where(grow, rule.reset_after_growth, tracker).astype(jnp.int32),
+    hysteresis_left=jnp.where(finite, jnp.where(grow, full, kept), left).astype(jnp.int32),
+  )
+  return new_scale.astype(jnp.float32), new_state
+
+
+def dynamic_rule(rule: DynamicRule) -> LossScalePolicy:
+  """The policy of a :class:`DynamicRule` (its settings already checked).
+
+  Finite step: ``tracker += 1``; with ``consecutive_hysteresis`` the hysteresis
+  is refilled; when ``tracker >= growth_after`` and ``step >= warmup_steps``:
+  ``S = min(S * growth_factor, max_scale)``, ``tracker = reset_after_growth``,
+  hysteresis refilled. Non-finite step: ``tracker = 0``, the hysteresis drops by
+  one (floored at 0) and at 0 ``S = max(S * backoff_factor, min_scale)`` (or
+  ``S / backoff_divisor``). Products and quotients are float32, each rounded once.
+  """
+  return LossScalePolicy(
+    functools.partial(_rule_init, rule),
+    functools.partial(_rule_update, rule),
+    min_scale=rule.min_scale,
+    max_scale=rule.max_scale,
+  )
 
 
 def dynamic_policy(
@@ -158,7 +176,7 @@ def dynamic_policy(
   init_scale, min_scale, max_scale = _validation.scale_range(
     ("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)
   )
-  return dynamic_rule(
+  rule = DynamicRule(
     init_scale=init_scale,
     min_scale=min_scale,
     max_scale=max_scale,
@@ -169,6 +187,7 @@ def dynamic_policy(
     consecutive_hysteresis=_validation.boolean("consecutive_hysteresis", consecutive_hysteresis),
     warmup_steps=_validation.count("warmup_steps", warmup_steps, low=0),
   )
+  return dynamic_rule(rule)
 
 
 def static_policy(scale: float) -> LossScalePolicy:
@@ -188,11 +207,19 @@ def static_policy(scale: float) -> LossScalePolicy:
     TypeError: not a static number.
   """
   scale = _validation.scale("scale", scale)
+  init = functools.partial(_static_init, scale)
+  return LossScalePolicy(init, _static_update, min_scale=scale, max_scale=scale)
 
-  def init():
-    return jnp.asarray(scale, jnp.float32), _dynamic_state(1)
 
-  return LossScalePolicy(init, lambda s, state, stats: (s, state), min_scale=scale, max_scale=scale)
+def _static_init(scale: float) -> tuple[jax.Array, DynamicScaleState]:
+  return jnp.asarray(scale, jnp.float32), _dynamic_state(1)
+
+
+def _static_update(
+  scale: jax.Array, state: DynamicScaleState, stats: GradStats
+) -> tuple[jax.Array, DynamicScaleState]:
+  del stats
+  return scale, state
 
 
 def noop_policy() -> LossScalePolicy:

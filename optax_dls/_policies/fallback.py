@@ -8,6 +8,7 @@ jitted step to pick the float16 or the float32 computation.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_dls import _validation
-from optax_dls._policies.base import LossScalePolicy, check_policy
+from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
 
 
 class FallbackState(NamedTuple):
@@ -81,26 +82,38 @@ def fp32_fallback(
   if scale is not None:
     scale = _validation.scale("scale", scale, policy.min_scale, policy.max_scale)
 
-  def init():
-    init_scale, policy_state = policy.init()
-    off = jnp.zeros([], jnp.int32)
-    return init_scale, FallbackState(policy_state, jnp.zeros([], jnp.bool_), off, off)
-
-  def update(loss_scale, state, stats):
-    new_scale, policy_state = policy.update(loss_scale, state.policy_state, stats)
-    consecutive = jnp.where(stats.finite, 0, optax.safe_increment(state.consecutive_skips))
-    active = state.fp32_fallback
-    ended = active & (state.steps_left <= 1)
-    start = ~active & ~stats.finite & (consecutive >= after)
-    left = jnp.where(active, jnp.maximum(state.steps_left - 1, 0), jnp.where(start, steps, 0))
-    restart_scale, restart_state = policy.init()
-    restart_scale = restart_scale if scale is None else scale
-    new_scale = jnp.where(ended, restart_scale, new_scale).astype(jnp.float32)
-    policy_state = jax.tree.map(
-      lambda a, b: jnp.where(ended, a, b).astype(jnp.result_type(b)), restart_state, policy_state
-    )
-    return new_scale, FallbackState(
-      policy_state, (active & ~ended) | start, left.astype(jnp.int32), consecutive.astype(jnp.int32)
-    )
-
+  init = functools.partial(_fallback_init, policy)
+  update = functools.partial(_fallback_update, policy, after, steps, scale)
   return policy._replace(init=init, update=update)
+
+
+def _fallback_init(policy: LossScalePolicy) -> tuple[jax.Array, FallbackState]:
+  init_scale, policy_state = policy.init()
+  off = jnp.zeros([], jnp.int32)
+  return init_scale, FallbackState(policy_state, jnp.zeros([], jnp.bool_), off, off)
+
+
+def _fallback_update(
+  policy: LossScalePolicy,
+  after: int,
+  steps: int,
+  scale: float | None,
+  loss_scale: jax.Array,
+  state: FallbackState,
+  stats: GradStats,
+) -> tuple[jax.Array, FallbackState]:
+  new_scale, policy_state = policy.update(loss_scale, state.policy_state, stats)
+  consecutive = jnp.where(stats.finite, 0, optax.safe_increment(state.consecutive_skips))
+  active = state.fp32_fallback
+  ended = active & (state.steps_left <= 1)
+  start = ~active & ~stats.finite & (consecutive >= after)
+  left = jnp.where(active, jnp.maximum(state.steps_left - 1, 0), jnp.where(start, steps, 0))
+  restart_scale, restart_state = policy.init()
+  restart_scale = restart_scale if scale is None else scale
+  new_scale = jnp.where(ended, restart_scale, new_scale).astype(jnp.float32)
+  policy_state = jax.tree.map(
+    lambda a, b: jnp.where(ended, a, b).astype(jnp.result_type(b)), restart_state, policy_state
+  )
+  return new_scale, FallbackState(
+    policy_state, (active & ~ended) | start, left.astype(jnp.int32), consecutive.astype(jnp.int32)
+  )

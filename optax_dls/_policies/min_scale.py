@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls._policies.base import LossScalePolicy, check_policy
+from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
 
 
 class SkipsAtMinScaleState(NamedTuple):
@@ -55,16 +56,19 @@ def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
     1
   """
   policy = check_policy(policy)
-  floor = jnp.float32(policy.min_scale)
+  init = functools.partial(_min_scale_init, policy)
+  return policy._replace(init=init, update=functools.partial(_min_scale_update, policy))
 
-  def init():
-    scale, policy_state = policy.init()
-    return scale, SkipsAtMinScaleState(policy_state, jnp.zeros([], jnp.int32))
 
-  def update(scale, state, stats):
-    new_scale, policy_state = policy.update(scale, state.policy_state, stats)
-    at_min = ~stats.finite & (scale <= floor)
-    count = jnp.where(at_min, optax.safe_increment(state.skips_at_min_scale), 0)
-    return new_scale, SkipsAtMinScaleState(policy_state, count.astype(jnp.int32))
+def _min_scale_init(policy: LossScalePolicy) -> tuple[jax.Array, SkipsAtMinScaleState]:
+  scale, policy_state = policy.init()
+  return scale, SkipsAtMinScaleState(policy_state, jnp.zeros([], jnp.int32))
 
-  return policy._replace(init=init, update=update)
+
+def _min_scale_update(
+  policy: LossScalePolicy, scale: jax.Array, state: SkipsAtMinScaleState, stats: GradStats
+) -> tuple[jax.Array, SkipsAtMinScaleState]:
+  new_scale, policy_state = policy.update(scale, state.policy_state, stats)
+  at_min = ~stats.finite & (scale <= jnp.float32(policy.min_scale))
+  count = jnp.where(at_min, optax.safe_increment(state.skips_at_min_scale), 0)
+  return new_scale, SkipsAtMinScaleState(policy_state, count.astype(jnp.int32))
