@@ -220,8 +220,8 @@ def value_and_grad(
     >>> params = {'w': jnp.ones(1)}
     >>> loss = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
     >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(tx.init(params), params)
-    >>> float(optax_dls.loss_scale(state)), float(grads['w'][0])
-    (8192.0, 32768.0)
+    >>> float(optax_dls.loss_scale(state)), grads['w']  # at the scale they were computed at
+    (8192.0, Array([32768.], dtype=float32))
   """
   run = functools.partial(
     call,
