@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import _passthrough
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -512,19 +513,9 @@ def test_linen_apply_gradients_keeps_batch_stats_on_a_skipped_step(max_tries):
   assert int(skipped.step) == 2
 
 
-class _NNXBN(nnx.Module):
-  def __init__(self, rngs):
-    self.norm = nnx.BatchNorm(2, momentum=0.5, rngs=rngs)
-    self.drop = nnx.Dropout(0.25, rngs=rngs)
-    self.dense = nnx.Linear(2, 1, dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
-
-  def __call__(self, x):
-    return self.dense(self.drop(self.norm(x))).astype(jnp.float32)
-
-
 @pytest.mark.parametrize("max_tries", [None, 2])
 def test_nnx_batch_stats_are_kept_on_a_skipped_step(max_tries):
-  model = _NNXBN(nnx.Rngs(0, dropout=1))
+  model = _NormNet(nnx.Rngs(0, dropout=1))
   optimizer = nnx.Optimizer(model, _tx(optax.sgd(1e-3)), wrt=nnx.Param)
   grad_fn = dls_flax.value_and_grad(_nnx_fit, max_tries=max_tries)
 
@@ -677,7 +668,7 @@ def test_no_loss_scale_through_the_flax_helper_is_bit_for_bit_a_plain_loop():
     return state.apply_gradients(grads=grads, batch_stats=stats)
 
   ref = run(optax.adam(1e-2), plain)
-  got = run(_marked_passthrough(optax_dls.no_loss_scale(optax.adam(1e-2))), ours)
+  got = run(_passthrough.marked(optax_dls.no_loss_scale(optax.adam(1e-2))), ours)
   jax.tree.map(np.testing.assert_array_equal, got.params, ref.params)
   jax.tree.map(np.testing.assert_array_equal, got.batch_stats, ref.batch_stats)
   # S = 1 by construction: the scale in the state is not even read.
@@ -687,14 +678,6 @@ def test_no_loss_scale_through_the_flax_helper_is_bit_for_bit_a_plain_loop():
     got.params, got.batch_stats, images[0], labels[0]
   )
   jax.tree.map(np.testing.assert_array_equal, grads, expected)
-
-
-def _marked_passthrough(tx):
-  """``tx`` marked ``passthrough`` (S = 1 by construction), as the core marks
-  ``no_loss_scale``'s transformation once it carries the attribute."""
-  if not hasattr(tx, "passthrough"):
-    tx.passthrough = True
-  return tx
 
 
 # --- the port from flax's DynamicScale --------------------------------------------------------

@@ -1,5 +1,6 @@
 """value_and_grad: an overflowing step is recomputed inside the same jitted step, no batch lost."""
 
+import _passthrough
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -335,7 +336,7 @@ def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
   for x in (SMALL, BIG, BIG, SMALL):
     params, state, _ = step(params, state, x)
   m = optax_dls.metrics(state)
-  # The first BIG micro-batch was recomputed (at 2**12, where the second one fits too): nothing skipped.
+  # The first BIG micro-batch was recomputed (at 2**12, where the second fits too): none skipped.
   assert (
     int(m["skip_count"]) == 0
     and int(m["recomputed_steps"]) == 1
@@ -344,16 +345,8 @@ def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
   assert int(optax_dls.find_state(state).inner_state.gradient_step) == 2  # two applied windows
 
 
-def passthrough(tx):
-  """``tx`` marked ``passthrough`` (S = 1 by construction), as the core marks
-  ``no_loss_scale``'s transformation once it carries the attribute."""
-  if not hasattr(tx, "passthrough"):
-    tx.passthrough = True
-  return tx
-
-
 def test_no_loss_scale_takes_one_pass_and_never_multiplies_the_loss():
-  tx = passthrough(optax_dls.no_loss_scale(_counted(optax.sgd(1e-3))))
+  tx = _passthrough.marked(optax_dls.no_loss_scale(_counted(optax.sgd(1e-3))))
   grad_fn = jax.jit(optax_dls.value_and_grad(LOSS32, tx))
   (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL)
   assert _tries(state) == 0
@@ -466,7 +459,7 @@ def test_under_shard_map_a_non_finite_loss_on_one_device_stops_every_device():
   spec = jax.tree.map(lambda _: P(), state)
 
   def local(x, state):
-    (_, grads), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=5)(state, PARAMS, x)
+    _, state = optax_dls.value_and_grad(LOSS16, tx, max_tries=5)(state, PARAMS, x)
     return optax_dls.metrics(state)["recompute_tries"][None], state.loss_scale[None]
 
   f = jax.jit(
