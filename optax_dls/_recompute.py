@@ -20,6 +20,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from optax_dls import _access, _calls, _multi_device, _numerics, _recompute_stats, _validation
 from optax_dls._state import LossScaleState
+from optax_dls._transform import LossScaledTransformation
 
 # A pass: the state to compute at -> ``(value, grads)``, cast to the types every pass returns.
 Pass = Callable[[LossScaleState], tuple[Any, Any]]
@@ -86,14 +87,14 @@ def make_plan(
 ) -> Plan:
   """The :class:`Plan` of a recomputing ``grad_fn``; raises what :func:`value_and_grad` does."""
   max_tries, argnums, has_aux = checked(fun, fp32_fun, max_tries, argnums, has_aux)
-  back_off = getattr(tx, "back_off", None)
-  if not callable(back_off):
+  back_off = tx.back_off if isinstance(tx, LossScaledTransformation) else None
+  if back_off is None:
     raise TypeError(
       f"{tx_name} must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
       f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
     )
   # S = 1 by construction: the loss is not multiplied by it, nothing overflows, nothing is retried.
-  passthrough = bool(getattr(tx, "passthrough", False))
+  passthrough = tx.passthrough
   fp32 = None if fp32_fun is None or passthrough else _grads_of(fp32_fun, has_aux, argnums, False)
   max_tries = 0 if passthrough else max_tries
   return Plan(
@@ -332,14 +333,14 @@ def _check(
   plan: Plan, grads: Any, at: LossScaleState, loss: jax.Array
 ) -> tuple[jax.Array, jax.Array, LossScaleState]:
   """``(finite, loss_finite, backed_off)``: the transformation's check of the gradients and
-  of the loss (both reduced over its ``axis_name``, and the loss over ``plan.axis_name``),
-  and the state after the policy's move for an overflow."""
-  # The loss checked as the gradients are, so that every device decides alike; with the
-  # core's ``back_off(..., loss=loss)`` this becomes its ``nonfinite.loss`` record.
-  loss_finite, _ = plan.back_off(loss, at)
+  the loss (reduced over its ``axis_name``, and over ``plan.axis_name`` too), whether the
+  loss was finite, and the state after the policy's move for an overflow (whose record says
+  when the loss was the cause)."""
+  finite, backed_off = plan.back_off(grads, at, loss=loss)
+  # The record is kept as it was by a finite check: only a non-finite one speaks of this loss.
+  loss_finite = finite | ~backed_off.nonfinite.loss
   if plan.axis_name is not None:
     loss_finite &= _numerics.all_finite(loss, plan.axis_name)
-  finite, backed_off = plan.back_off(grads, at)
   return finite & loss_finite, loss_finite, backed_off
 
 

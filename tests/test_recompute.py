@@ -160,6 +160,35 @@ def test_a_non_finite_loss_stops_at_once_and_the_skip_backs_off_once(lowering):
   assert float(state.loss_scale) == 2.0**15  # no back-off for the retries: there were none
   _, state = tx.update(grads, state, PARAMS, loss=loss)
   assert not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**14  # one back-off
+  assert bool(optax_dls.metrics(state)["nonfinite_loss"])
+
+
+def test_a_clean_step_after_a_non_finite_loss_takes_one_pass(lowering):
+  """The record of the earlier non-finite loss stays in the state; it says nothing of this one."""
+  seen = []
+  tx = _tx(lowering)
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, fp32_fun=_counting(LOSS32, seen), max_tries=3)
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, NAN)
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  assert bool(optax_dls.metrics(state)["nonfinite_loss"])
+  jax.effects_barrier()
+  seen.clear()
+  before = _tries(state)  # the float32 pass of the NaN batch
+  (loss, grads), state = grad_fn(state, PARAMS, SMALL)
+  jax.effects_barrier()
+  assert np.isfinite(loss) and seen == [] and _tries(state) == before  # no retry, no float32
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  assert bool(state.last_step_finite)
+
+
+def test_a_recomputed_step_records_where_its_overflow_came_from():
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, max_tries=8)
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, BIG)
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  m = optax_dls.metrics(state)
+  assert bool(state.last_step_finite) and _tries(state) >= 1 and not bool(m["nonfinite_loss"])
+  assert int(m["nonfinite_step"]) == 1 and optax_dls.nonfinite_leaves(state, PARAMS)
 
 
 def test_a_non_finite_loss_still_gets_the_float32_pass_at_the_same_scale():
