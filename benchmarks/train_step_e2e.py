@@ -2,8 +2,9 @@
 
 Same model (examples/lm, fp16 compute), same batch, same AdamW + clipping; only the
 wrapper differs. ``dynamic_loss_scale+value_and_grad`` takes the gradients from
-``optax_dls.value_and_grad`` (an overflowing step recomputed inside the step) in its
-common case, no overflow, against ``dynamic_loss_scale`` (``jax.grad`` of
+``optax_dls.value_and_grad`` (an overflowing step recomputed inside the step, the
+passes counted by ``optax_dls.recompute_stats`` chained inside) in its common case, no
+overflow, against ``dynamic_loss_scale`` (``jax.grad`` of
 ``scale_loss(loss)``): ``ratio_to_dynamic_loss_scale``, with
 ``paired_ratio_to_dynamic_loss_scale`` the median over rounds of the same ratio
 taken round by round. ``dynamic_loss_scale+again``, the same step compiled a
@@ -50,6 +51,14 @@ FUSED = ("dynamic_loss_scale", "no_loss_scale")  # also timed with optax_dls.app
 RECOMPUTE = "dynamic_loss_scale"  # also timed with optax_dls.value_and_grad
 
 
+def counted():
+  """``dynamic_loss_scale`` as timed with ``value_and_grad``: ``recompute_stats`` chained
+  inside (an identity transformation) counts the recomputed passes, read after the timing."""
+  return optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.recompute_stats(), inner()), growth_interval=50
+  )
+
+
 def make_step(model, tx, fused=False, recompute=False):
   grad_fn = optax_dls.value_and_grad(lambda p, batch: loss_fn(model, p, batch), tx, max_tries=3)
 
@@ -91,7 +100,7 @@ def main(argv=None) -> dict:
   variants = [(name, make, False, False) for name, make in VARIANTS.items()]
   variants += [(name + "+apply_step", VARIANTS[name], True, False) for name in FUSED]
   variants += [
-    (RECOMPUTE + "+value_and_grad", VARIANTS[RECOMPUTE], False, True),
+    (RECOMPUTE + "+value_and_grad", counted, False, True),
     (RECOMPUTE + "+again", VARIANTS[RECOMPUTE], False, False),
   ]
   for name, make, fused, recompute in variants:

@@ -49,11 +49,14 @@ def loss_fn(params, apply_fn, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
 
 
+grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)  # reads S from the state it is given
+
+
 @jax.jit
 def train_step(state, x, y):
-  grad_fn = optax_dls.flax.value_and_grad(loss_fn, state, has_aux=True)
-  (loss, logits), grads = grad_fn(state.params, state.apply_fn, x, y)  # grads scaled by S
-  state = state.apply_gradients(grads=grads)  # unscale, check, skip or apply, adapt S
+  ((loss, logits), grads), state = grad_fn(state, state.params, state.apply_fn, x, y)  # grads x S
+  # Unscale, check, skip or apply (fused with the optimizer), adapt S.
+  state = optax_dls.flax.apply_gradients(state, grads=grads)
   return state, loss, jnp.mean(jnp.argmax(logits, -1) == y)
 
 

@@ -49,10 +49,12 @@ def loss_fn(model, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
 
 
+grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)  # reads S from the optimizer
+
+
 @nnx.jit
 def train_step(model, optimizer, x, y):
-  grad_fn = optax_dls.flax.value_and_grad(loss_fn, optimizer, has_aux=True)
-  (loss, logits), grads = grad_fn(model, x, y)  # grads scaled by S, w.r.t. nnx.Param
+  ((loss, logits), grads), optimizer = grad_fn(optimizer, model, x, y)  # grads x S, nnx.Param
   optimizer.update(model, grads)  # unscale, check, skip or apply, adapt S
   return loss, jnp.mean(jnp.argmax(logits, -1) == y)
 

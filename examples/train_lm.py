@@ -204,8 +204,14 @@ def make_optimizer(name, args):
   # float16 flushes to 0 in the backward pass, and the float32 parameter gradient it feeds
   # loses it; the fp32 run's share is the floor no precision changes (the embedding rows
   # of the bytes absent from the step's batch).
+  # recompute_stats counts what optax_dls.value_and_grad recomputes (recomputed_steps and
+  # recompute_tries in optax_dls.metrics); chained in every run, so that every run's rows have
+  # the same keys (0 where nothing is recomputed).
   inner = optax.chain(
-    optax_dls.underflow_stats(), optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.01)
+    optax_dls.underflow_stats(),
+    optax_dls.recompute_stats(),
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(lr, weight_decay=0.01),
   )
   if name.startswith("fp16-dls"):
     return optax_dls.dynamic_loss_scale(

@@ -42,6 +42,7 @@ from optax_dls._policies import (
 )
 from optax_dls._precision import select_precision
 from optax_dls._recompute import value_and_grad
+from optax_dls._recompute_stats import recompute_stats
 from optax_dls._scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._state import LossScaleState
 from optax_dls._transform import LossScaledTransformation, apply_step, loss_scaled
@@ -69,6 +70,7 @@ __all__ = [
   "no_loss_scale",
   "nonfinite_leaves",
   "noop_policy",
+  "recompute_stats",
   "reset_scale",
   "scale_loss",
   "select_precision",

@@ -6,30 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
-from optax_dls import _access, _validation
+from optax_dls import _access, _calls, _validation
 from optax_dls._policies.fallback import FallbackState
 
 
 def _flag(opt_state: Any) -> jax.Array | None:
   state = _access.find_feature(opt_state, FallbackState)
   return None if state is None else state.fp32_fallback
-
-
-def _common_dtypes(fn_a: Callable, fn_b: Callable, args: tuple, kwargs: dict) -> Any:
-  out_a = jax.eval_shape(lambda: fn_a(*args, **kwargs))
-  out_b = jax.eval_shape(lambda: fn_b(*args, **kwargs))
-  if jax.tree.structure(out_a) != jax.tree.structure(out_b):
-    raise ValueError(
-      "fp16_fn and fp32_fn must return the same pytree structure, got "
-      f"{jax.tree.structure(out_a)} and {jax.tree.structure(out_b)}."
-    )
-  for a, b in zip(jax.tree.leaves(out_a), jax.tree.leaves(out_b)):
-    if a.shape != b.shape:
-      raise ValueError(f"fp16_fn and fp32_fn outputs differ in shape: {a.shape} vs {b.shape}.")
-  return jax.tree.map(lambda a, b: jnp.promote_types(a.dtype, b.dtype), out_a, out_b)
 
 
 def select_precision(
@@ -49,26 +34,45 @@ def select_precision(
       always runs).
     fp16_fn: the computation in float16.
     fp32_fn: the same computation in float32.
-    *args: passed to the chosen function (arrays, or pytrees).
-    **kwargs: passed to the chosen function.
+    *args: passed to the chosen function: arrays, pytrees, or any Python
+      values (a bool, a string, an object), which reach it as they are,
+      under every policy.
+    **kwargs: passed to the chosen function, likewise.
+
+  Returns:
+    The chosen function's output, each leaf cast to the promoted dtype of
+    the two functions' outputs.
 
   Raises:
     TypeError: ``fp16_fn`` or ``fp32_fn`` is not callable.
     ValueError: the outputs differ in structure or shape, or ``opt_state``
       holds none or several loss-scale states.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1)
+    >>> state = optax_dls.loss_scaled(optax.sgd(0.1), policy).init({'w': jnp.ones(2)})
+    >>> f16 = lambda x, double: (x * (2 if double else 1)).astype(jnp.float16)
+    >>> f32 = lambda x, double: x * (2 if double else 1)
+    >>> optax_dls.select_precision(state, f16, f32, jnp.ones(2), True)  # float16, then promoted
+    Array([2., 2.], dtype=float32)
   """
   _validation.function("fp16_fn", fp16_fn)
   _validation.function("fp32_fn", fp32_fn)
   flag = _flag(opt_state)
-  dtypes = _common_dtypes(fp16_fn, fp32_fn, args, kwargs)
+  shapes = lambda fn: jax.eval_shape(lambda: fn(*args, **kwargs))
+  types = _calls.promoted(shapes(fp16_fn), shapes(fp32_fn), ("fp16_fn", "fp32_fn"))
+  # Only the array arguments are the conditional's operands; the others (Python bools,
+  # strings, objects) are closed over, as a plain call would see them.
+  arrays, rebuild = _calls.split_arrays((args, kwargs))
 
-  def branch(fn):
-    def run(operands):
-      a, k = operands
-      return jax.tree.map(lambda x, d: jnp.asarray(x).astype(d), fn(*a, **k), dtypes)
+  def branch(fn: Callable[..., Any]) -> Callable[[list[Any]], Any]:
+    def run(operands: list[Any]) -> Any:
+      a, k = rebuild(operands)
+      return _calls.cast(fn(*a, **k), types)
 
     return run
 
   if flag is None:
-    return branch(fp16_fn)((args, kwargs))
-  return lax.cond(flag, branch(fp32_fn), branch(fp16_fn), (args, kwargs))
+    return branch(fp16_fn)(arrays)
+  return lax.cond(flag, branch(fp32_fn), branch(fp16_fn), arrays)

@@ -9,15 +9,104 @@ a float32 loss is given; only then is the step skipped.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from optax_dls import _access, _validation
+from optax_dls import _access, _calls, _multi_device, _numerics, _recompute_stats, _validation
+from optax_dls._state import LossScaleState
+from optax_dls._transform import LossScaledTransformation
+
+# A pass: the state to compute at -> ``(value, grads)``, cast to the types every pass returns.
+Pass = Callable[[LossScaleState], tuple[Any, Any]]
+
+
+class Try(NamedTuple):
+  """One pass and what it decided: the carry of the retry loop."""
+
+  tries: jax.Array  # int32: the passes after the first one so far
+  finite: jax.Array  # bool: this pass's loss and gradients are finite
+  stuck: jax.Array  # bool: another float16 pass cannot help (a non-finite loss, an unmoved scale)
+  at: LossScaleState  # the state this pass ran at: the scale of its gradients
+  next: LossScaleState  # the state to compute at after this pass
+  out: tuple[Any, Any]  # (value, grads)
+
+
+class Outcome(NamedTuple):
+  """What a recomputing call returns, and whether its gradients are finite."""
+
+  value: Any
+  grads: Any
+  finite: jax.Array
+  opt_state: Any
+
+
+class Plan(NamedTuple):
+  """The static side of a recomputing ``grad_fn``: checked once, when it is built."""
+
+  fp16: Callable[..., Any]  # jax.grad of the scaled fun: (scale, /, *args, **kwargs)
+  fp32: Callable[..., Any] | None
+  back_off: Callable[..., Any]
+  max_tries: int
+  argnums: int | tuple[int, ...]
+  has_aux: bool
+  axis_name: _multi_device.AxisName  # the gradients averaged over it in every pass
+  pin: bool  # whether the gradients leave a retry branch (and are pinned to row-major)
+
+
+def checked(
+  fun: Any, fp32_fun: Any, max_tries: Any, argnums: Any, has_aux: Any
+) -> tuple[int, int | tuple[int, ...], bool]:
+  """The checks of :func:`value_and_grad`'s arguments, before any tracing (the Flax helpers
+  run them too); returns ``(max_tries, argnums, has_aux)`` normalised."""
+  _validation.function("fun", fun)
+  if fp32_fun is not None:
+    _validation.function("fp32_fun", fp32_fun)
+  return (
+    _validation.count("max_tries", max_tries, low=0, high=64),
+    _validation.argnums(argnums),
+    _validation.boolean("has_aux", has_aux),
+  )
+
+
+def make_plan(
+  fun: Callable[..., Any],
+  tx: Any,
+  *,
+  fp32_fun: Callable[..., Any] | None,
+  max_tries: int,
+  argnums: int | tuple[int, ...],
+  has_aux: bool,
+  axis_name: _multi_device.AxisName = None,
+  tx_name: str = "tx",
+) -> Plan:
+  """The :class:`Plan` of a recomputing ``grad_fn``; raises what :func:`value_and_grad` does."""
+  max_tries, argnums, has_aux = checked(fun, fp32_fun, max_tries, argnums, has_aux)
+  back_off = tx.back_off if isinstance(tx, LossScaledTransformation) else None
+  if back_off is None:
+    raise TypeError(
+      f"{tx_name} must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
+      f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
+    )
+  # S = 1 by construction: the loss is not multiplied by it, nothing overflows, nothing is retried.
+  passthrough = tx.passthrough
+  fp32 = None if fp32_fun is None or passthrough else _grads_of(fp32_fun, has_aux, argnums, False)
+  max_tries = 0 if passthrough else max_tries
+  return Plan(
+    fp16=_grads_of(fun, has_aux, argnums, passthrough),
+    fp32=fp32,
+    back_off=back_off,
+    max_tries=max_tries,
+    argnums=argnums,
+    has_aux=has_aux,
+    axis_name=_multi_device.check_axis_name(axis_name),
+    pin=bool(max_tries) or fp32 is not None,
+  )
 
 
 def value_and_grad(
@@ -32,39 +121,60 @@ def value_and_grad(
   """``jax.value_and_grad`` of a loss-scaled loss that recomputes an overflowing step.
 
   The returned ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S *
-  fun(*args, **kwargs)`` with S the loss scale in ``opt_state``. When the
-  gradients are not finite, it hands them to the policy as an overflow (which
-  backs S off, exactly as a skipped step would) and differentiates again at
-  the new scale, for the same arguments, up to ``max_tries`` times; then once
-  with ``fp32_fun`` at the last scale, if given. It returns the loss, the
-  scaled gradients of the last try and ``opt_state`` with the scale they were
-  computed at, so that ``tx.update`` unscales them correctly::
+  fun(*args, **kwargs)`` with S the loss scale in ``opt_state`` (Micikevicius
+  et al. 2018, *Mixed Precision Training*). When the gradients are not
+  finite, it hands them to the policy as an overflow (which backs S off,
+  exactly as a skipped step would) and differentiates again at the new scale,
+  for the same arguments, up to ``max_tries`` times; then once with
+  ``fp32_fun``, if given. It returns the loss, the scaled gradients of the
+  last try and ``opt_state`` with the scale they were computed at, so that
+  ``tx.update`` unscales them correctly::
 
       grad_fn = optax_dls.value_and_grad(loss_fn, tx, fp32_fun=loss_fn_fp32)
       (loss, grads), opt_state = grad_fn(opt_state, params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
 
-  The first pass runs as the plain ``jax.grad`` would; the retries run in a
-  ``lax.while_loop`` of the same compiled step, entered through a ``lax.cond``
-  only after an overflow, which carries only the scale, the policy state and
-  the last try's outputs. The common case (no overflow) is one forward and
-  backward pass plus one read of the gradients, and the step compiles once
-  (``fun`` is traced twice: for the first pass and for the loop). The
-  policy sees every overflow:
-  each failed try counts for growth and hysteresis as a skipped step would,
-  and ``tx.update`` then sees the final gradients (finite, or, when every try
-  overflowed, non-finite: the step is skipped as usual). ``metrics`` counts
-  ``recomputed_steps`` and ``recompute_tries`` (the extra passes). The result
-  equals a step run directly at the final scale, up to the rounding of the
-  scaled loss and gradients (none when the scales are powers of two); a
-  train step compiled with and without the retries may still differ in the
-  last bit of a parameter, as XLA may contract the optimizer's arithmetic
-  differently in the two programs.
+  **When it stops early.** Another float16 pass is not run when it cannot
+  help:
 
-  On the CPU every pass's gradients are pinned to the row-major layout, so
-  that the retry branch's layouts do not make the common case transpose
-  them. The pin is a ``LayoutConstraint`` custom call, which ``jax.export``
-  refuses by default: export a step that calls ``grad_fn`` for the CPU with
+  * the loss itself is not finite (a bad batch, or a forward pass that
+    overflowed: the scale multiplies the loss only after it): no retry, no
+    back-off; ``tx.update`` then skips the step and backs off once, as for
+    any skipped step (pass it ``loss=loss`` so that it records the loss as
+    the cause). ``fp32_fun``, if given, still runs once, at the same scale;
+  * the back-off left the scale where it was (a static policy, the floor
+    ``min_scale``, or hysteresis still left): the same pass at the same
+    scale would overflow the same way. ``fp32_fun``, if given, still runs,
+    at the state after that back-off.
+
+  **Cost.** The first pass runs as the plain ``jax.grad`` would; the retries
+  run in a ``lax.while_loop`` of the same compiled step, entered through a
+  ``lax.cond`` only after an overflow, which carries only the scale, the
+  policy state and the last try's outputs. The common case (no overflow) is
+  one forward and backward pass plus one read of the gradients, and the step
+  compiles once (``fun`` is traced twice: for the first pass and for the
+  loop). The policy sees every overflow: each failed try counts for growth
+  and hysteresis as a skipped step would, and ``tx.update`` then sees the
+  final gradients (finite, or, when every try overflowed, non-finite: the
+  step is skipped as usual). The result equals a step run directly at the
+  final scale, up to the rounding of the scaled loss and gradients (none
+  when the scales are powers of two); a train step compiled with and
+  without the retries may still differ in the last bit of a parameter, as
+  XLA may contract the optimizer's arithmetic differently in the two
+  programs. With a passthrough ``tx`` (:func:`no_loss_scale`: S = 1 by
+  construction) the loss is not multiplied at all and nothing is retried:
+  the step is bit for bit a plain ``jax.value_and_grad`` step.
+
+  **Counts.** Chain :func:`recompute_stats` inside ``tx`` to count the
+  recomputed steps and the extra passes (``metrics`` reports
+  ``recomputed_steps`` and ``recompute_tries``); without it nothing is
+  counted.
+
+  On the CPU, when a retry can run (``max_tries`` > 0 or ``fp32_fun``), every
+  pass's gradients are pinned to the row-major layout, so that the retry
+  branch's layouts do not make the common case transpose them. The pin is a
+  ``LayoutConstraint`` custom call, which ``jax.export`` refuses by default:
+  export such a step for the CPU with
   ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")]``.
 
   Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
@@ -75,15 +185,17 @@ def value_and_grad(
   Args:
     fun: the loss function; returns the plain (unscaled) loss, a floating
       scalar (float16 is promoted to float32 before scaling), or ``(loss,
-      aux)`` with ``has_aux=True``.
+      aux)`` with ``has_aux=True``. It may take any positional and keyword
+      arguments (``scale`` and ``opt_state`` included).
     tx: the loss-scaled transformation itself (what :func:`loss_scaled` or
       :func:`dynamic_loss_scale` return), not a chain around it.
     fp32_fun: optional, ``fun`` computed in float32: the last resort when
       every float16 try overflowed. Same signature and output structure and
-      shapes; outputs of both are cast to their promoted dtypes.
+      shapes; outputs of both are cast to their promoted dtypes. Default None.
     max_tries: int in [0, 64], recomputations in float16 after the first pass.
       Default 3.
-    argnums: int or tuple of ints, as in ``jax.value_and_grad``. Default 0.
+    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in
+      ``args`` (after ``opt_state``). Default 0.
     has_aux: bool, as in ``jax.value_and_grad``. Default False.
 
   Returns:
@@ -94,113 +206,161 @@ def value_and_grad(
   Raises:
     TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not a loss-scaled
       transformation, ``max_tries`` not an int, ``argnums`` / ``has_aux`` of
-      the wrong type; (when called) a non-floating loss, fewer positional
+      the wrong type; (when called) a non-floating loss, a ``fun`` that
+      returns no ``(loss, aux)`` pair with ``has_aux``, fewer positional
       arguments than ``argnums`` asks for.
-    ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``; (when
-      called) ``opt_state`` holding none or several loss-scale states, or
-      outputs of ``fun`` and ``fp32_fun`` that differ in structure or shape.
+    ValueError: ``max_tries`` out of range, a negative or repeated
+      ``argnums``; (when called) a first argument that holds no loss-scale
+      state (the message gives the order, and says when the arguments look
+      swapped) or several, outputs of ``fun`` and ``fp32_fun`` that differ in
+      structure or shape, or more than one :func:`recompute_stats` in ``tx``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**16)
     >>> params = {'w': jnp.ones(1)}
-    >>> state = tx.init(params)
     >>> loss = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
-    >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(state, params)
-    >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['recompute_tries'])
-    (8192.0, 3)
+    >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(tx.init(params), params)
+    >>> float(optax_dls.loss_scale(state)), grads['w']  # at the scale they were computed at
+    (8192.0, Array([32768.], dtype=float32))
   """
-  _validation.function("fun", fun)
-  if fp32_fun is not None:
-    _validation.function("fp32_fun", fp32_fun)
-  back_off = getattr(tx, "back_off", None)
-  if not callable(back_off):
-    raise TypeError(
-      f"tx must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
-      f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
-    )
-  max_tries = _validation.count("max_tries", max_tries, low=0, high=64)
-  argnums = _validation.argnums(argnums)
-  has_aux = _validation.boolean("has_aux", has_aux)
+  run = functools.partial(
+    call,
+    make_plan(fun, tx, fp32_fun=fp32_fun, max_tries=max_tries, argnums=argnums, has_aux=has_aux),
+  )
 
-  def grads_of(f):
-    def scaled(scale, *args, **kwargs):
-      out = f(*args, **kwargs)
-      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(
-          f"with has_aux=True, {getattr(f, '__qualname__', f)!r} must return a (loss, aux) pair."
-        )
-      loss = out[0] if has_aux else out
-      return _access.times_scale(loss, scale), out
-
-    nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
-    return jax.grad(scaled, argnums=nums, has_aux=True)
-
-  fp16_grads = grads_of(fun)
-  fp32_grads = None if fp32_fun is None else grads_of(fp32_fun)
-
-  def grad_fn(opt_state, *args, **kwargs):
-    needed = max(argnums) if isinstance(argnums, tuple) else argnums
-    if needed >= len(args):
-      raise TypeError(
-        f"argnums={argnums!r} asks for positional argument {needed} of fun, but "
-        f"grad_fn(opt_state, *args) was called with {len(args)} positional arguments "
-        f"after opt_state."
-      )
-    state = _access.find_state(opt_state)
-    attempt = lambda grads, at: _row_major(_value_first(grads(at.loss_scale, *args, **kwargs)))
-    types = _types(jax.eval_shape(lambda at: attempt(fp16_grads, at), state))
-    if fp32_grads is not None:
-      types = _types(jax.eval_shape(lambda at: attempt(fp32_grads, at), state), types)
-    # The tries carry the scale and the policy state; the inner state stays out of the loop.
-    light = state._replace(inner_state=())
-
-    def try_at(at):  # one pass at ``at``; on an overflow, the state backed off from it
-      out = _cast(attempt(fp16_grads, at), types)
-      finite, backed_off = back_off(out[1], at)
-      return finite, backed_off, out
-
-    def cond(carry):
-      tries, finite = carry[:2]
-      return ~finite & (tries < max_tries)
-
-    def body(carry):  # a try at the state the last one backed off to
-      tries, _, _, at, _ = carry
-      finite, backed_off, out = try_at(at)
-      return tries + 1, finite, at, backed_off, out
-
-    finite, backed_off, out = try_at(light)  # the common case: one pass, outside the loop
-    tries, at = jnp.int32(0), light
-    if (
-      max_tries
-    ):  # the loop only on an overflow: on XLA's CPU a while loop slows the step around it
-      tries, finite, at, backed_off, out = lax.cond(
-        finite,
-        lambda c: c,
-        lambda c: lax.while_loop(cond, body, c),
-        (tries, finite, at, backed_off, out),
-      )
-    if fp32_grads is not None:  # the last resort, at the scale after the last overflow
-      last = lambda: (_cast(attempt(fp32_grads, backed_off), types), backed_off, tries + 1)
-      out, at, tries = lax.cond(finite, lambda: (out, at, tries), last)
-    at = at._replace(
-      recomputed_steps=_add(at.recomputed_steps, (tries > 0).astype(jnp.int32)),
-      recompute_tries=_add(at.recompute_tries, tries),
-      inner_state=state.inner_state,
-    )
-    return out, _access.replace_state(opt_state, at)
+  def grad_fn(opt_state: Any, /, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], Any]:
+    outcome = run(opt_state, args, kwargs)
+    return (outcome.value, outcome.grads), outcome.opt_state
 
   return grad_fn
 
 
-def _value_first(grads_and_out: tuple[Any, Any]) -> tuple[Any, Any]:
-  grads, out = grads_and_out
-  return out, grads
+def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+  """One recomputing call of ``plan`` on ``fun(*args, **kwargs)``, at the scale in ``opt_state``."""
+  _calls.check_reach(plan.argnums, args, "opt_state")
+  state = _loss_scale_state(opt_state, args)
+  fp16, fp32 = _passes(plan, state, args, kwargs)
+  light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
+  last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop
+  if plan.max_tries:  # the loop only after an overflow: on XLA's CPU a loop slows what is around it
+    last = lax.cond(_again(plan, last), functools.partial(_retries, plan, fp16), lambda t: t, last)
+  if fp32 is not None:  # the last resort, at the state the last float16 pass left
+    last = lax.cond(last.finite, lambda t: t, lambda t: _try(plan, fp32, t.next, t.tries + 1), last)
+  at = last.at._replace(inner_state=_recompute_stats.record(state.inner_state, last.tries))
+  value, grads = last.out
+  return Outcome(value, grads, last.finite, _access.replace_state(opt_state, at))
 
 
-def _row_major(value_and_grads: tuple[Any, Any]) -> tuple[Any, Any]:
-  """``(value, grads)`` with, on the CPU, every gradient of two or more dimensions
-  pinned to the row-major layout, in every pass alike.
+def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
+  """:func:`find_state` of the first argument; when it holds none, an error that gives the
+  calling order (and says so when a later argument holds one: the arguments look swapped)."""
+  if _holds_state(opt_state):
+    return _access.find_state(opt_state)
+  swapped = _calls.first_index(args, _holds_state)
+  raise ValueError(
+    _calls.order_error(
+      "opt_state",
+      "the optimizer state",
+      "holds no LossScaleState",
+      "holds one",
+      opt_state,
+      swapped,
+    )
+  )
+
+
+def _holds_state(tree: Any) -> bool:
+  try:
+    return bool(_access._find_all(tree))
+  except ValueError:  # a loss-scale state, misplaced: find_state says where
+    return True
+
+
+def _grads_of(
+  f: Callable[..., Any], has_aux: bool, argnums: int | tuple[int, ...], passthrough: bool
+) -> Callable[..., Any]:
+  """``jax.grad`` of ``S * loss`` (``loss`` itself when ``passthrough``) with respect to
+  ``argnums``, taking ``(scale, /, *args, **kwargs)`` and returning ``(grads, out)``."""
+
+  def scaled(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    out = f(*args, **kwargs)
+    loss, _ = _calls.loss_and_aux(f, has_aux, out)
+    times = _access.times_scale(loss, scale)  # checks the loss: a floating array
+    return (loss if passthrough else times), out
+
+  nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
+  return jax.grad(scaled, argnums=nums, has_aux=True)
+
+
+def _passes(
+  plan: Plan, state: LossScaleState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Pass, Pass | None]:
+  """The float16 and float32 passes on ``args``, each returning ``(value, grads)`` of the
+  types both have in common (the first's alone without ``fp32_fun``)."""
+
+  def raw(grads_of: Callable[..., Any]) -> Pass:
+    def run(at: LossScaleState) -> tuple[Any, Any]:
+      grads, out = grads_of(at.loss_scale, *args, **kwargs)
+      if plan.axis_name is not None:
+        grads = lax.pmean(grads, plan.axis_name)
+      return out, (_row_major(grads) if plan.pin else grads)
+
+    return run
+
+  fp16 = raw(plan.fp16)
+  types = jax.eval_shape(fp16, state)
+  if plan.fp32 is not None:
+    fp32 = raw(plan.fp32)
+    types = _calls.promoted(types, jax.eval_shape(fp32, state), ("fun", "fp32_fun"))
+  typed = lambda p: lambda at: _calls.cast(p(at), types)
+  return typed(fp16), (None if plan.fp32 is None else typed(fp32))
+
+
+def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Try:
+  """``one_pass`` at ``at``, checked as ``tx.update`` checks it; the state to go on from."""
+  out = one_pass(at)
+  value, grads = out
+  loss = value[0] if plan.has_aux else value
+  finite, loss_finite, backed_off = _check(plan, grads, at, loss)
+  # A non-finite loss is no overflow of the gradients: the next pass runs at the same state.
+  after = jax.tree.map(functools.partial(jnp.where, loss_finite), backed_off, at)
+  stuck = ~loss_finite | (backed_off.loss_scale == at.loss_scale)
+  return Try(tries, finite, stuck, at, after, out)
+
+
+def _check(
+  plan: Plan, grads: Any, at: LossScaleState, loss: jax.Array
+) -> tuple[jax.Array, jax.Array, LossScaleState]:
+  """``(finite, loss_finite, backed_off)``: the transformation's check of the gradients and
+  the loss (reduced over its ``axis_name``, and over ``plan.axis_name`` too), whether the
+  loss was finite, and the state after the policy's move for an overflow (whose record says
+  when the loss was the cause)."""
+  finite, backed_off = plan.back_off(grads, at, loss=loss)
+  # The record is kept as it was by a finite check: only a non-finite one speaks of this loss.
+  loss_finite = finite | ~backed_off.nonfinite.loss
+  if plan.axis_name is not None:
+    loss_finite &= _numerics.all_finite(loss, plan.axis_name)
+  return finite & loss_finite, loss_finite, backed_off
+
+
+def _again(plan: Plan, last: Try) -> jax.Array:
+  """Whether to run another float16 pass after ``last``."""
+  return ~last.finite & ~last.stuck & (last.tries < plan.max_tries)
+
+
+def _retries(plan: Plan, fp16: Pass, first: Try) -> Try:
+  """Float16 passes, each at the state the one before left, while :func:`_again` says so."""
+  return lax.while_loop(
+    functools.partial(_again, plan),
+    lambda t: _try(plan, fp16, t.next, t.tries + 1),
+    first,
+  )
+
+
+def _row_major(grads: Any) -> Any:
+  """``grads`` with, on the CPU, every leaf of two or more dimensions pinned to the
+  row-major layout, in every pass alike.
 
   Without the pin, XLA's CPU layout assignment gives the gradients leaving
   the retry branch the layouts of that branch's transposed products, and
@@ -208,37 +368,8 @@ def _row_major(value_and_grads: tuple[Any, Any]) -> tuple[Any, Any]:
   every step, overflow or not. Row-major is the layout the optimizer reads
   and the parameters have, so the first pass costs nothing more. Other
   platforms choose their own layouts (tiled on TPUs) and are left alone."""
-  value, grads = value_and_grads
 
-  def pin(g):  # jax.grad's leaves are floating arrays (no float0 without allow_int)
+  def pin(g: jax.Array) -> jax.Array:  # jax.grad's leaves are floating arrays (no float0)
     return with_layout_constraint(g, Layout(tuple(range(g.ndim)))) if g.ndim >= 2 else g
 
-  return value, lax.platform_dependent(
-    grads, cpu=lambda t: jax.tree.map(pin, t), default=lambda t: t
-  )
-
-
-def _types(out: Any, other: Any = None) -> Any:
-  """``out``'s shapes and types, each dtype promoted with ``other``'s (same structure and shapes)."""
-  if other is None:
-    return out
-  if jax.tree.structure(out) != jax.tree.structure(other):
-    raise ValueError(
-      "fun and fp32_fun must return the same pytree structure, got "
-      f"{jax.tree.structure(other)} and {jax.tree.structure(out)}."
-    )
-  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(other)):
-    if a.shape != b.shape:
-      raise ValueError(f"fun and fp32_fun outputs differ in shape: {b.shape} vs {a.shape}.")
-  return jax.tree.map(lambda a, b: b.update(dtype=jnp.promote_types(a.dtype, b.dtype)), out, other)
-
-
-def _cast(out: Any, types: Any) -> Any:
-  return jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), out, types)
-
-
-def _add(count: jax.Array, n: jax.Array) -> jax.Array:
-  """``count + n`` for int32 ``n >= 0``, saturating at ``2**31 - 1``."""
-  return jnp.where(count > _validation.INT32_MAX - n, _validation.INT32_MAX, count + n).astype(
-    jnp.int32
-  )
+  return lax.platform_dependent(grads, cpu=lambda t: jax.tree.map(pin, t), default=lambda t: t)

@@ -1,82 +1,100 @@
-"""Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs.
+"""Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs,
+and moving a checkpoint saved without loss scaling into a loss-scaled state.
 
-A public submodule: ``optax_dls.checkpoint.restore``. Orbax (``orbax-checkpoint``)
-is imported only when :func:`restore` runs.
+A public submodule: ``optax_dls.checkpoint.restore`` and
+``optax_dls.checkpoint.into_loss_scaled``. Orbax (``orbax-checkpoint``) is
+imported only when :func:`restore` runs.
 """
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from optax_dls import _tree_paths
 from optax_dls._state import LossScaleState
 
-__all__ = ["restore"]
+__all__ = ["into_loss_scaled", "restore"]
 
 _FIELDS_KEYS = ("loss_scale", "inner_state")
+_DYNAMIC_SCALE_KEYS = ("scale", "fin_steps")  # a flax DynamicScale, as checkpoints store it
 
 
-def _target_layouts(tree: Any) -> dict[str, tuple[str, ...]]:
-  paths, _ = jax.tree_util.tree_flatten_with_path(
-    tree, is_leaf=lambda x: isinstance(x, LossScaleState)
-  )
-  return {
-    jax.tree_util.keystr(p): LossScaleState._fields
-    for p, x in paths
-    if isinstance(x, LossScaleState)
-  }
+def _is_state(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
 
 
-def _saved_layouts(tree: Any, path: str = "") -> dict[str, tuple[str, ...]]:
-  """Loss-scale states in Orbax metadata, where NamedTuples are stored as dicts."""
-  found = {}
-  if isinstance(tree, dict):
-    if all(k in tree for k in _FIELDS_KEYS):
-      found[path] = tuple(sorted(tree))
-    items = tree.items()
-  elif isinstance(tree, (list, tuple)):
-    items = enumerate(tree)
-  else:
-    return found
-  for k, v in items:
-    found.update(_saved_layouts(v, f"{path}[{k!r}]"))
+def _target_states(tree: Any) -> list[_tree_paths.Path]:
+  """The paths of the loss-scale states in a live pytree."""
+  found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]
+  return [_tree_paths.live_path(p) for p, x in found if _is_state(x)]
+
+
+def _stored_nodes(tree: Any, keys: tuple[str, ...], path: _tree_paths.Path = ()) -> list[Any]:
+  """The paths of the dicts holding every one of ``keys`` in a stored tree (Orbax metadata,
+  where NamedTuples and dataclasses are dicts)."""
+  found = [path] if isinstance(tree, Mapping) and all(k in tree for k in keys) else []
+  for k, v in _tree_paths.children(tree) or []:
+    found += _stored_nodes(v, keys, (*path, k))
   return found
 
 
-def _explain(saved: dict, target: dict, step: int, directory: Any) -> str:
-  head = f"The checkpoint at step {step} in {directory} does not have the target's layout. "
-  if target and not saved:
-    return head + (
-      f"The target holds a loss-scale state (LossScaleState) at {', '.join(target)}; the "
-      "checkpoint holds none: it was saved from an optimizer without loss scaling. To start "
-      "loss scaling from it, restore with a target built by the unwrapped optimizer "
-      "(e.g. optax.adam(...).init(params)), then put the restored state in place of the "
-      "inner state: opt_state = tx.init(params)._replace(inner_state=restored_inner). "
-      "The loss scale then starts at init_scale."
+def _where(paths: list[_tree_paths.Path]) -> str:
+  return ", ".join(_tree_paths.show(p) for p in paths)
+
+
+def _advice(saved: Any, target: Any) -> str:
+  """What to do about the loss-scale states of the stored tree ``saved`` and of ``target``."""
+  in_saved = _stored_nodes(saved, _FIELDS_KEYS)
+  in_target = _target_states(target)
+  dynamic = _stored_nodes(saved, _DYNAMIC_SCALE_KEYS)
+  if in_target and not in_saved and dynamic:
+    return (
+      f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
+      f"checkpoint holds none, and a flax DynamicScale at {_where(dynamic)}: it was saved "
+      "from a flax TrainState that scaled its loss with DynamicScale. Convert it: "
+      "optax_dls.flax.from_dynamic_scale_checkpoint(manager.restore(step), target) puts the "
+      "old optimizer state in the inner state and the DynamicScale's scale and finite-step "
+      "count in the loss-scale state."
     )
-  if saved and not target:
-    return head + (
-      f"The checkpoint holds a loss-scale state at {', '.join(saved)}; the target holds "
+  if in_target and not in_saved:
+    return (
+      f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
+      "checkpoint holds none: it was saved from an optimizer without loss scaling. Convert "
+      "it: optax_dls.checkpoint.into_loss_scaled(manager.restore(step), target) puts the "
+      "restored optimizer state in the inner state (opt_state = "
+      "tx.init(params)._replace(inner_state=restored_inner)); the loss scale then starts at "
+      "init_scale."
+    )
+  if in_saved and not in_target:
+    return (
+      f"The checkpoint holds a loss-scale state at {_where(in_saved)}; the target holds "
       "none. Restore with a target built by the same loss-scaled optimizer "
       "(optax_dls.dynamic_loss_scale(...).init(params)); to drop loss scaling, keep "
       "optax_dls.find_state(restored).inner_state."
     )
-  if saved and target:
-    lines = [f"checkpoint {p}: fields {', '.join(f)}" for p, f in saved.items()]
-    lines += [f"target {p}: fields {', '.join(sorted(f))}" for p, f in target.items()]
-    return head + (
-      "Both hold a loss-scale state but their layouts differ (a different policy, inner "
-      "optimizer or optax_dls version): " + "; ".join(lines) + ". Build the target with "
-      "the optimizer and version the checkpoint was saved with."
-    )
-  return head + "Neither holds a loss-scale state; see the Orbax message below."
+  return ""
+
+
+def _explain(saved: Any, target: Any, step: int, directory: Any) -> str:
+  """Why the stored tree ``saved`` does not restore into ``target``: the loss-scale states on
+  each side, and every leaf, shape and dtype that differs."""
+  head = f"The checkpoint at step {step} in {directory} does not have the target's layout."
+  diff = _tree_paths.difference(
+    _tree_paths.stored_leaves(saved), _tree_paths.live_leaves(target)
+  ).describe()
+  return " ".join(
+    part for part in (head, _advice(saved, target), diff and f"What differs: {diff}.") if part
+  )
 
 
 def _check_target(target: Any) -> None:
-  """TypeError unless ``target`` is a non-empty pytree of arrays, numbers or ``jax.ShapeDtypeStruct``."""
+  """TypeError unless ``target`` is a non-empty pytree of arrays, numbers or
+  ``jax.ShapeDtypeStruct``."""
   leaves = jax.tree_util.tree_leaves_with_path(target)
   if not leaves:
     raise TypeError(
@@ -156,15 +174,103 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
   _check_target(target)
   step = _check_step(manager, step)
 
-  def abstract(x):
+  def abstract(x: Any) -> Any:
     return x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x)
 
   try:
     return manager.restore(step, args=ocp.args.StandardRestore(jax.tree.map(abstract, target)))
   except ValueError as err:
-    if "structure" not in str(err):
-      raise
-    saved = _saved_layouts(manager.item_metadata(step).tree)
+    saved = manager.item_metadata(step).tree
+    if not _tree_paths.difference(
+      _tree_paths.stored_leaves(saved), _tree_paths.live_leaves(target)
+    ).blocks():
+      raise  # not a difference of layout: Orbax's own error
+    raise ValueError(_explain(saved, target, step, manager.directory) + f"\nOrbax: {err}") from err
+
+
+def into_loss_scaled(restored: Any, target: Any) -> Any:
+  """Puts a checkpoint saved without loss scaling into a loss-scaled target.
+
+  ``restored`` is the tree of a checkpoint whose optimizer state has no
+  :class:`LossScaleState` (a plain optax state), as it comes back without a
+  target: ``manager.restore(step)`` with Orbax, or
+  ``flax.training.checkpoints.restore_checkpoint(directory, target=None)``.
+  ``target`` has the new layout: the same tree, with the optimizer state
+  wrapped by a loss-scaled transformation (e.g. ``{'params': params,
+  'opt_state': tx.init(params)}`` or a flax ``TrainState`` built with that
+  ``tx``). Every leaf of ``restored`` goes to its place in ``target``, the old
+  optimizer state to the loss-scale state's ``inner_state``, each converted to
+  the target leaf's dtype (and placed with its sharding); the loss-scale
+  fields keep the target's values (the scale at ``init_scale``, the counters
+  at 0). Nothing is left at a default: a leaf on one side only, or of another
+  shape, is an error.
+
+  Args:
+    restored: a tree of dicts and lists (or tuples) of arrays and numbers.
+    target: a pytree of arrays (or ``jax.ShapeDtypeStruct``) holding exactly
+      one :class:`LossScaleState`.
+
+  Returns:
+    ``target`` with the restored values: the same tree structure, dtypes and
+    shardings.
+
+  Raises:
+    ValueError: ``target`` holds no loss-scale state or more than one; or
+      ``restored`` and ``target`` differ other than by that state: the
+      message lists the leaves on one side only and the shapes that differ.
+
+  Example:
+    >>> import numpy as np, jax.numpy as jnp, optax, optax_dls
+    >>> params = {'w': jnp.ones(2)}
+    >>> raw = {'params': {'w': np.ones(2)}, 'opt_state': [  # optax.adam's state, as Orbax stores it
+    ...   {'count': np.int32(3), 'mu': {'w': np.zeros(2)}, 'nu': {'w': np.zeros(2)}}, None]}
+    >>> tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
+    >>> target = {'params': params, 'opt_state': tx.init(params)}
+    >>> state = optax_dls.checkpoint.into_loss_scaled(raw, target)
+    >>> int(state['opt_state'].inner_state[0].count), float(optax_dls.loss_scale(state))
+    (3, 32768.0)
+  """
+  states = _target_states(target)
+  if len(states) != 1:
     raise ValueError(
-      _explain(saved, _target_layouts(target), step, manager.directory) + f"\nOrbax: {err}"
-    ) from err
+      f"target must hold exactly one LossScaleState (the state of the loss-scaled optimizer "
+      f"to restore into), got {len(states)}: build it with tx.init(params), tx a "
+      "dynamic_loss_scale / loss_scaled optimizer."
+    )
+  (prefix,) = states
+  leaves, treedef = jax.tree.flatten(target)
+  paths = list(_tree_paths.live_leaves(target))
+  sources = [_source(p, prefix) for p in paths]  # where each target leaf comes from
+  stored = _tree_paths.stored_leaves(restored)
+  wanted = {s: leaf for s, leaf in zip(sources, leaves) if s is not None}
+  diff = _tree_paths.difference(stored, wanted)
+  if diff.blocks():
+    raise ValueError(
+      "restored does not have the target's layout once the target's loss-scale state at "
+      f"{_tree_paths.show(prefix)} is replaced by its inner state: {diff.describe()}."
+    )
+  values = [leaf if s is None else _like(leaf, stored[s]) for s, leaf in zip(sources, leaves)]
+  return jax.tree.unflatten(treedef, values)
+
+
+def _source(path: _tree_paths.Path, prefix: _tree_paths.Path) -> _tree_paths.Path | None:
+  """Where the target leaf at ``path`` is in a checkpoint without the loss-scale state at
+  ``prefix``: the same path, the inner state's leaves one level up; None for the loss-scale
+  state's own fields (kept)."""
+  if path[: len(prefix)] != prefix:
+    return path
+  rest = path[len(prefix) :]
+  return (*prefix, *rest[1:]) if rest[0] == "inner_state" else None
+
+
+def _like(target: Any, value: Any) -> Any:
+  """``value`` as the target leaf is: of its dtype and sharding, or of its Python type."""
+  if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+    array = jax.numpy.asarray(value, target.dtype)
+    sharding = getattr(target, "sharding", None)
+    return array if sharding is None else jax.device_put(array, sharding)
+  if isinstance(target, (np.ndarray, np.generic)):
+    return np.asarray(value, target.dtype)
+  if isinstance(target, (bool, int, float, complex)):
+    return type(target)(np.asarray(value).item())
+  return value

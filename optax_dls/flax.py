@@ -1,4 +1,5 @@
-"""Flax integration: loss-scaled ``value_and_grad`` for linen ``TrainState`` and ``nnx.Optimizer``.
+"""Flax integration: loss-scaled ``value_and_grad`` for linen ``TrainState`` and ``nnx.Optimizer``,
+and the port from flax's ``DynamicScale``.
 
 Importing this module imports flax (the ``flax`` extra); ``import optax_dls``
 alone never does. The optimizer itself needs nothing flax-specific: build it
@@ -21,8 +22,8 @@ Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,251 +34,309 @@ _versions.check_flax()  # before flax is used: a clear ImportError when it is to
 
 from flax import nnx
 
-from optax_dls import _access, _validation
-from optax_dls._access import find_state, scale_loss
-from optax_dls._recompute import value_and_grad as _recompute_value_and_grad
+from optax_dls import _access, _calls, _multi_device, _recompute, _validation, checkpoint
 from optax_dls._transform import apply_step
 
-__all__ = ["apply_gradients", "value_and_grad"]
+__all__ = [
+  "apply_gradients",
+  "from_dynamic_scale",
+  "from_dynamic_scale_checkpoint",
+  "value_and_grad",
+]
 
 _OVERWRITE_WITH_GRADIENT = (
   "_overwrite_with_gradient"  # flax's key for gradient-overwritten (fp8) params
 )
 
 
-def _differentiates_module(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> bool:
-  nums = (argnums,) if isinstance(argnums, int) else argnums
-  return any(isinstance(args[i], nnx.Module) for i in nums if i < len(args))
+class _Spec(NamedTuple):
+  """The arguments of :func:`value_and_grad`, checked."""
+
+  fun: Callable[..., Any]
+  fp32_fun: Callable[..., Any] | None
+  max_tries: int
+  argnums: int | tuple[int, ...]
+  has_aux: bool
+  axis_name: _multi_device.AxisName
+  recomputes: bool  # max_tries given: the scale may move, and the state is handed back changed
 
 
 def value_and_grad(
   fun: Callable[..., Any],
-  opt: Any,
-  *,
+  *bound: Any,
   argnums: int | tuple[int, ...] = 0,
   has_aux: bool = False,
   max_tries: int | None = None,
   fp32_fun: Callable[..., Any] | None = None,
+  axis_name: str | tuple[str, ...] | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad`` / ``nnx.value_and_grad``, with the loss scaled by S.
 
-  ``fun`` returns the plain (unscaled) loss, a floating scalar (any float
-  dtype; fp16 is promoted to float32 before scaling so the scaled loss cannot
-  overflow), or ``(loss, aux)`` with ``has_aux=True``. The returned function
-  differentiates ``S * loss`` with S the current loss scale of ``opt``, and
-  returns the *unscaled* loss (exactly what ``fun`` returned) together with
-  the *scaled* gradients, which the loss-scaled optimizer unscales::
+  The returned ``grad_fn(state, *args, **kwargs)`` takes the linen
+  ``TrainState`` or the ``nnx.Optimizer`` first, reads the loss scale S of its
+  optimizer state when called (so ``grad_fn`` may be built anywhere, once),
+  and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius et al. 2018,
+  *Mixed Precision Training*). It returns the *unscaled* loss, exactly what
+  ``fun`` returned, the *scaled* gradients, which the loss-scaled optimizer
+  unscales, and the state to apply them to, the same call for both APIs::
 
-      grad_fn = optax_dls.flax.value_and_grad(loss_fn, state, has_aux=True)
-      (loss, aux), grads = grad_fn(state.params, batch)       # linen
-      state = state.apply_gradients(grads=grads)
+      grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)
 
-      grad_fn = optax_dls.flax.value_and_grad(loss_fn, optimizer)
-      loss, grads = grad_fn(model, batch)                      # nnx
+      ((loss, aux), grads), state = grad_fn(state, state.params, batch)  # linen
+      state = optax_dls.flax.apply_gradients(state, grads=grads)
+
+      (loss, grads), optimizer = grad_fn(optimizer, model, batch)        # nnx
       optimizer.update(model, grads)
 
-  When a differentiated argument is an ``nnx.Module`` the gradient is taken
-  with ``nnx.value_and_grad`` with respect to ``opt.wrt`` (the variables the
-  ``nnx.Optimizer`` updates; ``nnx.Param`` when ``opt`` is not an
-  ``nnx.Optimizer``); otherwise with ``jax.value_and_grad``. S is read when
-  the returned function is called, so build it inside the jitted step (or
-  call it there) with the current ``opt``.
+  ``fun`` returns the plain loss, a floating scalar (float16 is promoted to
+  float32 before scaling, so the scaled loss cannot overflow), or ``(loss,
+  aux)`` with ``has_aux=True``, and may take any keyword (``scale``
+  included). When a differentiated argument is an ``nnx.Module`` the
+  gradient is taken with respect to the optimizer's ``wrt`` variables
+  (``nnx.Param`` by default), with the structure ``optimizer.update``
+  expects; any other argument is differentiated as ``jax.value_and_grad``
+  does. The ``nnx.Module`` arguments are split with ``nnx.split`` and merged
+  back, so ``fun`` must not add variables to them (``sow``).
+
+  **A skipped step leaves the model as it was.** The module arguments'
+  variables that the optimizer does not update (``BatchStat``, other
+  non-``wrt`` variables, except the RNG state, which advances as
+  ``optimizer.step`` does) get their values from ``fun`` only when the
+  gradients are finite, the check ``optimizer.update`` makes: a step whose
+  forward pass overflows does not write NaN into the batch statistics. It
+  costs a select per element of those variables; without ``max_tries``, one
+  more read of the gradients when there are such variables. For linen, pass
+  the new ``batch_stats`` to :func:`apply_gradients`, which keeps the old
+  ones on a skipped step.
 
   **Recomputing an overflowing step** (``max_tries`` given): when the
   gradients overflow, the step backs S off and computes them again for the
   same arguments, inside the same compiled step, as
   :func:`optax_dls.value_and_grad` does (up to ``max_tries`` more float16
   passes, then one with ``fp32_fun`` if given), so that no batch is lost.
-  The gradients come back scaled by the new S, which the optimizer state
-  must then carry; so the call also hands back the optimizer state:
+  The gradients come back scaled by the new S, which the returned state
+  carries: the ``TrainState`` with its ``opt_state`` replaced, or the
+  ``nnx.Optimizer`` with its ``opt_state`` updated in place. Every try starts
+  from the arguments as they were at the call (the same RNG state: the same
+  dropout masks), and the module state the call leaves is the one of the try
+  whose gradients are returned. Without ``max_tries`` the returned state is
+  ``state`` itself, unchanged.
 
-  * linen: the returned function returns ``((loss, grads), state)``
-    (``(((loss, aux), grads), state)`` with ``has_aux``), ``state`` being
-    ``opt`` with its ``opt_state`` replaced, the state to call
-    ``apply_gradients`` on. This differs from the call without ``max_tries``::
+  **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` the
+  gradients of every pass are averaged over ``axis_name`` with
+  ``lax.pmean``, as flax's ``DynamicScale.value_and_grad(axis_name=...)``
+  averages them (the loss is not averaged), so every device checks, retries
+  and applies the same gradients. Build the transformation with the same
+  ``axis_name``. Not needed under ``jit`` with ``NamedSharding``.
 
-        grad_fn = optax_dls.flax.value_and_grad(loss_fn, state, max_tries=3)
-        (loss, grads), state = grad_fn(state.params, batch)
-        state = state.apply_gradients(grads=grads)
-
-  * nnx: the return is unchanged, ``(loss, grads)``; ``opt.opt_state`` is
-    updated in place (nnx objects are mutable, inside ``nnx.jit`` too), and
-    the state updates ``fun`` makes to the ``nnx.Module`` arguments
-    (``BatchNorm`` statistics, RNG counts) are those of the try whose
-    gradients are returned; a failed try's are dropped::
-
-        grad_fn = optax_dls.flax.value_and_grad(loss_fn, optimizer, max_tries=3)
-        loss, grads = grad_fn(model, batch)
-        optimizer.update(model, grads)
-
-  Every try starts from the arguments as they were at the call (the same
-  RNG state: the same dropout masks). The module arguments are split with
-  ``nnx.split`` and merged back inside the loop, so ``fun`` must not add new
-  variables to them (``sow``).
+  With a passthrough optimizer (:func:`optax_dls.no_loss_scale`: S = 1 by
+  construction) the loss is not multiplied at all: a step is bit for bit a
+  plain ``jax.value_and_grad`` step.
 
   Args:
-    fun: the loss function; its arguments are those of the returned function.
-    opt: where to read S: a linen ``TrainState``, an ``nnx.Optimizer``, or
-      (without ``max_tries``) any optimizer state holding exactly one
-      :class:`optax_dls.LossScaleState`. With ``max_tries``, a ``TrainState``
-      or an ``nnx.Optimizer`` whose ``tx`` is the loss-scaled transformation
-      itself (what :func:`optax_dls.dynamic_loss_scale` returns, not a chain
-      around it).
-    argnums: int or tuple of ints, the positional arguments to differentiate.
-      Default 0.
+    fun: the loss function; its arguments are those of ``grad_fn`` after
+      ``state``.
+    *bound: must be empty: the state is passed to ``grad_fn`` when called,
+      no longer here.
+    argnums: int or tuple of ints, the positional arguments of ``fun`` to
+      differentiate, counted in ``args`` (after ``state``). Default 0.
     has_aux: whether ``fun`` returns ``(loss, aux)``. Default False.
     max_tries: None (default: no recomputation) or an int in [0, 64], the
       float16 recomputations after the first pass.
     fp32_fun: optional, ``fun`` computed in float32, the last resort when
       every float16 try overflowed (same signature and outputs); needs
       ``max_tries``. Default None.
+    axis_name: None (default), a mapped axis name or a tuple of names: the
+      gradients are averaged over it.
 
   Returns:
-    A function with ``fun``'s signature returning ``(loss, grads)``, or
-    ``((loss, aux), grads)`` with ``has_aux``; ``grads`` are multiplied by S.
-    With ``max_tries`` and a ``TrainState``, ``(that, state)``.
+    ``grad_fn(state, *args, **kwargs) -> ((value, grads), state)``, ``value``
+    the loss (``(loss, aux)`` with ``has_aux``) and ``grads`` multiplied by S.
 
   Raises:
-    TypeError: ``fun`` or ``fp32_fun`` is not callable, ``has_aux`` is not a
-      bool, ``argnums`` is not an int or tuple of ints, ``max_tries`` is not
-      an int, or, with ``max_tries``, ``opt`` is not a ``TrainState`` or an
-      ``nnx.Optimizer`` with a loss-scaled ``tx``; (when called) the loss is
-      not floating point, or ``fun`` does not return a ``(loss, aux)`` pair
-      with ``has_aux=True``.
-    ValueError: ``opt`` holds no loss-scale state, or more than one (checked
-      here, before any tracing); ``max_tries`` out of range, or ``fp32_fun``
-      without ``max_tries``.
+    TypeError: a second positional argument (the state now goes to
+      ``grad_fn``); ``fun`` or ``fp32_fun`` not callable, ``has_aux`` not a
+      bool, ``argnums`` not an int or tuple of ints, ``max_tries`` not an int,
+      ``axis_name`` not a string or tuple of strings; when called, a first
+      argument that is no ``TrainState`` or ``nnx.Optimizer`` (the message
+      says when the arguments look swapped), a ``state.tx`` that is not the
+      loss-scaled transformation itself, a non-floating loss, a ``fun`` that
+      returns no ``(loss, aux)`` pair with ``has_aux=True``, fewer positional
+      arguments than ``argnums`` asks for.
+    ValueError: ``max_tries`` out of range, a negative or repeated
+      ``argnums``, ``fp32_fun`` without ``max_tries``; when called, an
+      optimizer state with no or several loss-scale states.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
+    >>> from flax.training.train_state import TrainState
+    >>> state = TrainState.create(apply_fn=None, params={'w': jnp.ones(2)},
+    ...   tx=optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=4.0))
+    >>> grad_fn = optax_dls.flax.value_and_grad(lambda p: jnp.sum(p['w']))
+    >>> (loss, grads), state = grad_fn(state, state.params)
+    >>> float(loss), grads['w']  # the gradients times S = 4
+    (2.0, Array([4., 4.], dtype=float32))
   """
-  _validation.function("fun", fun)
-  has_aux = _validation.boolean("has_aux", has_aux)
-  argnums = _validation.argnums(argnums)
-  if fp32_fun is not None:
-    _validation.function("fp32_fun", fp32_fun)
-    if max_tries is None:
-      raise ValueError(
-        "fp32_fun is the last resort of a recomputed step: pass max_tries too "
-        "(e.g. max_tries=3), or drop fp32_fun."
-      )
-  is_opt = isinstance(opt, nnx.Optimizer)
-  if max_tries is not None:
-    max_tries = _validation.count("max_tries", max_tries, low=0, high=64)
-    _check_recomputable(opt, is_opt)
-  source = opt.opt_state if is_opt else opt
-  find_state(source)
-  wrt = getattr(opt, "wrt", nnx.Param) if is_opt else nnx.Param
-  if max_tries is not None:
-    return _recomputing(fun, fp32_fun, opt, is_opt, wrt, argnums, has_aux, max_tries)
+  if bound:
+    raise TypeError(
+      "optax_dls.flax.value_and_grad(fun, ...) takes the TrainState or nnx.Optimizer when "
+      "called, no longer when built: grad_fn = optax_dls.flax.value_and_grad(fun); "
+      f"(loss, grads), state = grad_fn(state, *args); got {len(bound)} more positional "
+      f"argument(s), the first a {type(bound[0]).__name__}."
+    )
+  tries, argnums, has_aux = _recompute.checked(
+    fun, fp32_fun, 0 if max_tries is None else max_tries, argnums, has_aux
+  )
+  if fp32_fun is not None and max_tries is None:
+    raise ValueError(
+      "fp32_fun is the last resort of a recomputed step: pass max_tries too "
+      "(e.g. max_tries=3), or drop fp32_fun."
+    )
+  spec = _Spec(
+    fun,
+    fp32_fun,
+    tries,
+    argnums,
+    has_aux,
+    _multi_device.check_axis_name(axis_name),
+    max_tries is not None,
+  )
 
-  def grad_fn(*args, **kwargs):
-    state = find_state(source)  # plain arrays, read outside any nnx transform
-
-    def scaled(*a, **k):
-      loss, aux = _loss_and_aux(fun, has_aux, a, k)
-      return scale_loss(loss, state), (loss, aux)
-
-    if _differentiates_module(args, argnums):
-      nums = (argnums,) if isinstance(argnums, int) else argnums
-      diff = tuple(nnx.DiffState(i, wrt) for i in nums)
-      vg = nnx.value_and_grad(
-        scaled, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=True
-      )
-    else:
-      vg = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
-    (_, (loss, aux)), grads = vg(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
+  def grad_fn(state: Any, /, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], Any]:
+    return _call(spec, state, args, kwargs)
 
   return grad_fn
 
 
-def _loss_and_aux(
-  f: Callable[..., Any], has_aux: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, Any]:
-  out = f(*args, **kwargs)
-  if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-      f"with has_aux=True, fun ({getattr(f, '__qualname__', f)!r}) must return a "
-      "(loss, aux) pair, got "
-      f"{f'an array of shape {out.shape}' if hasattr(out, 'shape') else f'a {type(out).__name__}'}."
+def _call(
+  spec: _Spec, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, Any], Any]:
+  """One call of ``grad_fn(state, *args, **kwargs)``."""
+  is_nnx = _is_optimizer(state, args)
+  _calls.check_reach(spec.argnums, args, "state")
+  modules = _Modules.split(
+    args, spec.argnums, getattr(state, "wrt", nnx.Param) if is_nnx else nnx.Param
+  )
+  plan = _recompute.make_plan(
+    modules.pure(spec.fun, spec.has_aux),
+    state.tx,
+    fp32_fun=None if spec.fp32_fun is None else modules.pure(spec.fp32_fun, spec.has_aux),
+    max_tries=spec.max_tries,
+    argnums=spec.argnums,
+    has_aux=True,
+    axis_name=spec.axis_name,
+    tx_name="state.tx",
+  )
+  # nnx: the plain arrays of the loss-scale state, written back into its Variables below.
+  opt_state = _access.find_state(state.opt_state) if is_nnx else state.opt_state
+  outcome = _recompute.call(plan, opt_state, modules.pure_args(args), kwargs)
+  loss, (aux, after) = outcome.value
+  modules.update(after, outcome.finite)
+  value = (loss, aux) if spec.has_aux else loss
+  return (value, outcome.grads), _new_state(state, is_nnx, outcome.opt_state, spec.recomputes)
+
+
+def _is_train_state(x: Any) -> bool:
+  return all(hasattr(x, f) for f in ("tx", "opt_state", "replace"))
+
+
+def _is_optimizer(state: Any, args: tuple[Any, ...]) -> bool:
+  """Whether ``state`` is an ``nnx.Optimizer`` (else a ``TrainState``); TypeError naming the
+  calling order when it is neither."""
+  if isinstance(state, nnx.Optimizer):
+    return True
+  if _is_train_state(state):
+    return False
+  is_state = lambda a: isinstance(a, nnx.Optimizer) or _is_train_state(a)
+  raise TypeError(
+    _calls.order_error(
+      "state",
+      "the flax TrainState or nnx.Optimizer",
+      "is neither",
+      "is one",
+      state,
+      _calls.first_index(args, is_state),
     )
-  return out if has_aux else (out, None)
+  )
 
 
-def _check_recomputable(opt: Any, is_opt: bool) -> None:
-  """TypeError unless ``opt`` carries the loss-scaled ``tx`` that backs the scale off between tries."""
-  if not is_opt and not all(hasattr(opt, f) for f in ("tx", "opt_state", "replace")):
-    raise TypeError(
-      "with max_tries, opt must be a flax TrainState or an nnx.Optimizer (its tx "
-      f"backs the scale off between tries), got {type(opt).__name__}: {repr(opt)[:200]}."
-    )
-  if not callable(getattr(opt.tx, "back_off", None)):
-    raise TypeError(
-      "with max_tries, opt.tx must be the loss-scaled transformation itself "
-      "(optax_dls.dynamic_loss_scale, loss_scaled, ...), not a wrapper around it, "
-      f"got {opt.tx!r}."
-    )
+def _new_state(state: Any, is_nnx: bool, new: Any, recomputes: bool) -> Any:
+  """The state to apply the gradients to: ``state``, with the optimizer state ``new`` when
+  the call may have moved the scale (a new ``TrainState``; an ``nnx.Optimizer`` in place)."""
+  if not recomputes:
+    return state
+  if is_nnx:
+    _write_in_place(state.opt_state, new)
+    return state
+  return state.replace(opt_state=new)
 
 
-def _recomputing(
-  fun: Callable[..., Any],
-  fp32_fun: Callable[..., Any] | None,
-  opt: Any,
-  is_opt: bool,
-  wrt: Any,
-  argnums: int | tuple[int, ...],
-  has_aux: bool,
-  max_tries: int,
-) -> Callable[..., Any]:
-  """``value_and_grad`` with ``max_tries``: :func:`optax_dls.value_and_grad` on pure
-  functions, the ``nnx.Module`` arguments split outside the loop and merged inside."""
-  nums = (argnums,) if isinstance(argnums, int) else argnums
-  in_wrt = nnx.filterlib.to_predicate(wrt)
+class _Modules(NamedTuple):
+  """The ``nnx.Module`` arguments of one call, as pure states: what is differentiated, the
+  RNG state, and the other variables (kept as they were on a skipped step)."""
 
-  def grad_fn(*args, **kwargs):
-    if max(nums) >= len(args):
-      raise TypeError(
-        f"argnums={argnums!r} asks for positional argument {max(nums)}, but the "
-        f"function was called with {len(args)} positional arguments."
-      )
+  modules: tuple[Any, ...]
+  where: tuple[int, ...]  # their positions among the arguments
+  diff: frozenset[int]  # those differentiated, as indices into ``where``
+  is_diff: Callable[..., bool]
+  graphdef: Any
+  params: Any
+  rng: Any
+  other: Any
+
+  @staticmethod
+  def split(args: tuple[Any, ...], argnums: int | tuple[int, ...], wrt: Any) -> _Modules:
+    nums = (argnums,) if isinstance(argnums, int) else argnums
     where = tuple(i for i, a in enumerate(args) if isinstance(a, nnx.Module))
-    diff = frozenset(k for k, i in enumerate(where) if i in nums)  # among the modules
+    diff = frozenset(k for k, i in enumerate(where) if i in nums)
+    in_wrt = nnx.filterlib.to_predicate(wrt)
     is_diff = lambda path, x: path[0] in diff and in_wrt(path[1:], x)
     modules = tuple(args[i] for i in where)
-    graphdef, diff_state, rest = nnx.split(modules, is_diff, ...)
-    pure_args = list(args)
-    for k, i in enumerate(where):
-      pure_args[i] = (diff_state[k] if k in diff_state else nnx.State({})) if k in diff else None
+    graphdef, params, rng, other = nnx.split(modules, is_diff, nnx.RngState, ...)  # type: ignore[misc]
+    return _Modules(modules, where, diff, is_diff, graphdef, params, rng, other)
 
-    def pure(f):
-      def run(*a, **k):
-        parts = [nnx.State({j: a[i].raw_mapping}) for j, i in enumerate(where) if j in diff]
-        merged = _merge(graphdef, rest, *parts) if where else ()
-        full = list(a)
-        for j, i in enumerate(where):
-          full[i] = merged[j]
-        loss, aux = _loss_and_aux(f, has_aux, tuple(full), k)
-        return loss, (aux, nnx.split(merged, is_diff, ...)[2] if where else None)
+  def pure_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with each module replaced by its differentiated state (None if it is not)."""
+    out = list(args)
+    for k, i in enumerate(self.where):
+      part = self.params[k] if k in self.params else nnx.State({})
+      out[i] = part if k in self.diff else None
+    return tuple(out)
 
-      return run
+  def pure(self, f: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``f`` on the pure arguments, returning ``(loss, (aux, after))``, ``after`` the RNG and
+    other states the call leaves in the modules."""
 
-    tx_state = find_state(opt.opt_state)
-    vg = _recompute_value_and_grad(
-      pure(fun),
-      opt.tx,
-      fp32_fun=None if fp32_fun is None else pure(fp32_fun),
-      max_tries=max_tries,
-      argnums=argnums,
-      has_aux=True,
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+      merged = self._merged(args)
+      full = list(args)
+      for j, i in enumerate(self.where):
+        full[i] = merged[j]
+      loss, aux = _calls.loss_and_aux(f, has_aux, f(*full, **kwargs))
+      return loss, (
+        aux,
+        nnx.split(merged, self.is_diff, nnx.RngState, ...)[2:] if self.where else None,
+      )
+
+    return run
+
+  def _merged(self, args: tuple[Any, ...]) -> Any:
+    if not self.where:
+      return ()
+    parts = [
+      nnx.State({j: args[i].raw_mapping}) for j, i in enumerate(self.where) if j in self.diff
+    ]
+    return _merge(self.graphdef, self.rng, self.other, *parts)
+
+  def update(self, after: Any, finite: jax.Array) -> None:
+    """Writes ``after`` into the modules: the RNG state, and the other variables where the
+    gradients are ``finite`` (their old values otherwise)."""
+    if not self.where:
+      return
+    rng, other = after
+    nnx.update(
+      self.modules, rng, jax.tree.map(lambda n, o: jnp.where(finite, n, o), other, self.other)
     )
-    ((loss, (aux, new_rest)), grads), new = vg(tx_state, *pure_args, **kwargs)
-    if where:
-      nnx.update(modules, new_rest)
-    value = (loss, aux) if has_aux else loss
-    if is_opt:
-      _write_in_place(opt.opt_state, new)
-      return value, grads
-    return (value, grads), opt.replace(opt_state=_access.replace_state(opt.opt_state, new))
-
-  return grad_fn
 
 
 def _merge(graphdef: Any, *states: Any) -> Any:
@@ -303,22 +362,27 @@ def _write_in_place(opt_state: Any, new: Any) -> None:
 
 def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
   """``state.apply_gradients(grads=grads, **kwargs)`` for a linen ``TrainState``,
-  with the updates applied inside the skip branch (:func:`optax_dls.apply_step`).
+  with the updates applied inside the skip branch (:func:`optax_dls.apply_step`),
+  and the other fields kept as they were on a skipped step.
 
   Same result as the method (up to the rounding of fused arithmetic, an ulp
   or so), including flax's ``_overwrite_with_gradient`` collection, but XLA
   fuses the parameter update with the optimizer instead of writing the
   updates out and reading them back: the fast path for a loss-scaled
   ``state.tx`` (see the performance guide). On a skipped step the
-  parameters come back bit for bit. ``step`` advances by one either way, as
-  with the method.
+  parameters come back bit for bit, and so does every array field given in
+  ``kwargs`` (``batch_stats=`` from the step's forward pass, which may hold
+  NaN when that pass overflowed): a skipped step leaves the whole model as it
+  was. ``step`` advances by one either way, as with the method.
 
   Args:
     state: a ``flax.training.train_state.TrainState`` (or subclass) whose
       ``tx`` is loss-scaled, e.g. by :func:`optax_dls.dynamic_loss_scale`.
     grads: the *scaled* gradients (from :func:`value_and_grad`), with the
       structure of ``state.params``.
-    **kwargs: other ``TrainState`` fields to replace, as with the method.
+    **kwargs: other ``TrainState`` fields to replace, as with the method;
+      those of arrays (with the old field's structure and shapes) keep their
+      old values on a skipped step.
 
   Returns:
     The updated ``TrainState``.
@@ -346,4 +410,146 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
   )
   if overwrite:
     params = {"params": params, _OVERWRITE_WITH_GRADIENT: grads[_OVERWRITE_WITH_GRADIENT]}
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **kwargs)
+  finite = _access.find_state(opt_state).last_step_finite
+  kept = {k: _kept(finite, v, getattr(state, k, None)) for k, v in kwargs.items()}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **kept)
+
+
+def _kept(finite: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where the step was applied, ``old`` where it was skipped, leaf by leaf, for a
+  field of arrays with ``old``'s structure and shapes; any other field is ``new``."""
+  new_leaves, treedef = jax.tree.flatten(new)
+  old_leaves, old_treedef = jax.tree.flatten(old)
+  structure: Any = treedef
+  alike = structure == old_treedef and all(
+    isinstance(n, jax.Array) and jnp.shape(o) == n.shape for n, o in zip(new_leaves, old_leaves)
+  )
+  if not alike:
+    return new
+  return jax.tree.unflatten(
+    treedef, [jnp.where(finite, n, o) for n, o in zip(new_leaves, old_leaves)]
+  )
+
+
+def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
+  """``opt_state`` with the loss scale and growth count of a flax ``DynamicScale``.
+
+  For a port from ``flax.training.dynamic_scale.DynamicScale``: its ``scale``
+  becomes the loss scale and its ``fin_steps`` (finite steps since the last
+  growth or overflow) the growth tracker of the built-in policies (every
+  ``growth_tracker`` in the policy state); every other field is kept. With
+  :func:`optax_dls.compat.flax_policy` of the DynamicScale's own settings
+  (``growth_factor``, ``backoff_factor``, ``growth_interval``,
+  ``minimum_scale``), as ``optax_dls.loss_scaled(inner,
+  optax_dls.compat.flax_policy(growth_interval=...))``, the scale then moves
+  exactly as flax's would have: flax grows on the ``growth_interval + 1``-th
+  consecutive finite step. :func:`optax_dls.dynamic_loss_scale` of the same
+  ``growth_interval`` grows one step earlier.
+
+  Args:
+    dynamic_scale: a flax ``DynamicScale``, or the dict flax's and Orbax's
+      checkpoints restore it as, ``{'scale': ..., 'fin_steps': ...}``: a
+      scale in the policy's ``[min_scale, max_scale]`` and a whole number of
+      steps >= 0 (static values).
+    opt_state: an optimizer state (or a ``TrainState``) holding exactly one
+      :class:`optax_dls.LossScaleState`.
+
+  Returns:
+    ``opt_state``, of the same structure and dtypes, with the new scale and
+    growth tracker.
+
+  Raises:
+    TypeError: ``dynamic_scale`` has no ``scale`` and ``fin_steps``, or they
+      are not static numbers.
+    ValueError: the scale is not finite and > 0 or lies outside the policy's
+      range, ``fin_steps`` < 0, or ``opt_state`` holds none or several
+      loss-scale states.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
+    >>> policy = optax_dls.compat.flax_policy(growth_interval=10)
+    >>> tx = optax_dls.loss_scaled(optax.adam(1e-3), policy)
+    >>> state = optax_dls.flax.from_dynamic_scale({'scale': 1024.0, 'fin_steps': 7},
+    ...                                           tx.init({'w': jnp.ones(2)}))
+    >>> float(state.loss_scale), int(state.policy_state.growth_tracker)
+    (1024.0, 7)
+  """
+  scale, fin_steps = _dynamic_scale_fields(dynamic_scale)
+  lss = _access.find_state(opt_state)
+  _validation.scale("dynamic_scale.scale", scale, float(lss.min_scale), float(lss.max_scale))
+  fin_steps = _validation.count("dynamic_scale.fin_steps", fin_steps, low=0)
+  tracker = lambda n: (
+    n._replace(growth_tracker=jnp.asarray(fin_steps, jnp.int32))
+    if hasattr(n, "growth_tracker") and hasattr(n, "_replace")
+    else n
+  )
+  policy_state = jax.tree.map(
+    tracker, lss.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")
+  )
+  return _access.replace_state(
+    opt_state, lss._replace(loss_scale=jnp.asarray(scale, jnp.float32), policy_state=policy_state)
+  )
+
+
+def _dynamic_scale_fields(dynamic_scale: Any) -> tuple[Any, Any]:
+  """``(scale, fin_steps)`` of a ``DynamicScale`` or of its stored dict."""
+  if isinstance(dynamic_scale, Mapping):
+    if all(k in dynamic_scale for k in ("scale", "fin_steps")):
+      return dynamic_scale["scale"], dynamic_scale["fin_steps"]
+  elif hasattr(dynamic_scale, "scale") and hasattr(dynamic_scale, "fin_steps"):
+    return dynamic_scale.scale, dynamic_scale.fin_steps
+  raise TypeError(
+    "dynamic_scale must be a flax DynamicScale or a dict with its 'scale' and 'fin_steps', "
+    f"got {repr(dynamic_scale)[:200]} of type {type(dynamic_scale).__name__}."
+  )
+
+
+def from_dynamic_scale_checkpoint(restored: Any, target: Any) -> Any:
+  """Restores a checkpoint of a flax ``TrainState`` that had a ``DynamicScale`` field into
+  the ported state, whose optimizer is loss-scaled.
+
+  A port of a flax example from ``DynamicScale`` (a ``dynamic_scale`` field
+  beside a plain optax ``opt_state``) to :func:`optax_dls.dynamic_loss_scale`
+  changes the layout: restored with flax's or Orbax's own code into the new
+  state, such a checkpoint either fails or, with flax's
+  ``restore_checkpoint(target=...)``, silently leaves the optimizer's moments,
+  its count and the loss scale at their initial values. Restore it raw and
+  convert it instead::
+
+      raw = flax.training.checkpoints.restore_checkpoint(directory, target=None)
+      # or, with Orbax: raw = manager.restore(step)
+      state = optax_dls.flax.from_dynamic_scale_checkpoint(raw, state)
+
+  The old ``opt_state`` goes to the loss-scale state's ``inner_state``
+  (:func:`optax_dls.checkpoint.into_loss_scaled`), every other field to its
+  place, and ``dynamic_scale`` to the loss scale and growth tracker
+  (:func:`from_dynamic_scale`); nothing is left at its initial value
+  silently.
+
+  Args:
+    restored: the checkpoint's tree as it is restored without a target:
+      dicts and lists of arrays, with a top-level ``'dynamic_scale'`` entry
+      (``{'scale', 'fin_steps'}``).
+    target: the ported state (a ``TrainState`` built with the loss-scaled
+      ``tx``, or any pytree) holding exactly one
+      :class:`optax_dls.LossScaleState`; it gives the layout, dtypes and
+      shardings.
+
+  Returns:
+    ``target`` with every leaf restored.
+
+  Raises:
+    TypeError: ``restored`` is not a dict with a ``'dynamic_scale'`` entry.
+    ValueError: ``restored`` and ``target`` differ other than by the
+      loss-scale state (the message lists the leaves and shapes), or what
+      :func:`from_dynamic_scale` raises.
+  """
+  if not (isinstance(restored, Mapping) and "dynamic_scale" in restored):
+    raise TypeError(
+      "restored must be the raw tree of a checkpoint with a 'dynamic_scale' entry (e.g. "
+      "flax.training.checkpoints.restore_checkpoint(directory, target=None)), got "
+      f"{repr(restored)[:200]} of type {type(restored).__name__}."
+    )
+  rest = {k: v for k, v in restored.items() if k != "dynamic_scale"}
+  state = checkpoint.into_loss_scaled(rest, target)
+  return from_dynamic_scale(restored["dynamic_scale"], state)

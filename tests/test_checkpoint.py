@@ -1,6 +1,7 @@
 """Orbax checkpoints of a loss-scaled optimizer state: exact round trip, resume, layout errors."""
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax.training import dynamic_scale as flax_dynamic_scale
+from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -151,3 +154,113 @@ def test_target_must_be_a_pytree_of_arrays(manager, target):
   _save(manager, 1, {"params": w, "opt_state": _tx().init(w)})
   with pytest.raises(TypeError, match="target must be a pytree of arrays"):
     optax_dls.checkpoint.restore(manager, target)
+
+
+def test_a_target_whose_parameters_differ_is_told_which_leaves_differ(manager):
+  w = {"w": jnp.ones(3)}
+  _save(manager, 0, {"params": w, "opt_state": _tx().init(w)})
+  wb = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  with pytest.raises(ValueError) as err:
+    optax_dls.checkpoint.restore(manager, {"params": wb, "opt_state": _tx().init(wb)}, step=0)
+  message = str(err.value).split("\nOrbax:")[0]
+  assert "only in the target (3): opt_state.inner_state.0.mu.b" in message
+  assert "params.b" in message and "only in the checkpoint" not in message
+  assert "fields" not in message  # no list of the loss-scale state's fields, the same both sides
+  w4 = {"w": jnp.ones(4)}
+  with pytest.raises(
+    ValueError, match=r"shapes differ \(3\): .*params.w: checkpoint \(3,\), target \(4,\)"
+  ):
+    optax_dls.checkpoint.restore(manager, {"params": w4, "opt_state": _tx().init(w4)}, step=0)
+
+
+def test_into_loss_scaled_moves_a_plain_optimizer_state_inside(manager):
+  w = jnp.linspace(-1.0, 1.0, 3)
+  plain = optax.adam(0.01)
+  state = plain.init(w)
+  for _ in range(3):
+    _, state = plain.update(jnp.sin(w), state, w)
+  _save(manager, 3, {"params": w, "opt_state": state})
+  target = {"params": jnp.zeros(3), "opt_state": _tx().init(jnp.zeros(3))}
+  with pytest.raises(ValueError, match=r"optax_dls.checkpoint.into_loss_scaled\(manager.restore"):
+    optax_dls.checkpoint.restore(manager, target, step=3)
+  moved = optax_dls.checkpoint.into_loss_scaled(manager.restore(3), target)
+  _assert_same(moved["opt_state"].inner_state, state)
+  _assert_same(moved["params"], w)
+  assert float(optax_dls.loss_scale(moved)) == 2.0**10  # the loss-scale state: the target's
+  wider = {"params": jnp.zeros(4), "opt_state": _tx().init(jnp.zeros(4))}
+  with pytest.raises(ValueError, match=r"shapes differ \(3\): opt_state.0.mu: checkpoint \(3,\)"):
+    optax_dls.checkpoint.into_loss_scaled(manager.restore(3), wider)
+  with pytest.raises(ValueError, match="target must hold exactly one LossScaleState"):
+    optax_dls.checkpoint.into_loss_scaled(manager.restore(3), {"params": w, "opt_state": state})
+
+
+# --- a checkpoint of flax's DynamicScale ------------------------------------------------------
+
+
+class _Old(train_state.TrainState):
+  """flax's ImageNet example's state: batch statistics and a DynamicScale beside the optimizer."""
+
+  batch_stats: Any
+  dynamic_scale: flax_dynamic_scale.DynamicScale
+
+
+class _New(train_state.TrainState):
+  """The same state ported to a loss-scaled optimizer."""
+
+  batch_stats: Any
+
+
+def _dynamic_scale_checkpoint():
+  """A flax TrainState with batch_stats and a DynamicScale after 5 steps, and its ported layout."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 3)}
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01))
+  old = _Old.create(
+    apply_fn=None,
+    params=params,
+    tx=inner,
+    batch_stats={"mean": jnp.zeros(3)},
+    dynamic_scale=flax_dynamic_scale.DynamicScale(growth_interval=3, scale=2.0**12),
+  )
+  for i in range(5):
+    ds = old.dynamic_scale.value_and_grad(lambda p, k=i + 1: jnp.sum(jnp.sin(p["w"]) * k))
+    ds, _, _, grads = ds(old.params)
+    old = old.apply_gradients(grads=grads, dynamic_scale=ds, batch_stats={"mean": grads["w"]})
+  tx = optax_dls.loss_scaled(inner, optax_dls.compat.flax_policy(growth_interval=3))
+  return old, _New.create(apply_fn=None, params=params, tx=tx, batch_stats={"mean": jnp.zeros(3)})
+
+
+def _assert_ported(ported, old):
+  _assert_same(ported.params, old.params)
+  _assert_same(ported.batch_stats, old.batch_stats)
+  _assert_same(optax_dls.find_state(ported).inner_state, old.opt_state)  # moments and count
+  st = optax_dls.find_state(ported)
+  assert float(st.loss_scale) == float(old.dynamic_scale.scale)
+  assert int(st.policy_state.growth_tracker) == int(old.dynamic_scale.fin_steps) == 5 % 4
+  assert int(ported.step) == int(old.step) == 5
+
+
+def test_a_dynamic_scale_checkpoint_is_refused_by_restore_and_converted(manager):
+  import optax_dls.flax as dls_flax
+
+  old, new = _dynamic_scale_checkpoint()
+  _save(manager, 5, old)
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)a flax DynamicScale at dynamic_scale.*"
+    r"optax_dls.flax.from_dynamic_scale_checkpoint\(manager.restore\(step\), target\)",
+  ):
+    optax_dls.checkpoint.restore(manager, new, step=5)
+  _assert_ported(dls_flax.from_dynamic_scale_checkpoint(manager.restore(5), new), old)
+
+
+def test_a_dynamic_scale_checkpoint_of_flax_checkpoints_is_converted(tmp_path):
+  from flax.training import checkpoints
+
+  import optax_dls.flax as dls_flax
+
+  old, new = _dynamic_scale_checkpoint()
+  checkpoints.save_checkpoint(tmp_path, old, step=5)
+  raw = checkpoints.restore_checkpoint(tmp_path, target=None)
+  _assert_ported(dls_flax.from_dynamic_scale_checkpoint(raw, new), old)
+  with pytest.raises(TypeError, match="'dynamic_scale' entry"):
+    dls_flax.from_dynamic_scale_checkpoint({"params": raw["params"]}, new)

@@ -93,21 +93,6 @@ def test_no_fallback_by_default():
   assert float(out) == 1.0
 
 
-def test_select_precision_promotes_and_checks_structure():
-  tx = optax_dls.loss_scaled(
-    optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1, steps=3)
-  )
-  state = tx.init({"w": jnp.ones(2)})
-  f16 = lambda x: (x * 2).astype(jnp.float16)
-  f32 = lambda x: x * 3
-  out = optax_dls.select_precision(state, f16, f32, jnp.ones(2))
-  assert out.dtype == jnp.float32 and np.allclose(out, 2.0)
-  _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state)
-  assert np.allclose(optax_dls.select_precision(state, f16, f32, jnp.ones(2)), 3.0)
-  with pytest.raises(ValueError, match="structure"):
-    optax_dls.select_precision(state, lambda x: (x, x), f32, jnp.ones(2))
-
-
 @pytest.mark.parametrize(
   "kwargs, name",
   [
@@ -126,24 +111,6 @@ def test_bad_fallback_arguments(kwargs, name):
     )
   with pytest.raises(TypeError, match="policy"):
     optax_dls.fp32_fallback("dynamic")
-
-
-def test_fallback_functions_must_be_callable():
-  state = optax_dls.loss_scaled(
-    optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy())
-  ).init({"w": jnp.ones(2)})
-  with pytest.raises(TypeError, match="fp16_fn"):
-    optax_dls.select_precision(state, None, lambda x: x, jnp.ones(2))
-  with pytest.raises(TypeError, match="fp32_fn"):
-    optax_dls.select_precision(state, lambda x: x, 3.0, jnp.ones(2))
-
-
-def test_select_precision_without_the_fallback_runs_fp16():
-  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-  out = optax_dls.select_precision(
-    state, lambda x: x.astype(jnp.float16), lambda x: x * 3, jnp.ones(2)
-  )
-  assert out.dtype == jnp.float32 and np.allclose(out, 1.0)
 
 
 def test_fallback_state_has_fixed_dtypes_and_composes_with_skips_at_min_scale():

@@ -12,7 +12,9 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from flax.training import dynamic_scale as flax_dynamic_scale
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 import optax_dls
 import optax_dls.flax as dls_flax
@@ -29,8 +31,11 @@ def _applied(opt_state):
   return int(m["num_steps"] - m["skip_count"])
 
 
-def _tx():
-  return optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=S0)
+def _tx(inner=None):
+  inner = optax.sgd(0.1) if inner is None else inner
+  return optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.recompute_stats(), inner), init_scale=S0
+  )
 
 
 def test_import_optax_dls_does_not_import_flax_or_orbax():
@@ -41,7 +46,7 @@ def test_import_optax_dls_does_not_import_flax_or_orbax():
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# --- linen ----------------------------------------------------------------------------------
+# --- linen ------------------------------------------------------------------------------------
 
 
 def _linen_setup():
@@ -56,10 +61,12 @@ def _linen_loss(params, apply_fn, x):
   return loss, pred
 
 
+_linen_grad_fn = dls_flax.value_and_grad(_linen_loss, has_aux=True)  # built once, anywhere
+
+
 @jax.jit
 def _linen_step(state, x):
-  grad_fn = dls_flax.value_and_grad(_linen_loss, state, has_aux=True)
-  (loss, pred), grads = grad_fn(state.params, state.apply_fn, x)
+  ((loss, pred), grads), state = _linen_grad_fn(state, state.params, state.apply_fn, x)
   return state.apply_gradients(grads=grads), loss, pred, grads
 
 
@@ -81,8 +88,7 @@ def test_linen_loss_unscaled_grads_scaled_and_update_matches_plain_sgd():
 
 @jax.jit
 def _linen_fused_step(state, x):
-  grad_fn = dls_flax.value_and_grad(_linen_loss, state, has_aux=True)
-  _, grads = grad_fn(state.params, state.apply_fn, x)
+  (_, grads), state = _linen_grad_fn(state, state.params, state.apply_fn, x)
   return dls_flax.apply_gradients(state, grads=grads)
 
 
@@ -127,7 +133,7 @@ def test_linen_skipped_step_counts_in_step_not_in_the_applied_updates():
   assert _applied(skipped) == 1 == int(m["num_steps"] - m["skip_count"])
 
 
-# --- nnx ------------------------------------------------------------------------------------
+# --- nnx --------------------------------------------------------------------------------------
 
 
 class _Net(nnx.Module):
@@ -145,7 +151,7 @@ def _nnx_loss(model, x):
 
 @nnx.jit
 def _nnx_step(model, optimizer, x):
-  loss, grads = dls_flax.value_and_grad(_nnx_loss, optimizer)(model, x)
+  (loss, grads), optimizer = dls_flax.value_and_grad(_nnx_loss)(optimizer, model, x)
   optimizer.update(model, grads)
   return loss, grads
 
@@ -193,17 +199,43 @@ def test_nnx_reset_scale_keeps_variables():
 
 def test_value_and_grad_argument_errors():
   _, state = _linen_setup()
-  with pytest.raises(ValueError, match="LossScaleState"):
-    dls_flax.value_and_grad(_linen_loss, optax.sgd(0.1).init(state.params))
   with pytest.raises(TypeError, match="has_aux"):
-    dls_flax.value_and_grad(_linen_loss, state, has_aux=1)
+    dls_flax.value_and_grad(_linen_loss, has_aux=1)
   with pytest.raises(TypeError, match="argnums"):
-    dls_flax.value_and_grad(_linen_loss, state, argnums="0")
+    dls_flax.value_and_grad(_linen_loss, argnums="0")
   with pytest.raises(TypeError, match="fun"):
-    dls_flax.value_and_grad(None, state)
+    dls_flax.value_and_grad(None)
+  with pytest.raises(TypeError, match="axis_name"):
+    dls_flax.value_and_grad(_linen_loss, axis_name=3)
+  plain = state.replace(opt_state=optax.sgd(0.1).init(state.params), tx=optax.sgd(0.1))
+  with pytest.raises(TypeError, match="state.tx must be the loss-scaled transformation"):
+    dls_flax.value_and_grad(_linen_loss)(plain, state.params, state.apply_fn, X)
 
 
-# --- recomputing an overflowing step (max_tries) -----------------------------------------------
+def test_the_state_passed_when_building_says_it_now_goes_to_grad_fn():
+  _, state = _linen_setup()
+  with pytest.raises(
+    TypeError, match=r"takes the TrainState or nnx.Optimizer when called.*got 1 more .*TrainState"
+  ):
+    dls_flax.value_and_grad(_linen_loss, state)
+
+
+def test_swapped_arguments_are_named():
+  _, state = _linen_setup()
+  grad_fn = dls_flax.value_and_grad(_linen_loss, has_aux=True)
+  with pytest.raises(
+    TypeError,
+    match=r"grad_fn takes the flax TrainState or nnx.Optimizer first .*grad_fn\(state, \*args\)"
+    r".*got a dict\. The third argument is one: the arguments look swapped",
+  ):
+    grad_fn(state.params, state.apply_fn, state, X)
+  model = _Net(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+  with pytest.raises(TypeError, match=r"got a _Net\. The second argument is one"):
+    dls_flax.value_and_grad(_nnx_loss)(model, optimizer, X)
+
+
+# --- recomputing an overflowing step (max_tries) ----------------------------------------------
 
 Y_BIG = (
   Y * 1e3
@@ -218,14 +250,11 @@ def _fit(params, apply_fn, x, y):
 def _linen_fit_step(max_tries):
   """A linen step; with ``max_tries`` the call also returns the state to apply the gradients to."""
 
+  grad_fn = dls_flax.value_and_grad(_fit, max_tries=max_tries)
+
   @jax.jit
   def step(state, x, y):
-    if max_tries is None:
-      loss, grads = dls_flax.value_and_grad(_fit, state)(state.params, state.apply_fn, x, y)
-    else:
-      (loss, grads), state = dls_flax.value_and_grad(_fit, state, max_tries=max_tries)(
-        state.params, state.apply_fn, x, y
-      )
+    (loss, grads), state = grad_fn(state, state.params, state.apply_fn, x, y)
     return state.apply_gradients(grads=grads), loss
 
   return step
@@ -273,8 +302,8 @@ def test_linen_float32_last_resort_when_every_float16_try_overflows():
 
   @jax.jit
   def step(state, x, y):
-    grad_fn = dls_flax.value_and_grad(_fit, state, max_tries=1, fp32_fun=fit32)
-    (loss, grads), state = grad_fn(state.params, state.apply_fn, x, y)
+    grad_fn = dls_flax.value_and_grad(_fit, max_tries=1, fp32_fun=fit32)
+    (loss, grads), state = grad_fn(state, state.params, state.apply_fn, x, y)
     return state.apply_gradients(grads=grads), loss, grads
 
   # Float16 overflows at S0 and at S0 / 2: the float32 pass runs, at S0 / 4 (after both backoffs).
@@ -307,16 +336,15 @@ def _nnx_fit(model, x, y):
 
 def _nnx_setup():
   model = _NormNet(nnx.Rngs(0, dropout=1))
-  tx = optax_dls.dynamic_loss_scale(
-    optax.sgd(1e-4), init_scale=S0
-  )  # small steps: Y_BIG does not diverge
+  tx = _tx(optax.sgd(1e-4))  # small steps: Y_BIG does not diverge
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _nnx_fit_step(max_tries):
   @nnx.jit
   def step(model, optimizer, x, y):
-    loss, grads = dls_flax.value_and_grad(_nnx_fit, optimizer, max_tries=max_tries)(model, x, y)
+    grad_fn = dls_flax.value_and_grad(_nnx_fit, max_tries=max_tries)
+    (loss, grads), optimizer = grad_fn(optimizer, model, x, y)
     optimizer.update(model, grads)
     return loss, grads
 
@@ -375,9 +403,8 @@ def test_nnx_recompute_with_argnums_tuple_and_aux():
 
   @nnx.jit
   def grads_of(model, optimizer, y):
-    return dls_flax.value_and_grad(fit, optimizer, argnums=(0, 1), has_aux=True, max_tries=4)(
-      model, y, X
-    )
+    grad_fn = dls_flax.value_and_grad(fit, argnums=(0, 1), has_aux=True, max_tries=4)
+    return grad_fn(optimizer, model, y, X)[0]
 
   (loss, aux), (g_model, g_y) = grads_of(model, optimizer, Y_BIG)
   assert aux == {"n": 2} and np.isfinite(loss) and g_y.shape == Y.shape
@@ -391,27 +418,26 @@ def test_nnx_recompute_with_argnums_tuple_and_aux():
 def test_recompute_argument_errors():
   _, state = _linen_setup()
   with pytest.raises(ValueError, match="fp32_fun.*max_tries"):
-    dls_flax.value_and_grad(_fit, state, fp32_fun=_fit)
+    dls_flax.value_and_grad(_fit, fp32_fun=_fit)
   with pytest.raises(TypeError, match="fp32_fun"):
-    dls_flax.value_and_grad(_fit, state, max_tries=2, fp32_fun=1)
+    dls_flax.value_and_grad(_fit, max_tries=2, fp32_fun=1)
   with pytest.raises(ValueError, match="max_tries"):
-    dls_flax.value_and_grad(_fit, state, max_tries=65)
+    dls_flax.value_and_grad(_fit, max_tries=65)
   with pytest.raises(TypeError, match="max_tries"):
-    dls_flax.value_and_grad(_fit, state, max_tries=1.5)
-  with pytest.raises(TypeError, match="opt must be a flax TrainState or an nnx.Optimizer"):
-    dls_flax.value_and_grad(_fit, state.opt_state, max_tries=2)
-  for not_an_optimizer in ("x", None, {}, 3, state.tx):
-    with pytest.raises(TypeError, match="opt must be a flax TrainState or an nnx.Optimizer"):
-      dls_flax.value_and_grad(_fit, not_an_optimizer, max_tries=2)
+    dls_flax.value_and_grad(_fit, max_tries=1.5)
+  grad_fn = dls_flax.value_and_grad(_fit, max_tries=2)
+  for not_a_state in ("x", None, {}, 3, state.tx, state.opt_state):
+    with pytest.raises(TypeError, match="grad_fn takes the flax TrainState or nnx.Optimizer"):
+      grad_fn(not_a_state, state.params, state.apply_fn, X, Y)
   chained = state.replace(tx=optax.chain(state.tx), opt_state=(state.opt_state,))
-  with pytest.raises(TypeError, match="opt.tx must be the loss-scaled transformation"):
-    dls_flax.value_and_grad(_fit, chained, max_tries=2)
-  grad_fn = dls_flax.value_and_grad(_fit, state, argnums=4, max_tries=2)
-  with pytest.raises(TypeError, match="argnums=4"):
-    grad_fn(state.params, state.apply_fn, X, Y)
+  with pytest.raises(TypeError, match="state.tx must be the loss-scaled transformation"):
+    grad_fn(chained, state.params, state.apply_fn, X, Y)
+  grad_fn = dls_flax.value_and_grad(_fit, argnums=4, max_tries=2)
+  with pytest.raises(TypeError, match=r"argnums=4 .* grad_fn\(state, \*args\)"):
+    grad_fn(state, state.params, state.apply_fn, X, Y)
 
 
-# --- examples -------------------------------------------------------------------------------
+# --- examples ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["flax_linen", "flax_nnx"])
@@ -428,7 +454,270 @@ def test_example_smoke(name, capsys, monkeypatch):
 
 
 def test_has_aux_with_a_scalar_loss_names_the_problem():
-  opt_state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-  grad_fn = dls_flax.value_and_grad(lambda p: jnp.sum(p["w"]), opt_state, has_aux=True)
+  _, state = _linen_setup()
+  grad_fn = dls_flax.value_and_grad(lambda p: jnp.sum(p["kernel"]), has_aux=True)
   with pytest.raises(TypeError, match=r"has_aux=True.*\(loss, aux\)"):
-    grad_fn({"w": jnp.ones(2)})
+    grad_fn(state, state.params)
+
+
+# --- a skipped step leaves the model's other state as it was ----------------------------------
+
+
+class _BNNet(nn.Module):
+  """BatchNorm then a float16 dense layer: an inf input makes the batch statistics NaN."""
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(x).astype(jnp.float32)
+
+
+class _BNState(train_state.TrainState):
+  batch_stats: dict
+
+
+def _bn_setup():
+  model = _BNNet()
+  variables = model.init(jax.random.key(0), X)
+  return _BNState.create(
+    apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=_tx()
+  )
+
+
+def _bn_loss(params, state, x):
+  pred, updates = state.apply_fn(
+    {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+  )
+  return jnp.mean((pred - Y) ** 2), updates["batch_stats"]
+
+
+@pytest.mark.parametrize("max_tries", [None, 2])
+def test_linen_apply_gradients_keeps_batch_stats_on_a_skipped_step(max_tries):
+  grad_fn = dls_flax.value_and_grad(_bn_loss, has_aux=True, max_tries=max_tries)
+
+  @jax.jit
+  def step(state, x):
+    ((_, stats), grads), state = grad_fn(state, state.params, state, x)
+    return dls_flax.apply_gradients(state, grads=grads, batch_stats=stats), stats
+
+  state = _bn_setup()
+  state, stats = step(state, X)
+  assert bool(optax_dls.metrics(state)["skipped"]) is False
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats, stats)  # applied: the new ones
+  before = jax.tree.map(jnp.copy, state.batch_stats)
+  skipped, stats = step(state, X_BAD)  # the forward pass overflows: NaN statistics
+  assert bool(optax_dls.metrics(skipped)["skipped"])
+  assert not all(np.isfinite(s).all() for s in jax.tree.leaves(stats))
+  jax.tree.map(np.testing.assert_array_equal, skipped.batch_stats, before)
+  assert int(skipped.step) == 2
+
+
+@pytest.mark.parametrize("max_tries", [None, 2])
+def test_nnx_batch_stats_are_kept_on_a_skipped_step(max_tries):
+  model = _NormNet(nnx.Rngs(0, dropout=1))
+  optimizer = nnx.Optimizer(model, _tx(optax.sgd(1e-3)), wrt=nnx.Param)
+  grad_fn = dls_flax.value_and_grad(_nnx_fit, max_tries=max_tries)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    (loss, grads), optimizer = grad_fn(optimizer, model, x, Y)
+    optimizer.update(model, grads)
+    return loss
+
+  step(model, optimizer, X)
+  stats = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+  assert not np.array_equal(stats["norm"]["mean"], np.zeros(2))  # the applied step moved them
+  count = int(model.drop.rngs.count[...])
+  loss = step(model, optimizer, X_BAD)
+  assert not np.isfinite(loss) and bool(optax_dls.metrics(optimizer)["skipped"])
+  jax.tree.map(
+    np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)), stats
+  )
+  assert int(model.drop.rngs.count[...]) == count + 1  # the RNG stream advances as step does
+
+
+# --- calling convention -----------------------------------------------------------------------
+
+
+def test_linen_without_max_tries_hands_back_the_same_state():
+  _, state = _linen_setup()
+  (_, _), same = dls_flax.value_and_grad(_linen_loss, has_aux=True)(
+    state, state.params, state.apply_fn, X
+  )
+  assert same is state
+
+
+def test_fun_may_take_a_keyword_named_scale():
+  _, state = _linen_setup()
+
+  def loss(params, apply_fn, x, *, scale, state):
+    return _linen_loss(params, apply_fn, x)[0] * scale + state
+
+  for max_tries in (None, 2):
+    grad_fn = dls_flax.value_and_grad(loss, max_tries=max_tries)
+    (value, _), _ = grad_fn(state, state.params, state.apply_fn, X, scale=0.5, state=1.0)
+    np.testing.assert_allclose(value, _linen_loss(state.params, state.apply_fn, X)[0] * 0.5 + 1.0)
+
+
+# --- several devices (axis_name) --------------------------------------------------------------
+
+
+def _sharded_linen_step(axis_name, tx_axis_name=None, max_tries=None):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  tx = optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.recompute_stats(), optax.sgd(0.1)),
+    init_scale=S0,
+    axis_name=tx_axis_name,
+  )
+  model = nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)
+  params = model.init(jax.random.key(0), X)["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  grad_fn = dls_flax.value_and_grad(_fit, axis_name=axis_name, max_tries=max_tries)
+
+  def local(state, x, y):
+    (_, grads), state = grad_fn(state, state.params, state.apply_fn, x, y)
+    return jax.tree.map(lambda g: g[None], grads), optax_dls.loss_scale(state)[None]
+
+  spec = jax.tree.map(lambda _: P(), state)
+  f = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(spec, P("data"), P("data")),
+    out_specs=(P("data"), P("data")),
+    check_vma=False,
+  )
+  return jax.jit(f), state
+
+
+def test_axis_name_averages_the_gradients_over_devices():
+  x = jnp.linspace(-1.0, 1.0, 16).reshape(8, 2)
+  y = jnp.linspace(0.0, 1.0, 8).reshape(8, 1)
+  f, state = _sharded_linen_step("data")
+  grads, _ = f(state, x, y)
+
+  def on_device(i):  # device i's gradients alone: its row of x and y
+    return jax.grad(lambda p: _fit(p, state.apply_fn, x[i : i + 1], y[i : i + 1]) * S0)(
+      state.params
+    )
+
+  mean = jax.tree.map(lambda *g: sum(g) / 8, *[on_device(i) for i in range(8)])
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(mean)):
+    for d in range(8):  # the same average on every device
+      np.testing.assert_allclose(got[d], want, rtol=2e-3, atol=1e-6)
+  f, state = _sharded_linen_step(None)
+  grads, _ = f(state, x, y)
+  assert not np.allclose(grads["kernel"][0], grads["kernel"][1])  # without it, each its own
+
+
+def test_axis_name_makes_every_device_retry_alike():
+  x = jnp.ones((8, 2)).at[3].set(1e3)  # device 3's gradients overflow at S0
+  f, state = _sharded_linen_step("data", max_tries=4)  # the transformation without axis_name
+  _, scales = f(state, x, jnp.zeros((8, 1)))
+  assert len(set(np.asarray(scales).tolist())) == 1 and float(scales[0]) < S0
+
+
+# --- passthrough: bit for bit a plain step ----------------------------------------------------
+
+
+class _ConvNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.Conv(4, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.relu(x)
+    x = nn.Conv(4, (3, 3), strides=2)(x)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+def test_no_loss_scale_through_the_flax_helper_is_bit_for_bit_a_plain_loop():
+  model = _ConvNet()
+  images = jax.random.normal(jax.random.key(1), (5, 4, 8, 8, 3))
+  labels = jax.random.randint(jax.random.key(2), (5, 4), 0, 3)
+  variables = model.init(jax.random.key(0), images[0])
+
+  def loss_fn(params, batch_stats, x, y):
+    logits, updates = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, updates["batch_stats"]
+
+  def run(tx, grads_of):
+    state = _BNState.create(
+      apply_fn=model.apply,
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
+      tx=tx,
+    )
+    step = jax.jit(grads_of)
+    for x, y in zip(images, labels):
+      state = step(state, x, y)
+    return state
+
+  def plain(state, x, y):
+    (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state.params, state.batch_stats, x, y
+    )
+    return state.apply_gradients(grads=grads, batch_stats=stats)
+
+  grad_fn = dls_flax.value_and_grad(loss_fn, has_aux=True)
+
+  def ours(state, x, y):
+    ((_, stats), grads), state = grad_fn(state, state.params, state.batch_stats, x, y)
+    return state.apply_gradients(grads=grads, batch_stats=stats)
+
+  ref = run(optax.adam(1e-2), plain)
+  got = run(optax_dls.no_loss_scale(optax.adam(1e-2)), ours)
+  jax.tree.map(np.testing.assert_array_equal, got.params, ref.params)
+  jax.tree.map(np.testing.assert_array_equal, got.batch_stats, ref.batch_stats)
+  # S = 1 by construction: the scale in the state is not even read.
+  forged = got.replace(opt_state=got.opt_state._replace(loss_scale=jnp.float32(8.0)))
+  (_, grads), _ = grad_fn(forged, got.params, got.batch_stats, images[0], labels[0])
+  (_, expected) = jax.value_and_grad(loss_fn, has_aux=True)(
+    got.params, got.batch_stats, images[0], labels[0]
+  )
+  jax.tree.map(np.testing.assert_array_equal, grads, expected)
+
+
+# --- the port from flax's DynamicScale --------------------------------------------------------
+
+
+def _ds_step(ds, bad):
+  """One step of flax's DynamicScale on a loss whose gradient is inf when ``bad``."""
+  loss = lambda p: jnp.sum(p**2) * jnp.where(bad, jnp.inf, 1.0)
+  return ds.value_and_grad(loss)(jnp.ones(2)).dynamic_scale
+
+
+def test_from_dynamic_scale_continues_flax_growth_timing_exactly():
+  pattern = [False, False, True, False, False, False, False, False, True] + [False] * 12
+  interval = 3
+  ds = flax_dynamic_scale.DynamicScale(growth_interval=interval, scale=2.0**10)
+  for bad in pattern[:6]:
+    ds = _ds_step(ds, bad)
+  assert int(ds.fin_steps) == 3  # mid-way to a growth: the count must carry over
+  tx = optax_dls.loss_scaled(
+    optax.sgd(0.1), optax_dls.compat.flax_policy(growth_interval=interval, scale=2.0**10)
+  )
+  state = dls_flax.from_dynamic_scale(ds, tx.init({"w": jnp.ones(2)}))
+  assert float(state.loss_scale) == float(ds.scale)
+  for bad in pattern[6:]:
+    ds = _ds_step(ds, bad)
+    grads = {"w": jnp.where(bad, jnp.inf, 1.0) * jnp.ones(2) * state.loss_scale}
+    _, state = tx.update(grads, state)
+    assert float(state.loss_scale) == float(ds.scale)
+  assert float(ds.scale) > 2.0**10  # it grew on the way
+
+
+def test_from_dynamic_scale_takes_the_stored_dict_and_checks_it():
+  _, state = _linen_setup()
+  new = dls_flax.from_dynamic_scale({"scale": np.float64(256.0), "fin_steps": 5}, state)
+  st = optax_dls.find_state(new)
+  assert float(st.loss_scale) == 256.0 and int(st.policy_state.growth_tracker) == 5
+  assert st.loss_scale.dtype == jnp.float32 and st.policy_state.growth_tracker.dtype == jnp.int32
+  assert isinstance(new, train_state.TrainState)
+  with pytest.raises(TypeError, match="dynamic_scale must be a flax DynamicScale"):
+    dls_flax.from_dynamic_scale({"scale": 2.0}, state)
+  with pytest.raises(ValueError, match="dynamic_scale.scale"):
+    dls_flax.from_dynamic_scale({"scale": 0.5, "fin_steps": 0}, state)  # below min_scale 1
+  with pytest.raises(ValueError, match="dynamic_scale.fin_steps"):
+    dls_flax.from_dynamic_scale({"scale": 2.0, "fin_steps": -1}, state)

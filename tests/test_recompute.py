@@ -28,10 +28,23 @@ SMALL = jnp.full((4, 3), 0.25)  # float16 gradients of 0.3 S at most: fine at th
 BIG = jnp.full((4, 3), 2.0)  # float16 gradients of 13 S: they overflow for S >= 2**13
 
 
+def _counted(inner):
+  """``inner`` with the recomputation's counters chained first."""
+  return optax.chain(optax_dls.recompute_stats(), inner)
+
+
 def _tx(lowering="auto", **kw):
   return optax_dls.dynamic_loss_scale(
-    optax.sgd(1e-3), init_scale=2.0**15, growth_interval=1000, skip_lowering=lowering, **kw
+    _counted(optax.sgd(1e-3)),
+    init_scale=2.0**15,
+    growth_interval=1000,
+    skip_lowering=lowering,
+    **kw,
   )
+
+
+def _tries(opt_state):
+  return int(optax_dls.metrics(opt_state)["recompute_tries"])
 
 
 def _step(tx, grad_fn):
@@ -71,7 +84,7 @@ def test_a_recomputed_step_equals_a_step_run_directly_at_the_final_scale(lowerin
   tx = _tx(lowering)
   (loss, grads), state = jax.jit(optax_dls.value_and_grad(LOSS16, tx))(tx.init(PARAMS), PARAMS, BIG)
   final = float(optax_dls.loss_scale(state))
-  assert final < 2.0**15 and int(state.recompute_tries) >= 1
+  assert final < 2.0**15 and _tries(state) >= 1
   direct = optax_dls.reset_scale(tx.init(PARAMS), final)
   (loss_d, grads_d), _ = jax.jit(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(
     direct, PARAMS, BIG
@@ -86,25 +99,31 @@ def test_a_recomputed_step_equals_a_step_run_directly_at_the_final_scale(lowerin
     np.testing.assert_array_equal(a, b)
 
 
+def _counting(loss_fn, seen):
+  """``loss_fn`` that appends to ``seen`` each time a pass of it runs."""
+
+  def counted(params, x):
+    jax.debug.callback(lambda: seen.append(1))
+    return loss_fn(params, x)
+
+  return counted
+
+
 def test_the_float32_last_resort_runs_only_when_every_try_overflowed(lowering):
   seen = []
-
-  def loss32(params, x):
-    jax.debug.callback(lambda: seen.append(1))
-    return LOSS32(params, x)
-
   tx = _tx(lowering)
-  grad_fn = jax.jit(optax_dls.value_and_grad(LOSS16, tx, fp32_fun=loss32, max_tries=2))
+  fp32 = _counting(LOSS32, seen)
+  grad_fn = jax.jit(optax_dls.value_and_grad(LOSS16, tx, fp32_fun=fp32, max_tries=2))
   (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL)
   jax.effects_barrier()
-  assert seen == [] and int(state.recompute_tries) == 0
-  huge = jnp.full((4, 3), 3e3)  # overflows float16 even at 2**12: every float16 try fails
-  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, huge)
+  assert seen == [] and _tries(state) == 0
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, BIG)  # float16 overflows down to 2**13
   jax.effects_barrier()
-  assert seen == [1] and int(state.recompute_tries) == 3 and int(state.recomputed_steps) == 1
+  m = optax_dls.metrics(state)
+  assert seen == [1] and int(m["recompute_tries"]) == 3 and int(m["recomputed_steps"]) == 1
   assert float(state.loss_scale) == 2.0**12  # three overflows: 2**15 -> 2**12, the float32 scale
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-  expected = jax.grad(lambda p: LOSS32(p, huge) * 2.0**12)(PARAMS)
+  expected = jax.grad(lambda p: LOSS32(p, BIG) * 2.0**12)(PARAMS)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
   _, state = tx.update(grads, state, PARAMS)
@@ -113,24 +132,119 @@ def test_the_float32_last_resort_runs_only_when_every_try_overflowed(lowering):
 
 def test_when_every_try_overflows_the_step_is_skipped_as_usual():
   tx = _tx()
-  nan = jnp.full((4, 3), jnp.nan)
-  (_, grads), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=2)(
-    tx.init(PARAMS), PARAMS, nan
+  (loss, grads), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=1)(
+    tx.init(PARAMS), PARAMS, BIG
   )
-  assert int(state.recompute_tries) == 2 and float(state.loss_scale) == 2.0**13
+  assert np.isfinite(loss) and _tries(state) == 1 and float(state.loss_scale) == 2.0**14
   updates, state = tx.update(grads, state, PARAMS)
   assert (
-    not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**12
+    not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**13
   )  # the last overflow
   assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert _tries(state) == 1  # kept by the skipped step, as any inner state
 
 
-def test_hysteresis_counts_each_failed_try():
+# --- when another pass cannot help ------------------------------------------------------------
+
+NAN = jnp.full((4, 3), jnp.nan)  # a bad batch: the loss itself is NaN
+HUGE = jnp.full((4, 3), 3e3)  # a float16 forward pass that overflows: the loss is inf
+
+
+def test_a_non_finite_loss_stops_at_once_and_the_skip_backs_off_once(lowering):
+  seen = []
+  tx = _tx(lowering)
+  grad_fn = jax.jit(optax_dls.value_and_grad(_counting(LOSS16, seen), tx, max_tries=3))
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, NAN)
+  jax.effects_barrier()
+  assert np.isnan(loss) and len(seen) == 1 and _tries(state) == 0
+  assert float(state.loss_scale) == 2.0**15  # no back-off for the retries: there were none
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  assert not bool(state.last_step_finite) and float(state.loss_scale) == 2.0**14  # one back-off
+  assert bool(optax_dls.metrics(state)["nonfinite_loss"])
+
+
+def test_a_clean_step_after_a_non_finite_loss_takes_one_pass(lowering):
+  """The record of the earlier non-finite loss stays in the state; it says nothing of this one."""
+  seen = []
+  tx = _tx(lowering)
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, fp32_fun=_counting(LOSS32, seen), max_tries=3)
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, NAN)
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  assert bool(optax_dls.metrics(state)["nonfinite_loss"])
+  jax.effects_barrier()
+  seen.clear()
+  before = _tries(state)  # the float32 pass of the NaN batch
+  (loss, grads), state = grad_fn(state, PARAMS, SMALL)
+  jax.effects_barrier()
+  assert np.isfinite(loss) and seen == [] and _tries(state) == before  # no retry, no float32
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  assert bool(state.last_step_finite)
+
+
+def test_a_recomputed_step_records_where_its_overflow_came_from():
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, max_tries=8)
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, BIG)
+  _, state = tx.update(grads, state, PARAMS, loss=loss)
+  m = optax_dls.metrics(state)
+  assert bool(state.last_step_finite) and _tries(state) >= 1 and not bool(m["nonfinite_loss"])
+  assert int(m["nonfinite_step"]) == 1 and optax_dls.nonfinite_leaves(state, PARAMS)
+
+
+def test_a_non_finite_loss_still_gets_the_float32_pass_at_the_same_scale():
+  seen = []
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, fp32_fun=_counting(LOSS32, seen), max_tries=3)
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, HUGE)
+  jax.effects_barrier()
+  assert seen == [1] and _tries(state) == 1 and float(state.loss_scale) == 2.0**15
+  assert np.isfinite(loss) and float(loss) == float(LOSS32(PARAMS, HUGE))
+  expected = jax.grad(lambda p: LOSS32(p, HUGE) * 2.0**15)(PARAMS)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), grads, expected)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax_dls.static_loss_scale(_counted(optax.sgd(1e-3)), 2.0**15),
+    lambda: _tx(min_scale=2.0**15),  # at the floor already
+    lambda: _tx(hysteresis=3),  # the first overflows spend the hysteresis, not the scale
+  ],
+  ids=["static", "floor", "hysteresis"],
+)
+def test_a_scale_that_cannot_move_stops_the_retries(make):
+  seen = []
+  tx = make()
+  grad_fn = jax.jit(optax_dls.value_and_grad(_counting(LOSS16, seen), tx, max_tries=8))
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, BIG)
+  jax.effects_barrier()
+  assert len(seen) == 1 and _tries(state) == 0 and float(state.loss_scale) == 2.0**15
+  _, state = tx.update(grads, state, PARAMS)
+  assert not bool(state.last_step_finite)  # skipped, as without the recomputation
+
+
+def test_a_scale_that_cannot_move_still_gets_the_float32_pass():
+  seen = []
+  tx = optax_dls.static_loss_scale(_counted(optax.sgd(1e-3)), 2.0**15)
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, fp32_fun=_counting(LOSS32, seen), max_tries=8)
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, BIG)
+  jax.effects_barrier()
+  assert seen == [1] and _tries(state) == 1
+  _, state = tx.update(grads, state, PARAMS)
+  assert bool(state.last_step_finite)  # float32 gradients at 2**15 fit
+
+
+def test_hysteresis_counts_each_failed_try_once_the_scale_moves():
   tx = _tx(hysteresis=2)
-  (_, _), state = optax_dls.value_and_grad(LOSS16, tx, max_tries=8)(tx.init(PARAMS), PARAMS, BIG)
-  # The first overflow spends the hysteresis without a backoff: one try is spent at the same scale.
-  tries = int(state.recompute_tries)
-  assert float(state.loss_scale) == 2.0**15 / 2 ** (tries - 1)
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx, max_tries=8)
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, BIG)
+  # The first overflow spends the hysteresis and leaves the scale: no pass at the same scale.
+  assert _tries(state) == 0 and float(state.loss_scale) == 2.0**15
+  _, state = tx.update(grads, state, PARAMS)
+  assert not bool(state.last_step_finite) and int(state.policy_state.hysteresis_left) == 1
+  # The next overflow backs off (no hysteresis left): recomputed at 2**14 and 2**13, fine at 2**12.
+  (_, grads), state = grad_fn(state, PARAMS, BIG)
+  assert _tries(state) == 3 and float(state.loss_scale) == 2.0**12
   assert int(state.policy_state.growth_tracker) == 0
 
 
@@ -156,7 +270,7 @@ def test_under_shard_map_every_device_takes_the_same_number_of_tries(lowering):
     (_, grads), state = optax_dls.value_and_grad(LOSS16, tx)(state, PARAMS, x)
     grads = jax.lax.pmean(grads, "data")
     _, state = tx.update(grads, state, PARAMS)
-    return state.recompute_tries[None], state.loss_scale[None]
+    return optax_dls.metrics(state)["recompute_tries"][None], state.loss_scale[None]
 
   f = jax.jit(
     jax.shard_map(local, mesh=mesh, in_specs=(P("data"), spec), out_specs=(P("data"), P("data")))
@@ -174,7 +288,7 @@ def test_under_jit_with_named_sharding():
     tx = _tx()
     step = _step(tx, optax_dls.value_and_grad(LOSS16, tx))
     _, state, _ = step(PARAMS, tx.init(PARAMS), x)
-  assert bool(state.last_step_finite) and int(state.recomputed_steps) == 1
+  assert bool(state.last_step_finite) and int(optax_dls.metrics(state)["recomputed_steps"]) == 1
 
 
 MATRIX = {"w": jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float32).reshape(8, 3), "b": jnp.zeros(3)}
@@ -201,7 +315,7 @@ def test_matrix_gradients_keep_their_sharding_and_values_under_explicit_axes_and
   x = jnp.full((4, 3), 4.0)  # overflows float16 at 2**15: recomputed at a lower scale
   tx = _tx()
   params, state, _ = jax.jit(_matrix_step(tx))(MATRIX, tx.init(MATRIX), x)
-  assert int(state.recompute_tries) >= 1 and bool(state.last_step_finite)
+  assert _tries(state) >= 1 and bool(state.last_step_finite)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh):
     sharded = {
@@ -211,14 +325,14 @@ def test_matrix_gradients_keep_their_sharding_and_values_under_explicit_axes_and
     p_sh, s_sh, g_sh = jax.jit(_matrix_step(tx))(sharded, tx.init(sharded), x)
   for out in (g_sh["w"], p_sh["w"]):
     assert out.sharding.is_equivalent_to(sharded["w"].sharding, 2)
-  assert int(s_sh.recompute_tries) == int(state.recompute_tries)
+  assert _tries(s_sh) == _tries(state)
   np.testing.assert_allclose(p_sh["w"], params["w"], rtol=2e-7)
   batched = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), MATRIX)
   p_v, s_v, _ = jax.vmap(_matrix_step(tx), in_axes=(0, 0, None))(
     batched, jax.vmap(tx.init)(batched), x
   )
   np.testing.assert_allclose(p_v["w"][0], params["w"], rtol=2e-7)
-  assert np.asarray(s_v.recompute_tries).min() >= 1
+  assert np.asarray(optax_dls.metrics(s_v)["recompute_tries"]).min() >= 1
 
 
 def test_a_recomputing_step_exports_with_the_layout_constraint_allowed():
@@ -241,14 +355,16 @@ def test_a_recomputing_step_exports_with_the_layout_constraint_allowed():
 
 def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
   tx = optax_dls.dynamic_loss_scale(
-    optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2), init_scale=2.0**15, growth_interval=1000
+    optax.MultiSteps(_counted(optax.sgd(1e-3)), every_k_schedule=2),
+    init_scale=2.0**15,
+    growth_interval=1000,
   )
   step = _step(tx, optax_dls.value_and_grad(LOSS16, tx))
   params, state = PARAMS, tx.init(PARAMS)
   for x in (SMALL, BIG, BIG, SMALL):
     params, state, _ = step(params, state, x)
   m = optax_dls.metrics(state)
-  # The first BIG micro-batch was recomputed (at 2**12, where the second one fits too): nothing skipped.
+  # The first BIG micro-batch was recomputed (at 2**12, where the second fits too): none skipped.
   assert (
     int(m["skip_count"]) == 0
     and int(m["recomputed_steps"]) == 1
@@ -257,10 +373,18 @@ def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
   assert int(optax_dls.find_state(state).inner_state.gradient_step) == 2  # two applied windows
 
 
-def test_no_loss_scale_takes_one_pass():
-  tx = optax_dls.no_loss_scale(optax.sgd(1e-3))
-  (_, grads), state = optax_dls.value_and_grad(LOSS16, tx)(tx.init(PARAMS), PARAMS, SMALL)
-  assert int(state.recompute_tries) == 0
+def test_no_loss_scale_takes_one_pass_and_never_multiplies_the_loss():
+  tx = optax_dls.no_loss_scale(_counted(optax.sgd(1e-3)))
+  grad_fn = jax.jit(optax_dls.value_and_grad(LOSS32, tx))
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL)
+  assert _tries(state) == 0
+  plain_loss, plain_grads = jax.jit(jax.value_and_grad(LOSS32))(PARAMS, SMALL)
+  assert float(loss) == float(plain_loss)
+  jax.tree.map(np.testing.assert_array_equal, grads, plain_grads)
+  # S = 1 by construction: the scale in the state is not even read.
+  forged = optax_dls.find_state(state)._replace(loss_scale=jnp.float32(8.0))
+  (_, forged_grads), _ = grad_fn(forged, PARAMS, SMALL)
+  jax.tree.map(np.testing.assert_array_equal, forged_grads, plain_grads)
 
 
 @pytest.mark.parametrize(
@@ -291,3 +415,84 @@ def test_tx_must_be_the_loss_scaled_transformation():
     optax_dls.value_and_grad(LOSS16, optax.chain(_tx()))
   with pytest.raises(TypeError, match="fun"):
     optax_dls.value_and_grad(None, _tx())
+
+
+def test_fun_may_take_any_keyword_scale_and_opt_state_included():
+  tx = _tx()
+
+  def loss(params, x, *, scale, opt_state):
+    return LOSS16(params, x) * scale + opt_state
+
+  grad_fn = optax_dls.value_and_grad(loss, tx)
+  (value, grads), _ = grad_fn(tx.init(PARAMS), PARAMS, SMALL, scale=0.5, opt_state=1.0)
+  assert float(value) == float(LOSS16(PARAMS, SMALL) * 0.5 + 1.0)
+  expected = jax.grad(lambda p: LOSS16(p, SMALL) * 0.5 * 2.0**15)(PARAMS)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3), grads, expected)
+
+
+def test_swapped_arguments_are_named():
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(LOSS16, tx)
+  with pytest.raises(
+    ValueError,
+    match=r"grad_fn takes the optimizer state first .* grad_fn\(opt_state, \*args\).*got a dict\. "
+    r"The second argument holds one: the arguments look swapped",
+  ):
+    grad_fn(PARAMS, tx.init(PARAMS), SMALL)
+  with pytest.raises(ValueError, match=r"grad_fn\(opt_state, \*args\).*got a dict\.$"):
+    grad_fn(PARAMS, SMALL)
+
+
+# --- recompute_stats --------------------------------------------------------------------------
+
+
+def test_without_recompute_stats_it_recomputes_and_counts_nothing():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1e-3), init_scale=2.0**15)
+  (_, _), state = optax_dls.value_and_grad(LOSS16, tx)(tx.init(PARAMS), PARAMS, BIG)
+  assert float(state.loss_scale) == 2.0**12  # recomputed all the same
+  assert jax.tree.structure(state) == jax.tree.structure(tx.init(PARAMS))
+
+
+def test_recompute_stats_is_an_identity_and_counts_saturate():
+  stats = optax_dls.recompute_stats()
+  state = stats.init(PARAMS)
+  assert type(state).__name__ == "RecomputeState" and [int(x) for x in state] == [0, 0]
+  assert [x.dtype for x in state] == [jnp.int32, jnp.int32]
+  updates, same = stats.update(PARAMS, state, PARAMS)
+  assert updates is PARAMS and same is state
+  tx = _tx()
+  start = tx.init(PARAMS)
+  inner = (start.inner_state[0]._replace(recompute_tries=jnp.int32(2**31 - 2)),) + tuple(
+    start.inner_state[1:]
+  )
+  (_, _), state = optax_dls.value_and_grad(LOSS16, tx)(
+    start._replace(inner_state=inner), PARAMS, BIG
+  )
+  m = optax_dls.metrics(state)
+  assert int(m["recompute_tries"]) == 2**31 - 1 and int(m["recomputed_steps"]) == 1
+
+
+def test_two_recompute_stats_are_refused():
+  tx = optax_dls.dynamic_loss_scale(
+    optax.chain(optax_dls.recompute_stats(), optax_dls.recompute_stats(), optax.sgd(1e-3))
+  )
+  with pytest.raises(ValueError, match="more than one recompute_stats"):
+    optax_dls.value_and_grad(LOSS16, tx)(tx.init(PARAMS), PARAMS, BIG)
+
+
+def test_under_shard_map_a_non_finite_loss_on_one_device_stops_every_device():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  tx = _tx(axis_name="data")
+  state = tx.init(PARAMS)
+  spec = jax.tree.map(lambda _: P(), state)
+
+  def local(x, state):
+    _, state = optax_dls.value_and_grad(LOSS16, tx, max_tries=5)(state, PARAMS, x)
+    return optax_dls.metrics(state)["recompute_tries"][None], state.loss_scale[None]
+
+  f = jax.jit(
+    jax.shard_map(local, mesh=mesh, in_specs=(P("data"), spec), out_specs=(P("data"), P("data")))
+  )
+  x = jnp.full((8, 3), 2.0).at[5].set(jnp.nan)  # every device overflows; device 5's loss is NaN
+  tries, scales = f(x, state)
+  assert np.asarray(tries).tolist() == [0] * 8 and np.asarray(scales).tolist() == [2.0**15] * 8

@@ -1,0 +1,107 @@
+"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair, the
+positional arguments ``argnums`` reaches, the calling order, the dtypes two versions of a
+function have in common, and the array arguments that a ``lax.cond`` may carry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def loss_and_aux(f: Callable[..., Any], has_aux: bool, out: Any) -> tuple[Any, Any]:
+  """``(loss, aux)`` of ``f``'s output ``out`` (``aux`` None without ``has_aux``); TypeError
+  when ``has_aux`` is True and ``out`` is no ``(loss, aux)`` pair."""
+  if not has_aux:
+    return out, None
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    got = f"an array of shape {out.shape}" if hasattr(out, "shape") else f"a {type(out).__name__}"
+    raise TypeError(
+      f"with has_aux=True, fun ({getattr(f, '__qualname__', f)!r}) must return a (loss, aux) "
+      f"pair, got {got}."
+    )
+  return out[0], out[1]
+
+
+def check_reach(argnums: int | tuple[int, ...], args: tuple[Any, ...], first: str) -> None:
+  """TypeError when ``argnums`` asks for a positional argument beyond ``args``, the
+  arguments of ``grad_fn(first, *args)`` after ``first``."""
+  needed = max(argnums) if isinstance(argnums, tuple) else argnums
+  if needed >= len(args):
+    raise TypeError(
+      f"argnums={argnums!r} asks for positional argument {needed} of fun, but "
+      f"grad_fn({first}, *args) was called with {len(args)} positional arguments after {first}."
+    )
+
+
+def order_error(
+  first: str, expected: str, lacks: str, has: str, got: Any, swapped: int | None
+) -> str:
+  """The message for a ``grad_fn(first, *args)`` whose first argument is not ``expected``
+  (it ``lacks``); ``swapped`` is the position in ``args`` of one that is (it ``has``), if any."""
+  message = (
+    f"grad_fn takes {expected} first and fun's arguments after it, grad_fn({first}, *args); "
+    f"the first argument given {lacks}: got a {type(got).__name__}."
+  )
+  if swapped is not None:
+    message += f" The {_ordinal(swapped + 2)} argument {has}: the arguments look swapped."
+  return message
+
+
+def _ordinal(n: int) -> str:
+  words = ("first", "second", "third", "fourth", "fifth")
+  return words[n - 1] if n <= len(words) else f"{n}th"
+
+
+def first_index(args: tuple[Any, ...], test: Callable[[Any], bool]) -> int | None:
+  """The position of the first of ``args`` that passes ``test``, or None."""
+  return next((i for i, a in enumerate(args) if test(a)), None)
+
+
+def promoted(out_a: Any, out_b: Any, names: tuple[str, str]) -> Any:
+  """The shapes of ``out_a`` with each dtype promoted with ``out_b``'s (the shapes, e.g. of
+  ``jax.eval_shape``, of the outputs of the two functions ``names``); ValueError when the
+  two differ in structure or in a leaf's shape."""
+  treedef: Any = jax.tree.structure(out_a)
+  if treedef != jax.tree.structure(out_b):
+    raise ValueError(
+      f"{names[0]} and {names[1]} must return the same pytree structure, got "
+      f"{treedef} and {jax.tree.structure(out_b)}."
+    )
+  leaves_a, leaves_b = jax.tree_util.tree_leaves_with_path(out_a), jax.tree.leaves(out_b)
+  for (path, a), b in zip(leaves_a, leaves_b):
+    if a.shape != b.shape:
+      raise ValueError(
+        f"{names[0]} and {names[1]} outputs differ in shape at output"
+        f"{jax.tree_util.keystr(path)}: {a.shape} vs {b.shape}."
+      )
+  promote = lambda a, b: jax.ShapeDtypeStruct(a.shape, jnp.promote_types(a.dtype, b.dtype))
+  return jax.tree.map(promote, out_a, out_b)
+
+
+def cast(out: Any, types: Any) -> Any:
+  """Each leaf of ``out`` as an array of the dtype of its leaf in ``types``."""
+  return jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), out, types)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def split_arrays(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+  """The array leaves of ``tree`` (what a ``lax.cond`` can carry as operands), and the
+  function that puts them back among its other leaves (Python bools, strings, objects:
+  kept as they are, as a plain call would see them)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def rebuild(arrays: list[Any]) -> Any:
+    full = list(leaves)
+    for i, x in zip(where, arrays, strict=True):
+      full[i] = x
+    return jax.tree.unflatten(treedef, full)
+
+  return [leaves[i] for i in where], rebuild

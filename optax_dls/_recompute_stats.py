@@ -1,0 +1,101 @@
+"""The recomputation's counters: an identity optax transformation chained inside the loss
+scaler, whose state :func:`optax_dls.value_and_grad` writes to."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_dls import _validation
+
+
+class RecomputeState(NamedTuple):
+  """State of :func:`recompute_stats`.
+
+  Attributes:
+    recomputed_steps: int32 ``()``. Steps whose gradients
+      :func:`optax_dls.value_and_grad` recomputed after an overflow. Saturates
+      at ``2**31 - 1``.
+    recompute_tries: int32 ``()``. The extra forward and backward passes those
+      steps took, the float32 last resort included. Saturating.
+  """
+
+  recomputed_steps: jax.Array
+  recompute_tries: jax.Array
+
+  def loss_scale_metrics(self) -> dict[str, jax.Array]:
+    """The keys :func:`optax_dls.metrics` reports for this state: both counters."""
+    return {"recomputed_steps": self.recomputed_steps, "recompute_tries": self.recompute_tries}
+
+
+def recompute_stats() -> optax.GradientTransformation:
+  """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
+
+  An identity transformation (updates and state pass through unchanged) whose
+  state, a :class:`RecomputeState`, holds the number of steps whose gradients
+  :func:`value_and_grad` recomputed after an overflow and the extra passes they
+  took. Chain it inside the loss-scaled transformation; :func:`value_and_grad`
+  finds it there and counts, and :func:`metrics` reports ``recomputed_steps``
+  and ``recompute_tries``::
+
+      tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3)))
+
+  Without it, :func:`value_and_grad` recomputes all the same and counts
+  nothing. Inner state like any other, it is kept as it is by a skipped step:
+  the counts of a step that recomputed and still overflowed stay counted.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a :class:`RecomputeState`
+    of two int32 zeros.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(
+    ...   optax.chain(optax_dls.recompute_stats(), optax.sgd(1.0)), init_scale=2.0**16)
+    >>> params = {'w': jnp.ones(1)}
+    >>> loss = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # overflows at 2**16
+    >>> _, state = optax_dls.value_and_grad(loss, tx)(tx.init(params), params)
+    >>> m = optax_dls.metrics(state)
+    >>> int(m['recomputed_steps']), int(m['recompute_tries'])
+    (1, 3)
+  """
+
+  def init_fn(params: Any) -> RecomputeState:
+    del params
+    return RecomputeState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+
+  def update_fn(updates: Any, state: RecomputeState, params: Any = None) -> tuple[Any, Any]:
+    del params
+    return updates, state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def record(inner_state: Any, tries: jax.Array) -> Any:
+  """``inner_state`` with the :class:`RecomputeState` in it (if any) counting a step that
+  took ``tries`` extra passes (int32 ``>= 0``); ValueError when it holds more than one."""
+  is_node = lambda x: isinstance(x, RecomputeState)
+  if sum(map(is_node, jax.tree.leaves(inner_state, is_leaf=is_node))) > 1:
+    raise ValueError(
+      "the inner optimizer holds more than one recompute_stats state: chain "
+      "optax_dls.recompute_stats() once inside the loss-scaled transformation."
+    )
+
+  def count(node: Any) -> Any:
+    if not is_node(node):
+      return node
+    return RecomputeState(
+      _add(node.recomputed_steps, (tries > 0).astype(jnp.int32)),
+      _add(node.recompute_tries, tries),
+    )
+
+  return jax.tree.map(count, inner_state, is_leaf=is_node)
+
+
+def _add(count: jax.Array, n: jax.Array) -> jax.Array:
+  """``count + n`` for int32 ``n >= 0``, saturating at ``2**31 - 1``."""
+  top = _validation.INT32_MAX
+  return jnp.where(count > top - n, top, count + n).astype(jnp.int32)

@@ -1,0 +1,125 @@
+"""Leaves by path, the same for a live pytree and for a tree as checkpoints store it, and
+what differs between two such trees: which leaves, which shapes or dtypes, on which side."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+Path = tuple[str, ...]
+_SHOWN = 8  # paths listed per kind of difference
+
+
+def live_leaves(tree: Any) -> dict[Path, Any]:
+  """The leaves of a pytree by path: dict keys, attribute and field names (NamedTuples,
+  dataclasses such as a flax ``TrainState``) and sequence indices, each as a string."""
+  return {live_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def live_path(keys: tuple[Any, ...]) -> Path:
+  """A ``jax.tree_util`` key path as a :data:`Path` of strings."""
+  return tuple(_key(k) for k in keys)
+
+
+def _key(key: Any) -> str:
+  for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey / FlattenedIndexKey
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
+  """The leaves by path of a tree as Orbax (its metadata, or a restore without a target)
+  or flax's serialisation stores it: NamedTuples and dataclasses as dicts of their fields,
+  tuples as lists or as dicts of ``'0'``, ``'1'``, ..., and empty nodes as None."""
+  if tree is None:
+    return {}
+  items = children(tree)
+  if items is None:
+    return {path: tree}
+  out: dict[Path, Any] = {}
+  for key, value in items:
+    out.update(stored_leaves(value, (*path, key)))
+  return out
+
+
+def children(tree: Any) -> list[tuple[str, Any]] | None:
+  """The ``(key, child)`` pairs of a node of a stored tree (a dict, list or tuple), or None
+  for a leaf."""
+  if isinstance(tree, Mapping):
+    return [(str(k), v) for k, v in tree.items()]
+  if isinstance(tree, (list, tuple)):
+    return [(str(i), v) for i, v in enumerate(tree)]
+  return None
+
+
+def show(path: Path) -> str:
+  return ".".join(path) or "(the root)"
+
+
+class Difference(NamedTuple):
+  """How a stored tree differs from a target, leaf by leaf."""
+
+  only_stored: list[Path]
+  only_target: list[Path]
+  shapes: list[tuple[Path, tuple[int, ...], tuple[int, ...]]]  # path, stored, target
+  dtypes: list[tuple[Path, Any, Any]]  # path, stored, target
+
+  def blocks(self) -> bool:
+    """Whether the stored leaves cannot be put in the target's (a leaf missing on a side,
+    or a shape that differs; a dtype is converted)."""
+    return bool(self.only_stored or self.only_target or self.shapes)
+
+  def describe(self) -> str:
+    """The difference in words, each kind with its first few paths; empty when none."""
+    parts = [
+      _listed("only in the checkpoint", [show(p) for p in self.only_stored]),
+      _listed("only in the target", [show(p) for p in self.only_target]),
+      _listed(
+        "shapes differ", [f"{show(p)}: checkpoint {a}, target {b}" for p, a, b in self.shapes]
+      ),
+      _listed(
+        "dtypes differ", [f"{show(p)}: checkpoint {a}, target {b}" for p, a, b in self.dtypes]
+      ),
+    ]
+    return "; ".join(p for p in parts if p)
+
+
+def _listed(what: str, items: list[str]) -> str:
+  if not items:
+    return ""
+  more = f", and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+  return f"{what} ({len(items)}): {', '.join(items[:_SHOWN])}{more}"
+
+
+def difference(stored: dict[Path, Any], target: dict[Path, Any]) -> Difference:
+  """How the leaves ``stored`` (:func:`stored_leaves`) differ from ``target``'s
+  (:func:`live_leaves`). A Python number in the target has no dtype to compare."""
+  both = [p for p in target if p in stored]
+  shapes, dtypes = [], []
+  for p in both:
+    a, b = stored[p], target[p]
+    if _shape(a) != _shape(b):
+      shapes.append((p, _shape(a), _shape(b)))
+    elif _dtype(a) is not None and _dtype(b) is not None and _dtype(a) != _dtype(b):
+      dtypes.append((p, _dtype(a), _dtype(b)))
+  return Difference(
+    only_stored=sorted(p for p in stored if p not in target),
+    only_target=sorted(p for p in target if p not in stored),
+    shapes=shapes,
+    dtypes=dtypes,
+  )
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+  return tuple(leaf.shape) if hasattr(leaf, "shape") else tuple(np.shape(leaf))
+
+
+def _dtype(leaf: Any) -> Any:
+  if isinstance(leaf, (bool, int, float, complex)):
+    return None
+  dtype = getattr(leaf, "dtype", None)
+  return None if dtype is None else np.dtype(dtype)
