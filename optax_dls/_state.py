@@ -99,15 +99,17 @@ def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any
   Each leaf is widened to the dtype the inner updates give it (traced with
   ``jax.eval_shape``, repeated until the dtypes stop changing) and made strongly
   typed, as every update returns it; values are unchanged (widening is exact).
-  Where the inner update cannot be traced without its extra arguments (``value=``
-  of ``optax.contrib.reduce_on_plateau``, say), only the weak types are settled: a
-  state that such an optimizer widens on its first update then retraces once.
+  An update that needs the loss as ``value=`` (``optax.contrib.momo``,
+  ``reduce_on_plateau``) is traced with a float32 ``()`` one. Where the inner update
+  cannot be traced without its other extra arguments (``value_fn=`` of
+  ``optax.lbfgs``'s line search, say), only the weak types are settled: a state that
+  such an optimizer widens on its first update then retraces once.
   """
   state = jax.tree.map(_types.strong, inner.init(params))
   for _ in range(_SETTLE_TRIES):
     try:
-      _, after = jax.eval_shape(inner.update, params, state, params)
-    except Exception:  # noqa: BLE001 (e.g. an update that needs extra arguments)
+      after = _updated_state(inner, state, params)
+    except Exception:  # noqa: BLE001 (an update that needs other extra arguments)
       return state
     if jax.tree.structure(after) != jax.tree.structure(state):
       return state
@@ -116,6 +118,16 @@ def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any
       return state
     state = widened
   return state
+
+
+def _updated_state(inner: optax.GradientTransformationExtraArgs, state: Any, params: Any) -> Any:
+  """The inner state's types after one update, traced: without extra arguments, or,
+  where the update needs one, with the loss as ``value``."""
+  try:
+    return jax.eval_shape(inner.update, params, state, params)[1]
+  except TypeError:
+    value = jax.ShapeDtypeStruct((), jnp.float32)
+    return jax.eval_shape(lambda s, p, v: inner.update(p, s, p, value=v), state, params, value)[1]
 
 
 def _dtypes(tree: Any) -> list[Any]:
