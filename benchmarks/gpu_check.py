@@ -73,9 +73,12 @@ def bare(unscaled=False, extra_read=False):
 
 
 def ours(lowering, fused):
-  tx = optax_dls.dynamic_loss_scale(
-    optax.adam(1e-3), init_scale=1.0, min_scale=1.0, skip_lowering=lowering
-  )
+  if lowering == "no_loss_scale":
+    tx = optax_dls.no_loss_scale(optax.adam(1e-3))
+  else:
+    tx = optax_dls.dynamic_loss_scale(
+      optax.adam(1e-3), init_scale=1.0, min_scale=1.0, skip_lowering=lowering
+    )
 
   def step(params, state, grads):
     if fused:
@@ -94,9 +97,13 @@ VARIANTS = {
       functools.partial(ours, lowering, path == "apply_step"),
       kind == "nonfinite",
     )
-    for lowering in ("cond", "where")
+    for lowering in ("auto", "cond", "where")
     for path in ("update", "apply_step")
     for kind in ("finite", "nonfinite")
+  },
+  **{
+    f"no_loss_scale_{path}": (functools.partial(ours, "no_loss_scale", path == "apply_step"), False)
+    for path in ("update", "apply_step")
   },
 }
 

@@ -3,8 +3,9 @@
 Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
 state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both
 call paths: ``tx.update`` then ``optax.apply_updates`` (what most users and flax's
-``TrainState`` call) and ``optax_dls.apply_step``. References: the bare step; the floor, the bare step on
-gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
+``TrainState`` call) and ``optax_dls.apply_step``; and ``no_loss_scale`` on both paths.
+Every row has its compile seconds (``compile_s``, lowering and compiling, one process
+for all rows). References: the bare step; the floor, the bare step on gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
 and the finite check that every loss scaler needs); ``floor_wait``, the floor whose
 update waits for that read, as any skip's must; and the floor with a skip written
 by hand as a plain ``lax.cond`` or ``jnp.where`` (``floor_cond_skip``,
@@ -14,7 +15,8 @@ median over rounds of the ratio of the rounds' medians (``paired_ratio_to_*``:
 each round times every variant back to back, so this one discounts drift in the
 machine's load). Prints one JSON object. Usage::
 
-    python benchmarks/step_overhead.py [--steps 60] [--rounds 20] [--trees big,many] [--params 8000000]
+    python benchmarks/step_overhead.py [--steps 60] [--rounds 20] [--trees big,many]
+        [--params 8000000] [--variants bare_adam,floor_wait,...]
 """
 
 from __future__ import annotations
@@ -121,7 +123,12 @@ def floor_step(skip=None):
 
 
 def ours_step(lowering, fused=False):
-  tx = optax_dls.dynamic_loss_scale(inner(), init_scale=1.0, min_scale=1.0, skip_lowering=lowering)
+  if lowering == "no_loss_scale":  # the passthrough wrapper, for bfloat16 / float32 runs
+    tx = optax_dls.no_loss_scale(inner())
+  else:
+    tx = optax_dls.dynamic_loss_scale(
+      inner(), init_scale=1.0, min_scale=1.0, skip_lowering=lowering
+    )
 
   def step(params, state, grads):
     if fused:  # updates applied inside the skip
@@ -209,6 +216,13 @@ VARIANTS = {  # name -> (factory, non-finite gradients?)
     for lowering in ("auto", "cond", "where")
     for path in ("update", "apply_step")
     for kind in ("finite", "nonfinite")
+  },
+  **{
+    f"no_loss_scale_{path}": (
+      functools.partial(ours_step, "no_loss_scale", path == "apply_step"),
+      False,
+    )
+    for path in ("update", "apply_step")
   },
   "jmp_pattern": (jmp_step, False),
   "flax_where_pattern": (flax_step, False),
