@@ -1,19 +1,19 @@
 """Cost of one optimizer step with loss scaling, as a ratio to a bare ``optax.adam`` step.
 
 Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
-state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both
-call paths: ``tx.update`` then ``optax.apply_updates`` (what most users and flax's
+state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both call
+paths: ``tx.update`` then ``optax.apply_updates`` (what most users and flax's
 ``TrainState`` call) and ``optax_dls.apply_step``; and ``no_loss_scale`` on both paths.
 Every row has its compile seconds (``compile_s``, lowering and compiling, one process
-for all rows). References: the bare step; the floor, the bare step on gradients times a run-time ``1/S`` plus one extra read of the gradients (the unscale
-and the finite check that every loss scaler needs); ``floor_wait``, the floor whose
-update waits for that read, as any skip's must; and the floor with a skip written
-by hand as a plain ``lax.cond`` or ``jnp.where`` (``floor_cond_skip``,
-``floor_where_skip``: see :func:`floor_step`). Every row has its ratio to each
-reference, as the ratio of the medians over all steps (``ratio_to_*``) and as the
-median over rounds of the ratio of the rounds' medians (``paired_ratio_to_*``:
-each round times every variant back to back, so this one discounts drift in the
-machine's load). Prints one JSON object. Usage::
+for all rows). References: the bare step; the floor, the bare step on gradients times a
+run-time ``1/S`` plus one extra read of the gradients (the unscale and the finite check
+that every loss scaler needs); ``floor_wait``, the floor whose update waits for that
+read, as any skip's must; and the floor with a skip written by hand as a plain
+``lax.cond`` or ``jnp.where`` (``floor_cond_skip``, ``floor_where_skip``: see
+:func:`floor_step`). Every row has its ratio to each reference, as the ratio of the
+medians over all steps (``ratio_to_*``) and as the median over rounds of the ratio of
+the rounds' medians (``paired_ratio_to_*``: each round times every variant back to back,
+so this one discounts drift in the machine's load). Prints one JSON object. Usage::
 
     python benchmarks/step_overhead.py [--steps 60] [--rounds 20] [--trees big,many]
         [--params 8000000] [--variants bare_adam,floor_wait,...]
