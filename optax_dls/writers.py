@@ -146,7 +146,7 @@ class MetricsWriter:
     tensorboard: bool = True,
     jsonl: bool = True,
     run_name: str | None = None,
-  ):
+  ) -> None:
     logdir = _check_path("logdir", logdir)
     if isinstance(every, bool) or not isinstance(every, numbers.Integral):
       raise TypeError(f"every must be an int, got {every!r}.")

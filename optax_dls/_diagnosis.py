@@ -1,0 +1,262 @@
+"""The diagnosis of one run's logged rows: the loss-scaling problems they prove, and what to do.
+
+A problem is reported only where the logged rows prove it: what happened
+between two logged rows is bounded (see :mod:`optax_dls._columns`), not
+guessed, so a sparser log may show less but never something false.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from optax_dls import _columns as C
+from optax_dls._summary import scale_text
+
+Rows = C.Rows
+
+# Diagnosis thresholds.
+OVERFLOW_RATE = 0.01  # provable excess skips per update, second half of the logged rows
+NO_GROWTH_UPDATES = 1000  # updates proven without any growth before "never grows"
+ZERO_RISE = 0.10  # rise of the share of exactly-zero unscaled gradients over the run
+STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
+DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
+
+# What to do about each symptom.
+_ADVICE = {
+  "frequent overflow": (
+    "Gradients or activations overflow float16 again and again. Lower the learning rate or add "
+    "warm-up, clip gradients (optax.clip_by_global_norm inside the loss-scaled optimizer), use "
+    "hysteresis=2 to ride out isolated spikes, keep softmax / normalisation / loss in float32, or "
+    "train in bfloat16."
+  ),
+  "scale never grows": (
+    "Either growth_interval (or warmup_steps) is longer than the run, the scale started at "
+    "max_scale, or overflows keep resetting the growth tracker. Shorten growth_interval "
+    "(e.g. 1000), check warmup_steps, or raise max_scale."
+  ),
+  "gradients too small": (
+    "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
+    "init_scale and max_scale (optax_dls.config.preset('qlora') starts at 2**16), watch each "
+    "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
+    "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
+    "bfloat16."
+  ),
+  "gradients lost, no loss scaling": (
+    "The run does not scale its loss, so float16 flushes small gradients to zero. Wrap the "
+    "optimizer in optax_dls.dynamic_loss_scale and multiply the loss by "
+    "optax_dls.scale_loss (or train in bfloat16)."
+  ),
+  "scale pinned": (
+    "The gradients are small enough that the scale never overflows; if max_scale caps it, "
+    "raise max_scale and chain optax_dls.underflow_stats() inside to see whether gradients "
+    "underflow."
+  ),
+  "stuck at the minimum": (
+    "Non-finite values even at the smallest scale come from the forward pass or the data, not "
+    "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
+    "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
+    "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."
+  ),
+  "diverging loss": (
+    "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
+    "order and the labels. Loss scaling skips non-finite steps, but it cannot undo finite "
+    "updates that are too large."
+  ),
+}
+
+
+def _overflow_excess(rows: Rows, iv: C.Intervals) -> tuple[int, int, int | None, int | None]:
+  """``(excess skips, updates, first step, last step)`` proven over the second half of the rows.
+
+  Per run of consecutive known intervals, the first skip may still be the
+  probe of a growth made before it, so one skip is given back per run.
+  """
+  steps = C.column(rows, "step")
+  excess = updates = 0
+  first = last = None
+  for seg in C.segments(iv.known, start=len(rows) // 2):
+    excess += max(int(np.sum(iv.excess[seg.start : seg.stop])) - 1, 0)
+    updates += int(np.sum(iv.dn[seg.start : seg.stop]))
+    first = int(steps[seg.start]) if first is None else first
+    last = int(steps[seg.stop])
+  return excess, updates, first, last
+
+
+def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
+  """Skipped updates proven to have run at a loss scale <= 1.
+
+  An interval that starts at scale S and holds at most g growths of one
+  octave never runs above S * 2**g (without the factor-two rule: above S when
+  g = 0); when that is <= 1, each of its skips ran at a scale <= 1.
+  """
+  scale = C.column(rows, "loss_scale")[:-1]
+  growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
+  with np.errstate(invalid="ignore", over="ignore"):
+    low = (
+      iv.known & np.isfinite(scale) & (scale * np.exp2(np.nan_to_num(growths, nan=np.inf)) <= 1.0)
+    )
+  return int(np.sum(iv.ds[low]))
+
+
+def _applied(rows: Rows, iv: C.Intervals) -> np.ndarray:
+  """Rows whose own update is proven applied: ``skipped`` False, ``consecutive_skips`` 0, or no
+  skip since the previous logged row."""
+  flags = C.flag(rows, "skipped")
+  consec = C.counter(C.column(rows, "consecutive_skips"))
+  clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
+  return (flags == 0) | (consec == 0) | clean_since
+
+
+_Found = list[tuple[str, str]]
+
+
+def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool) -> _Found:
+  excess, updates, first, last = _overflow_excess(rows, iv)
+  if stuck or not updates or excess / updates <= OVERFLOW_RATE:
+    return []
+  symptom = (
+    f"frequent overflow: at least {excess} of the {updates} updates from step {first} to step "
+    f"{last} ({excess / updates:.1%}) were skipped beyond the one overflow per growth that "
+    "dynamic scaling uses to probe"
+  )
+  return [(symptom, _ADVICE["frequent overflow"])]
+
+
+def _never_grows(rows: Rows, iv: C.Intervals, summary: dict[str, Any]) -> _Found:
+  if len(rows) < 2 or not iv.known.all() or (iv.growth_ub > 0).any():
+    return []
+  span = int(np.sum(iv.dn))
+  if span < NO_GROWTH_UPDATES:
+    return []
+  cap = (
+    f" (the scale stays at or below {scale_text(summary['scale_max'])})"
+    if "scale_max" in summary
+    else ""
+  )
+  symptom = (
+    f"scale never grows: no increase in the {span} updates from step {summary['first_step']} "
+    f"to step {summary['last_step']}{cap}"
+  )
+  return [(symptom, _ADVICE["scale never grows"])]
+
+
+def _zero_shares(rows: Rows) -> np.ndarray:
+  zero = C.column(rows, "underflow/zero_frac")
+  return zero[np.isfinite(zero)]
+
+
+def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
+  """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest
+  such share among ``runs`` (runs logged beside each other train the same model on the
+  same data), or None when fewer than two runs logged it."""
+  medians = {
+    name: float(np.median(z)) for name, rows in runs.items() if len(z := _zero_shares(rows)) >= 4
+  }
+  if len(medians) < 2:
+    return None
+  name = min(medians, key=medians.__getitem__)
+  return name, medians[name]
+
+
+def _lost_gradients(
+  rows: Rows, summary: dict[str, Any], floor: tuple[str, float] | None = None
+) -> _Found:
+  """Gradient entries flushed to zero in float16 show up as exact zeros of the unscaled
+  gradients. The logs prove lost signal when the share of zeros rises well above the
+  run's own early level, or stays well above that of a run logged beside it (``floor``,
+  see :func:`zero_floor`); a loss-scaled run keeps it at the floor. A high share of
+  float16-subnormal unscaled entries proves nothing by itself: loss scaling lifts them."""
+  zero = C.column(rows, "underflow/zero_frac")
+  known = np.flatnonzero(np.isfinite(zero))
+  if len(known) >= 4:
+    early = float(np.median(zero[known[: max(1, len(known) // 10)]]))
+    late_rows = known[len(known) // 2 :]
+    late = float(np.median(zero[late_rows]))
+    since = f"logged steps from step {rows[late_rows[0]]['step']}"
+    unscaled = summary.get("scale_max") == 1.0
+    symptom = None
+    if floor is not None and late - floor[1] >= ZERO_RISE:
+      symptom = (
+        f"gradients lost to underflow: a median {late:.1%} of the gradient entries are exactly "
+        f"zero ({since}), against {floor[1]:.1%} in run {floor[0]!r} logged beside it"
+      )
+    elif late - early >= ZERO_RISE and late >= 2 * early:
+      symptom = (
+        f"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
+        f"{early:.1%} (first logged steps) to a median {late:.1%} ({since})"
+      )
+    if symptom:
+      symptom += ", with no loss scaling" if unscaled else ""
+      return [
+        (symptom, _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"])
+      ]
+  at_max = summary.get("steps_at_max_scale", 0) / len(rows)
+  # Overflows recomputed inside the step (optax_dls.value_and_grad) skip nothing but are overflows.
+  recomputed = C.last_known(C.counter(C.column(rows, "recompute_tries")))
+  if (
+    at_max > 0.5
+    and summary.get("scale_max", 0) >= 2.0**24
+    and summary["skips"] == 0
+    and not recomputed
+  ):
+    symptom = (
+      f"scale pinned at {scale_text(summary['scale_max'])}, the highest logged, for "
+      f"{at_max:.0%} of the logged steps, with no skipped step"
+    )
+    return [(symptom, _ADVICE["scale pinned"])]
+  return []
+
+
+def _stuck(count: int, summary: dict[str, Any]) -> _Found:
+  if count < STUCK_MIN_SKIPS:
+    return []
+  symptom = (
+    f"stuck at the minimum: at least {count} updates were skipped with the loss scale at or "
+    f"below 1 (lowest logged {scale_text(summary['scale_min'])})"
+  )
+  return [(symptom, _ADVICE["stuck at the minimum"])]
+
+
+def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
+  loss, steps = C.column(rows, "loss"), C.column(rows, "step")
+  applied = _applied(rows, iv) & C.present(rows, "loss")
+  if applied.sum() < 20:
+    return []
+  idx = np.flatnonzero(applied)
+  tenth = max(len(idx) // 10, 1)
+  first, last = idx[:tenth], idx[-tenth:]
+  bad = last[~np.isfinite(loss[last])]
+  if bad.size:
+    symptom = (
+      f"diverging loss: non-finite loss on {bad.size} applied step(s) at the end of the run "
+      f"(first at step {int(steps[bad[0]])})"
+    )
+  elif np.isfinite(loss[first]).all() and np.mean(loss[last]) > DIVERGE_FACTOR * abs(
+    np.mean(loss[first])
+  ):
+    symptom = (
+      f"diverging loss: the mean loss of the applied steps rose from {np.mean(loss[first]):.4g} "
+      f"(steps {int(steps[first[0]])}..{int(steps[first[-1]])}) to {np.mean(loss[last]):.4g} "
+      f"(steps {int(steps[last[0]])}..{int(steps[last[-1]])})"
+    )
+  else:
+    return []
+  return [(symptom, _ADVICE["diverging loss"])]
+
+
+def diagnose(
+  rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
+) -> list[tuple[str, str]]:
+  """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove;
+  ``zero_floor`` (see :func:`zero_floor`) is what runs logged beside it prove."""
+  iv = C.intervals(rows)
+  stuck = _skips_at_scale_at_most_1(rows, iv)
+  return (
+    _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS)
+    + _never_grows(rows, iv, summary)
+    + _lost_gradients(rows, summary, zero_floor)
+    + _stuck(stuck, summary)
+    + _diverging(rows, iv)
+  )

@@ -1,0 +1,103 @@
+"""The summary numbers of one run's logged rows: steps, updates, skips, scales.
+
+Every number is what the logged rows tell: ``None`` where the logged columns
+do not (see :mod:`optax_dls._columns`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from optax_dls import _columns as C
+
+Rows = C.Rows
+
+
+def scale_text(x: float) -> str:
+  """A loss scale as ``2^k`` when it is an exact power of two other than 1, else in ``%g`` form.
+
+  >>> scale_text(2.0**21), scale_text(2.0**-126), scale_text(1.0), scale_text(1500.0)
+  ('2^21', '2^-126', '1', '1500')
+  """
+  if not (math.isfinite(x) and x > 0):
+    return f"{x:g}"
+  m, e = math.frexp(x)
+  return f"2^{e - 1}" if m == 0.5 and e != 1 else f"{x:g}"
+
+
+def _longest_true_run(flags: np.ndarray) -> int:
+  best = cur = 0
+  for f in flags:
+    cur = cur + 1 if f else 0
+    best = max(best, cur)
+  return best
+
+
+def _counts(rows: Rows, iv: C.Intervals) -> dict[str, Any]:
+  """Updates, skips, update ratio and longest streak; None where the logged columns do not tell."""
+  steps = C.column(rows, "step")
+  num_steps = C.counter(C.column(rows, "num_steps"))
+  updates: float | None = C.last_known(num_steps)
+  if np.isnan(num_steps).all():  # no num_steps column: one update per step
+    updates = steps[-1] - steps[0] + 1
+  skips = C.last_known(C.skips(rows))
+  logged_ratio = C.last_known(C.column(rows, "update_ratio"))
+  if skips is not None and updates and (np.isfinite(num_steps).any() or logged_ratio is None):
+    ratio: float | None = (updates - skips) / updates  # exact from the counters
+  else:
+    ratio = logged_ratio
+  consec = C.counter(C.column(rows, "consecutive_skips"))
+  flags = C.flag(rows, "skipped")
+  if np.isfinite(consec).any():
+    streak = int(np.nanmax(consec))
+  elif C.every_update_logged(iv) and np.isfinite(flags).all():
+    streak = _longest_true_run(flags > 0)
+  else:
+    streak = None
+  return {
+    "updates": None if updates is None else int(updates),
+    "skips": None if skips is None else int(skips),
+    "update_ratio": ratio,
+    "longest_skip_streak": streak,
+  }
+
+
+def summarize(rows: Rows) -> dict[str, Any]:
+  """Summary numbers of one run's rows (see :mod:`optax_dls.cli`).
+
+  ``updates``, ``skips``, ``update_ratio`` and ``longest_skip_streak`` are
+  None where the logged columns do not tell. ``scale_min`` / ``scale_max``
+  and ``steps_at_min_scale`` / ``steps_at_max_scale`` are the lowest and
+  highest *logged* scales and the logged steps at them; ``scale_increases``
+  counts the increases between consecutive logged rows. The streak is the
+  longest one seen in the logged rows (a lower bound when not every update
+  is logged, see ``every_update_logged``).
+
+  Args:
+    rows: one run's rows, sorted by step, at least one.
+  """
+  steps = C.column(rows, "step")
+  scale = C.column(rows, "loss_scale")
+  iv = C.intervals(rows)
+  out = {
+    "logged_steps": len(rows),
+    "first_step": int(steps[0]),
+    "last_step": int(steps[-1]),
+    "every_update_logged": C.every_update_logged(iv),
+    **_counts(rows, iv),
+    "fp32_fallback_steps": int(np.nansum(C.flag(rows, "fp32_fallback"))),
+  }
+  s = scale[np.isfinite(scale)]
+  if s.size:
+    out.update(
+      scale_min=float(s.min()),
+      scale_median=float(np.median(s)),
+      scale_max=float(s.max()),
+      steps_at_min_scale=int((s == s.min()).sum()),
+      steps_at_max_scale=int((s == s.max()).sum()),
+      scale_increases=int((np.diff(s) > 0).sum()),
+    )
+  return out
