@@ -182,7 +182,7 @@ def _lost_gradients(
         f"gradients lost to underflow: a median {late:.1%} of the gradient entries are exactly "
         f"zero ({since}), against {floor[1]:.1%} in run {floor[0]!r} logged beside it"
       )
-    elif late - early >= ZERO_RISE and late >= 2 * early:
+    elif late - early >= ZERO_RISE:
       symptom = (
         f"gradients lost to underflow: the share of exactly-zero gradient entries rose from "
         f"{early:.1%} (first logged steps) to a median {late:.1%} ({since})"

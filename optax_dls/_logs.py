@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+
 from optax_dls import writers
 
 KEYS = (
@@ -105,22 +107,66 @@ def _read(path: str, kind: str) -> list[dict[str, Any]]:
 
 
 def _log_files(run_dir: str) -> list[tuple[str, str]]:
-  """``[(path, kind)]``: the JSONL files under ``run_dir``, or its event files if there are none."""
-  jsonl, events = [], []
-  for root, _, files in os.walk(run_dir):
-    for name in files:
-      if name.endswith(".jsonl"):
-        jsonl.append(os.path.join(root, name))
-      elif name.startswith("events.out.tfevents"):
-        events.append(os.path.join(root, name))
-  return [(p, "jsonl") for p in sorted(jsonl)] or [(p, "events") for p in sorted(events)]
+  """``[(path, kind)]``: per folder under ``run_dir``, its JSONL files, or its event files if it
+  has none."""
+  found = []
+  for root, _, files in sorted(os.walk(run_dir)):
+    jsonl = [n for n in files if n.endswith(".jsonl")]
+    events = [n for n in files if n.startswith("events.out.tfevents")]
+    kind, names = ("jsonl", jsonl) if jsonl else ("events", events)
+    found.extend((os.path.join(root, n), kind) for n in sorted(names))
+  return found
+
+
+def _same_float32(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` are numbers equal in float32 (as TensorBoard stores them)."""
+  if not all(isinstance(x, (int, float)) for x in (a, b)):
+    return False
+  with np.errstate(over="ignore"):
+    try:
+      return bool(np.float32(float(a)) == np.float32(float(b)))
+    except OverflowError:
+      return False
+
+
+def _is_metric(key: str) -> bool:
+  """Whether ``key`` is one of the loss scaler's metrics (not, e.g., a wall time logged apart)."""
+  return key in KEYS or key.startswith(("underflow/", "overflows/"))
+
+
+def _is_copy(events_rows: list[dict[str, Any]], jsonl_rows: list[dict[str, Any]]) -> bool:
+  """Whether every step of ``events_rows`` is in ``jsonl_rows`` with the same metrics (the same
+  run logged to both, the TensorBoard copy perhaps behind), at least one value compared."""
+  by_step = {r["step"]: r for r in jsonl_rows}
+  compared = 0
+  for row in events_rows:
+    other = by_step.get(row["step"])
+    if other is None:
+      return False
+    for key, value in row.items():
+      if _is_metric(key) and key in other:
+        if not _same_float32(value, other[key]):
+          return False
+        compared += 1
+  return compared > 0
+
+
+def _drop_copies(runs: dict[str, list[dict[str, Any]]], from_events: set[str]) -> None:
+  """Drops from ``runs`` each run read from event files that is a copy of a run read from JSONL."""
+  from_jsonl = [rows for name, rows in runs.items() if name not in from_events]
+  for name in from_events:
+    if name in runs and any(_is_copy(runs[name], rows) for rows in from_jsonl):
+      del runs[name]
 
 
 def load_runs(run_dir: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
-  """``{run name: rows sorted by step}`` from the JSONL files under ``run_dir``, or,
-  where there are none, from its TensorBoard event files.
+  """``{run name: rows sorted by step}`` from the logs under ``run_dir``.
 
-  A run is named by the rows' ``run`` key (a string), else by its folder.
+  Each folder is read from its JSONL files, or, where it has none, from its
+  TensorBoard event files. A run is named by the rows' ``run`` key (a
+  string), else by its folder. A run read from event files whose every
+  step a run read from JSON lines holds with the same metrics (float32 as
+  TensorBoard keeps them) is that run's TensorBoard copy, and left out.
   Rows without loss-scale keys (validation rows) are dropped when a run has
   others; rows of one step are merged, the later values winning. Bad lines,
   corrupt records, malformed rows and unreadable files are skipped with a
@@ -135,6 +181,7 @@ def load_runs(run_dir: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
     raise NoLogsError(f"{run_dir!r} is not a folder.")
   files = _log_files(run_dir)
   runs: dict[str, list[dict[str, Any]]] = {}
+  from_events = set()
   top = os.path.basename(os.path.abspath(run_dir))
   for path, kind in files:
     folder = os.path.relpath(os.path.dirname(path), run_dir)
@@ -143,7 +190,10 @@ def load_runs(run_dir: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
       name = row.get("run")
       name = name if isinstance(name, str) else (folder if folder != "." else top)
       runs.setdefault(name, []).append(row)
+      if kind == "events":
+        from_events.add(name)
   runs = {k: _merge_steps(_train_rows(v)) for k, v in runs.items() if v}
+  _drop_copies(runs, from_events)
   if not runs and files:
     raise NoLogsError(
       f"the logs under {run_dir!r} exist but are unreadable: none of {len(files)} file(s) "

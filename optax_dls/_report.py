@@ -48,9 +48,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
   streak = _or_unknown(summary["longest_skip_streak"])
   if summary["longest_skip_streak"] is not None and not summary["every_update_logged"]:
     streak = f"at least {streak}"  # a longer one may lie between two logged rows
+  updates = f"{_or_unknown(summary['updates'])} updates"
+  if summary["applied_updates"] is not None:
+    updates += f": {summary['applied_updates']} applied, {summary['skips']} skipped"
   steps = (
     f"  steps        {summary['first_step']}..{summary['last_step']} "
-    f"({summary['logged_steps']} logged, {_or_unknown(summary['updates'])} updates)"
+    f"({summary['logged_steps']} logged steps, {updates})"
   )
   skips = (
     f"  skips        {_or_unknown(summary['skips'])}  (update ratio "

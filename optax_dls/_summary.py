@@ -59,6 +59,7 @@ def _counts(rows: Rows, iv: C.Intervals) -> dict[str, Any]:
     streak = None
   return {
     "updates": None if updates is None else int(updates),
+    "applied_updates": None if updates is None or skips is None else int(updates - skips),
     "skips": None if skips is None else int(skips),
     "update_ratio": ratio,
     "longest_skip_streak": streak,
@@ -68,10 +69,13 @@ def _counts(rows: Rows, iv: C.Intervals) -> dict[str, Any]:
 def summarize(rows: Rows) -> dict[str, Any]:
   """Summary numbers of one run's rows (see :mod:`optax_dls.cli`).
 
-  ``updates``, ``skips``, ``update_ratio`` and ``longest_skip_streak`` are
-  None where the logged columns do not tell. ``scale_min`` / ``scale_max``
-  and ``steps_at_min_scale`` / ``steps_at_max_scale`` are the lowest and
-  highest *logged* scales and the logged steps at them; ``scale_increases``
+  ``updates`` counts the updates, skipped ones included (``num_steps``),
+  ``applied_updates`` those applied, ``skips`` the skipped ones; these,
+  ``update_ratio`` and ``longest_skip_streak`` are None where the logged
+  columns do not tell. ``scale_min`` / ``scale_max`` and
+  ``steps_at_min_scale`` / ``steps_at_max_scale`` are the lowest and highest
+  *logged* scales and the logged steps at them; ``scale_median`` is the lower
+  median of the logged scales, itself a logged value; ``scale_increases``
   counts the increases between consecutive logged rows. The streak is the
   longest one seen in the logged rows (a lower bound when not every update
   is logged, see ``every_update_logged``).
@@ -94,7 +98,7 @@ def summarize(rows: Rows) -> dict[str, Any]:
   if s.size:
     out.update(
       scale_min=float(s.min()),
-      scale_median=float(np.median(s)),
+      scale_median=float(np.sort(s)[(s.size - 1) // 2]),  # a logged value
       scale_max=float(s.max()),
       steps_at_min_scale=int((s == s.min()).sum()),
       steps_at_max_scale=int((s == s.max()).sum()),

@@ -29,7 +29,8 @@ def _inspect_json(path, capsys, *extra):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A real tiny fp16 training loop with overflowing batches at known steps, logged by MetricsWriter."""
+  """A real tiny fp16 training loop with overflowing batches at known steps, logged by
+  MetricsWriter."""
   out = tmp_path_factory.mktemp("run")
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**8, growth_interval=4)
   params = {"w": jnp.zeros((4,), jnp.float32)}
@@ -70,7 +71,7 @@ def test_summary_matches_the_training_loop(trained, capsys, tmp_path):
   assert s["longest_skip_streak"] == 3
   assert (s["scale_min"], s["scale_median"], s["scale_max"]) == (
     scales.min(),
-    np.median(scales),
+    np.sort(scales)[(len(scales) - 1) // 2],  # the lower median: a logged value
     scales.max(),
   )
   assert s["steps_at_min_scale"] == int((scales == scales.min()).sum())
@@ -229,8 +230,8 @@ def _write_log(path, text, mode="w"):
 def test_rows_with_a_malformed_step_are_skipped_with_a_warning(bad, tmp_path, capsys):
   _write_log(
     tmp_path,
-    '{"step": 0, "loss_scale": 1024}\n{"step": %s, "loss_scale": 2}\n'
-    '{"step": 1, "loss_scale": 512, "num_steps": Infinity, "skip_count": %s}\n' % (bad, 10**400),
+    f'{{"step": 0, "loss_scale": 1024}}\n{{"step": {bad}, "loss_scale": 2}}\n'
+    f'{{"step": 1, "loss_scale": 512, "num_steps": Infinity, "skip_count": {10**400}}}\n',
   )
   assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
   captured = capsys.readouterr()
@@ -270,7 +271,7 @@ def test_bad_plot_path_is_an_argument_error(plot, message, tmp_path, capsys):
   assert e.value.code == 2 and "--plot" in err and message in err
 
 
-# --- Logs written every k steps: a stream simulated with the dynamic rule (growth x2, backoff x1/2) ---
+# --- Logs written every k steps: a stream simulated with the dynamic rule (x2 growth, x1/2 backoff)
 
 
 class _Stream(NamedTuple):
@@ -297,10 +298,10 @@ def _simulate(
   finite_drops=(),
   growth_at=(),
 ):
-  """``n`` updates of dynamic loss scaling: an update overflows when its scale exceeds ``ceiling(t)``,
-  at the steps in ``spikes`` and from ``nonfinite_from`` on. At the steps in ``finite_drops`` a
-  finite update halves the scale, as amax_policy does when the gradients grow; at the steps in
-  ``growth_at`` a finite update doubles it, whatever the growth interval."""
+  """``n`` updates of dynamic loss scaling: an update overflows when its scale exceeds
+  ``ceiling(t)``, at the steps in ``spikes`` and from ``nonfinite_from`` on. At the steps in
+  ``finite_drops`` a finite update halves the scale, as amax_policy does when the gradients grow;
+  at the steps in ``growth_at`` a finite update doubles it, whatever the growth interval."""
   ceiling = ceiling if callable(ceiling) else (lambda t, c=ceiling: c)
   loss = loss or (lambda t: 2.0 - t / 4000)
   scale, tracker, skips, consec = init, 0, 0, 0
@@ -399,8 +400,8 @@ def test_each_symptom_is_found_at_every_logging_interval_and_only_it(
 
 @pytest.mark.parametrize("every", [1, 10])
 def test_a_scale_that_also_drops_on_finite_steps_is_not_read_as_overflow(tmp_path, capsys, every):
-  # Every 20 updates: a growth, its probe overflow, then two drops on finite steps (amax_policy-like),
-  # so the scale falls two octaves per cycle while every skip follows a growth.
+  # Every 20 updates: a growth, its probe overflow, then two drops on finite steps (as amax_policy
+  # does), so the scale falls two octaves per cycle while every skip follows a growth.
   cycles = range(0, 400, 20)
   stream = _simulate(
     400,
@@ -430,7 +431,8 @@ def test_non_finite_loss_of_skipped_steps_is_not_divergence(tmp_path, capsys):
 
 
 def test_without_counters_nothing_unprovable_is_reported(tmp_path, capsys):
-  # Only the scale and the loss: skips and updates are unknown, and so is every diagnosis resting on them.
+  # Only the scale and the loss: skips and updates are unknown, and so is every diagnosis resting
+  # on them.
   stream = _simulate(3000, growth_interval=10)
   _log(
     tmp_path,
@@ -575,7 +577,7 @@ def _check_claim(symptom, stream, kind):
     symptom,
   ):
     early, late = (float(x) / 100 for x in m.groups())
-    sub, zero0, zero1 = kind["underflow"]
+    _, zero0, zero1 = kind["underflow"]
     assert zero1 - zero0 >= cli.ZERO_RISE and zero0 - 0.01 <= early < late <= zero1 + 0.01
   elif symptom.startswith("scale pinned"):
     assert not stream.skipped.any()
@@ -708,3 +710,65 @@ def test_a_high_subnormal_share_of_a_loss_scaled_run_is_not_a_problem(tmp_path, 
     ],
   )
   assert _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"] == []
+
+
+# --- Defects found by a new user ---
+
+
+def test_a_tensorboard_only_run_is_read_beside_a_folder_with_json_lines(tmp_path, capsys):
+  # Before: any .jsonl under the parent made inspect ignore every event file, so this run vanished.
+  _log(tmp_path / "healthy", _simulate(300, growth_interval=10).rows)
+  stuck = _simulate(400, init=2.0**12, ceiling=2.0**20, nonfinite_from=100)
+  _log(tmp_path / "stuck", stuck.rows, source="tensorboard")
+  report = _inspect_json(tmp_path, capsys)
+  assert set(report) == {"healthy", "stuck"}
+  assert report["healthy"]["diagnosis"] == []
+  (found,) = report["stuck"]["diagnosis"]
+  assert found["symptom"].startswith("stuck at the minimum")
+
+
+def test_the_tensorboard_copy_of_a_run_logged_as_json_lines_is_read_once(tmp_path, capsys):
+  # The main example's layout: JSON lines of every run in the folder, events under tb/<run>.
+  rows = _simulate(200, growth_interval=10).rows
+  with (
+    writers.MetricsWriter(tmp_path, run_name="a", tensorboard=False) as js,
+    writers.MetricsWriter(tmp_path / "tb" / "a", jsonl=False) as tb,
+  ):
+    for step, row in enumerate(rows):
+      js.log(step, row, wall_s=step + 0.25)  # a wall time, read again for each writer
+      if step < 150:  # the TensorBoard copy lags behind (it is flushed every two minutes)
+        tb.log(step, row, wall_s=step + 0.5)
+  with writers.MetricsWriter(tmp_path / "tb" / "other", jsonl=False) as tb:
+    for step, row in enumerate(rows[:50]):
+      tb.log(step, {**row, "loss": 5.0})  # another run: not a copy
+  assert set(_inspect_json(tmp_path, capsys)) == {"a", "tb/other"}
+
+
+def test_a_rise_of_the_zero_share_from_30_to_45_percent_is_lost_gradients(tmp_path, capsys):
+  # A rise of 15 points; before, the late share also had to be twice the early one.
+  rows = [_healthy(i) | {"underflow/zero_frac": 0.30 if i < 100 else 0.45} for i in range(200)]
+  _write(tmp_path, rows)
+  (found,) = _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"]
+  assert found["symptom"].startswith(
+    "gradients lost to underflow: the share of exactly-zero gradient entries rose from 30.0%"
+  )
+  assert "45.0%" in found["symptom"]
+
+
+def test_the_summary_counts_applied_updates_apart_from_skipped_ones(tmp_path, capsys):
+  stream = _simulate(300, ceiling=2.0**30, init=2.0**10, spikes=set(range(5, 300, 20)))
+  _log(tmp_path, stream.rows)
+  skipped = int(stream.skipped.sum())
+  assert skipped == 15
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  assert "(300 logged steps, 300 updates: 285 applied, 15 skipped)" in capsys.readouterr().out
+  summary = _inspect_json(tmp_path, capsys)[tmp_path.name]["summary"]
+  assert (summary["updates"], summary["applied_updates"], summary["skips"]) == (300, 285, 15)
+
+
+def test_the_median_scale_is_a_logged_value(tmp_path, capsys):
+  _write(tmp_path, [_row(i, scale) for i, scale in enumerate([2.0**10, 2.0**10, 2.0**12, 2.0**12])])
+  summary = _inspect_json(tmp_path, capsys)[tmp_path.name]["summary"]
+  assert summary["scale_median"] == 2.0**10  # the lower median; the mean of the middle two is not
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  assert "median 2^10 /" in capsys.readouterr().out
