@@ -1,19 +1,35 @@
-"""Finding and reading a run folder's metrics logs: JSON lines and TensorBoard event files.
+"""Finding and reading a run folder's metrics logs, once or as they grow.
 
-Bad lines, corrupt records, malformed rows and unreadable files are skipped,
-each on its own, and counted in a warning on stderr.
+The logs are the ``*.jsonl`` files of :class:`optax_dls.writers.MetricsWriter`
+(or any JSON lines with a ``step`` key) and TensorBoard event files, read with
+TensorBoard's own event-file loader. Each folder under the run folder is read
+from its JSONL files, or, where it has none, from its event files.
+
+Every file is read incrementally: its offset and identity (device, inode and
+the bytes just before the offset) are kept, so that a later read takes only
+what was appended; a half-written last line or record waits for the next
+read; a file truncated or replaced starts over. :func:`load_runs` reads a
+folder once, :class:`LogSet` again and again (``optax-dls inspect --follow``).
+
+Bad lines, rows whose ``step`` is not a whole number, undecodable records and
+unreadable files are skipped, each on its own, and reported as warnings. A
+corrupt TensorBoard record stops TensorBoard's loader: the records before it
+are kept, the rest of that file is lost, and the warning says from which byte.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_dls import writers
+from optax_dls import _optional
+
+Rows = list[dict[str, Any]]
 
 KEYS = (
   "loss_scale",
@@ -24,37 +40,272 @@ KEYS = (
   "update_ratio",
   "grad_norm",
   "fp32_fallback",
+  "recomputed_steps",
+  "recompute_tries",
+  "skips_at_min_scale",
+  "nonfinite_step",
+  "nonfinite_loss",
+  "nonfinite_leaves",
+  "nonfinite_leaf_count",
   "loss",
 )
+_PREFIXES = ("underflow/", "overflows/")  # per-group keys, kept whole
 _SHOWN = 5  # line numbers / offsets listed in a warning
+_MARK = 32  # bytes before the offset that must not change while a file only grows
+_RECORD_FRAMING = 16  # a TFRecord's length, length CRC and data CRC
 
 
 class NoLogsError(Exception):
   """No metrics logs under the run folder."""
 
 
-def _canonical(key: str) -> str:
+def check_path(name: str, value: Any) -> str:
+  """``value`` as a str path.
+
+  Raises:
+    TypeError: naming ``name``, unless ``value`` is a ``str`` or ``os.PathLike``.
+  """
+  if not isinstance(value, (str, os.PathLike)):
+    raise TypeError(
+      f"{name} must be a str or os.PathLike, got {value!r} of type {type(value).__name__}."
+    )
+  return os.fspath(value)
+
+
+def reporter(name: str, callback: Any) -> Callable[[int, str], Any]:
+  """``callback``, or a no-op for None.
+
+  Raises:
+    TypeError: naming ``name``, unless ``callback`` is callable or None.
+  """
+  if callback is None:
+    return lambda where, why: None
+  if not callable(callback):
+    raise TypeError(
+      f"{name} must be callable or None, got {callback!r} of type {type(callback).__name__}."
+    )
+  return callback
+
+
+def canonical(key: str) -> str:
   """Maps tags such as ``train/loss_scale`` or ``optax_dls/underflow/zero_frac`` to our keys."""
-  if "underflow/" in key:
-    return key[key.index("underflow/") :]
+  for prefix in _PREFIXES:
+    if prefix in key:
+      return key[key.index(prefix) :]
   for k in KEYS:
     if key == k or key.endswith("/" + k):
       return k
   return key
 
 
-def _train_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """The rows with loss-scale metrics (e.g. not validation rows), or all if none has them."""
-  kept = [r for r in rows if "loss_scale" in r or "skipped" in r]
-  return kept or rows
+def _is_metric(key: str) -> bool:
+  """Whether ``key`` is one of the loss scaler's metrics (not, e.g., a wall time logged apart)."""
+  return key in KEYS or key.startswith(_PREFIXES)
 
 
-def _merge_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One row per step, sorted by step; a step logged twice keeps the later values."""
-  by_step: dict[int, dict[str, Any]] = {}
-  for row in rows:
-    by_step.setdefault(row["step"], {}).update(row)
-  return [by_step[s] for s in sorted(by_step)]
+# --- Incremental reading of one file -------------------------------------------------------------
+
+
+class Chunk(NamedTuple):
+  """What one read of a file brought: the new ``rows``, the ``bad`` ``(where, why)`` (line
+  numbers for JSON lines, byte offsets for event files), and whether the file had been
+  truncated or replaced, so that the rows read before are void (``restarted``)."""
+
+  rows: Rows
+  bad: list[tuple[int, str]]
+  restarted: bool
+
+
+class _Position:
+  """How far a file was read, and the identity that tells a grown file from a new one."""
+
+  def __init__(self) -> None:
+    self.identity: tuple[int, int] | None = None
+    self.offset = 0
+    self.size = 0
+    self.mark = b""
+
+  def moved(self, f: Any) -> bool:
+    """Whether the open file ``f`` is no longer the one read so far (then starts over at 0)."""
+    st = os.fstat(f.fileno())
+    identity = (st.st_dev, st.st_ino)
+    moved = self.identity is not None and (
+      identity != self.identity or st.st_size < self.offset or not self._mark_holds(f)
+    )
+    if moved:
+      self.offset, self.mark = 0, b""
+    self.identity, self.size = identity, st.st_size
+    return moved
+
+  def _mark_holds(self, f: Any) -> bool:
+    if not self.mark:
+      return True
+    f.seek(self.offset - len(self.mark))
+    return f.read(len(self.mark)) == self.mark
+
+  def advance(self, offset: int, f: Any) -> None:
+    """Moves to ``offset``, remembering the bytes of ``f`` just before it."""
+    self.offset = offset
+    f.seek(max(offset - _MARK, 0))
+    self.mark = f.read(offset - max(offset - _MARK, 0))
+
+
+def _parse_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
+  """``(row, None)`` for a JSON object with a ``step`` key, ``(None, why)`` for a bad line,
+  ``(None, None)`` for a blank one."""
+  line = text.decode("utf-8", errors="replace").strip()  # undecodable bytes: a malformed line
+  if not line:
+    return None, None
+  try:
+    row = json.loads(line)
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, an over-long int, deep nesting
+    return None, f"not JSON ({type(e).__name__})"
+  if not (isinstance(row, dict) and "step" in row):
+    return None, "not a JSON object with a 'step' key"
+  return row, None
+
+
+class JsonlTail:
+  """A JSON-lines file read as it grows.
+
+  Each :meth:`read` parses the lines completed since the last one; a last
+  line without its newline waits (with ``final=True`` it is taken as it is).
+
+  Args:
+    path: the file.
+  """
+
+  def __init__(self, path: str) -> None:
+    self.path = path
+    self._pos = _Position()
+    self._line = 0
+
+  def read(self, final: bool = False) -> Chunk:
+    """The rows of the lines completed since the last read (see :class:`Chunk`).
+
+    Args:
+      final: bool, also take a last line that has no newline. Default False.
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    with open(self.path, "rb") as f:
+      restarted = self._pos.moved(f)
+      if restarted:
+        self._line = 0
+      f.seek(self._pos.offset)
+      data = f.read()
+      end = len(data) if final else data.rfind(b"\n") + 1
+      lines = data[:end].split(b"\n") if end else []
+      if lines and not lines[-1]:
+        lines.pop()  # after the last newline
+      rows, bad = [], []
+      for text in lines:
+        self._line += 1
+        row, why = _parse_line(text)
+        if row is not None:
+          rows.append(row)
+        elif why is not None:
+          bad.append((self._line, why))
+      self._pos.advance(self._pos.offset + end, f)
+    return Chunk(rows, bad, restarted)
+
+
+def _event_loader() -> Any:
+  return _optional.require(
+    "tensorboard.backend.event_processing.event_file_loader", "reading TensorBoard event files"
+  )
+
+
+def _scalars(payload: bytes) -> tuple[int, dict[str, float]] | None:
+  """``(step, {tag: value})`` of the scalars of one serialised ``Event``, or None when it is
+  not an ``Event``. Scalars are ``simple_value`` or a one-element numeric tensor."""
+  from google.protobuf.message import DecodeError
+  from tensorboard.compat.proto import event_pb2
+  from tensorboard.util import tensor_util
+
+  try:
+    event = event_pb2.Event.FromString(payload)
+  except DecodeError:
+    return None
+  values = {}
+  for v in event.summary.value:
+    if v.HasField("simple_value"):
+      values[v.tag] = float(v.simple_value)
+    elif v.HasField("tensor"):
+      try:
+        arr = np.asarray(tensor_util.make_ndarray(v.tensor))
+      except (TypeError, ValueError):  # a dtype TensorBoard cannot turn into NumPy
+        continue
+      if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        values[v.tag] = float(arr.reshape(-1)[0])
+  return int(event.step), values
+
+
+class EventsTail:
+  """A TensorBoard event file read as it grows, with TensorBoard's event-file loader.
+
+  Each :meth:`read` takes the records completed since the last one; a record
+  cut short by the end of the file waits for the rest. A corrupt record stops
+  the loader there: the records after it are lost, and are reported once as
+  ``(byte offset, why)`` (at once with ``final=True``; otherwise once the file
+  has stopped growing with the record still unread).
+
+  Args:
+    path: the event file.
+
+  Raises:
+    MissingExtraError: ``tensorboard`` is not installed.
+  """
+
+  def __init__(self, path: str) -> None:
+    self.path = path
+    self._module = _event_loader()
+    self._loader: Any = None
+    self._pos = _Position()
+    self._stuck: tuple[int, int] | None = None
+    self._reported: int | None = None
+
+  def read(self, final: bool = False) -> Chunk:
+    """The scalars of the records completed since the last read, one row per step.
+
+    Args:
+      final: bool, report unread bytes at the end of the file at once. Default False.
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    with open(self.path, "rb") as f:  # an OSError here rather than inside the loader
+      restarted = self._pos.moved(f)
+      if restarted or self._loader is None:
+        self._loader = self._module.RawEventFileLoader(self.path)
+        self._stuck = self._reported = None
+      by_step: dict[int, dict[str, Any]] = {}
+      bad = []
+      offset = self._pos.offset
+      for payload in self._loader.Load():
+        parsed = _scalars(payload)
+        if parsed is None:
+          bad.append((offset, "not an Event protobuf"))
+        elif parsed[1]:
+          by_step.setdefault(parsed[0], {"step": parsed[0]}).update(parsed[1])
+        offset += _RECORD_FRAMING + len(payload)
+      self._pos.advance(offset, f)
+    bad.extend(self._unread(final))
+    return Chunk([by_step[s] for s in sorted(by_step)], bad, restarted)
+
+  def _unread(self, final: bool) -> list[tuple[int, str]]:
+    """The report of bytes the loader stopped before, once per offset."""
+    offset, size = self._pos.offset, self._pos.size
+    stuck, self._stuck = self._stuck, (offset, size)
+    if offset >= size or self._reported == offset or not (final or stuck == (offset, size)):
+      return []
+    self._reported = offset
+    why = f"a corrupt or cut-short record: the {size - offset} byte(s) from there to the end"
+    return [(offset, why + " are not read")]
+
+
+# --- One file's rows -----------------------------------------------------------------------------
 
 
 def _step(value: Any) -> int | None:
@@ -66,56 +317,83 @@ def _step(value: Any) -> int | None:
   return int(value) if abs(value) < 2**63 else None
 
 
-def _warn(path: str, what: str) -> None:
-  print(f"optax-dls inspect: warning: {path}: {what}", file=sys.stderr)
-
-
 def _listing(where: list[int], unit: str) -> str:
   shown = ", ".join(str(w) for w in where[:_SHOWN])
   return f"{unit} {shown}{', ...' if len(where) > _SHOWN else ''}"
 
 
-def _read(path: str, kind: str) -> list[dict[str, Any]]:
-  """The well-formed rows of one log file (``kind`` "jsonl" or "events"); warns about the rest."""
-  bad: list[int] = []
-  try:
-    if kind == "jsonl":
-      raw = writers.read_jsonl(path, on_bad_line=lambda line, why: bad.append(line))
-    else:
-      raw = writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append(offset))
-  except Exception as e:  # noqa: BLE001  (OSError, or anything a foreign file may raise)
-    _warn(path, f"unreadable ({type(e).__name__}: {e})")
-    return []
-  if bad and kind == "jsonl":
-    _warn(
-      path,
-      f"skipped {len(bad)} line(s) that are not JSON objects with a 'step' "
-      f"({_listing(bad, 'line')})",
-    )
-  elif bad:
-    _warn(path, f"skipped {len(bad)} corrupt record(s) ({_listing(bad, 'at byte')})")
-  rows, malformed = [], 0
-  for row in raw:
-    step = _step(row.get("step"))
-    if step is None:
-      malformed += 1
-      continue
-    rows.append({**row, "step": step})
-  if malformed:
-    _warn(path, f"skipped {malformed} row(s) whose 'step' is not a whole number")
-  return rows
+class _LogFile:
+  """One log file's well-formed rows, canonical keys, kept up to date by :meth:`poll`."""
+
+  def __init__(self, path: str, kind: str) -> None:
+    self.path, self.kind = path, kind
+    self.tail: JsonlTail | EventsTail | None = None
+    self.rows: Rows = []
+    self._error: str | None = None
+
+  def poll(self, final: bool) -> list[str]:
+    """Reads what the file gained; returns the warnings about it (an error only once)."""
+    try:
+      if self.tail is None:
+        self.tail = JsonlTail(self.path) if self.kind == "jsonl" else EventsTail(self.path)
+      chunk = self.tail.read(final)
+    except _optional.MissingExtraError:
+      raise
+    except Exception as e:  # noqa: BLE001  (OSError, or anything a foreign file may raise)
+      error = f"unreadable ({type(e).__name__}: {e})"
+      new, self._error = error != self._error, error
+      return [error] if new else []
+    self._error = None
+    if chunk.restarted:
+      self.rows = []
+    return self._bad_warnings(chunk.bad) + self._add(chunk.rows)
+
+  def _bad_warnings(self, bad: list[tuple[int, str]]) -> list[str]:
+    if not bad:
+      return []
+    if self.kind == "jsonl":
+      where = _listing([w for w, _ in bad], "line")
+      return [f"skipped {len(bad)} line(s) that are not JSON objects with a 'step' ({where})"]
+    return [f"at byte {w}: {why}" for w, why in bad]
+
+  def _add(self, rows: Rows) -> list[str]:
+    malformed = 0
+    for row in rows:
+      step = _step(row.get("step"))
+      if step is None:
+        malformed += 1
+        continue
+      self.rows.append({**{canonical(k): v for k, v in row.items()}, "step": step})
+    return [f"skipped {malformed} row(s) whose 'step' is not a whole number"] if malformed else []
 
 
-def _log_files(run_dir: str) -> list[tuple[str, str]]:
-  """``[(path, kind)]``: per folder under ``run_dir``, its JSONL files, or its event files if it
-  has none."""
-  found = []
+# --- A folder of runs ----------------------------------------------------------------------------
+
+
+def find_logs(run_dir: str) -> list[tuple[str, str]]:
+  """``[(path, kind)]``, kind ``"jsonl"`` or ``"events"``: per folder under ``run_dir``, its JSONL
+  files, or its event files if it has none."""
+  found: list[tuple[str, str]] = []
   for root, _, files in sorted(os.walk(run_dir)):
     jsonl = [n for n in files if n.endswith(".jsonl")]
     events = [n for n in files if n.startswith("events.out.tfevents")]
     kind, names = ("jsonl", jsonl) if jsonl else ("events", events)
     found.extend((os.path.join(root, n), kind) for n in sorted(names))
   return found
+
+
+def _train_rows(rows: Rows) -> Rows:
+  """The rows with loss-scale metrics (e.g. not validation rows), or all if none has them."""
+  kept = [r for r in rows if "loss_scale" in r or "skipped" in r]
+  return kept or rows
+
+
+def _merge_steps(rows: Rows) -> Rows:
+  """One row per step, sorted by step; a step logged twice keeps the later values."""
+  by_step: dict[int, dict[str, Any]] = {}
+  for row in rows:
+    by_step.setdefault(row["step"], {}).update(row)
+  return [by_step[s] for s in sorted(by_step)]
 
 
 def _same_float32(a: Any, b: Any) -> bool:
@@ -129,12 +407,7 @@ def _same_float32(a: Any, b: Any) -> bool:
       return False
 
 
-def _is_metric(key: str) -> bool:
-  """Whether ``key`` is one of the loss scaler's metrics (not, e.g., a wall time logged apart)."""
-  return key in KEYS or key.startswith(("underflow/", "overflows/"))
-
-
-def _is_copy(events_rows: list[dict[str, Any]], jsonl_rows: list[dict[str, Any]]) -> bool:
+def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
   """Whether every step of ``events_rows`` is in ``jsonl_rows`` with the same metrics (the same
   run logged to both, the TensorBoard copy perhaps behind), at least one value compared."""
   by_step = {r["step"]: r for r in jsonl_rows}
@@ -151,7 +424,7 @@ def _is_copy(events_rows: list[dict[str, Any]], jsonl_rows: list[dict[str, Any]]
   return compared > 0
 
 
-def _drop_copies(runs: dict[str, list[dict[str, Any]]], from_events: set[str]) -> None:
+def _drop_copies(runs: dict[str, Rows], from_events: set[str]) -> None:
   """Drops from ``runs`` each run read from event files that is a copy of a run read from JSONL."""
   from_jsonl = [rows for name, rows in runs.items() if name not in from_events]
   for name in from_events:
@@ -159,8 +432,92 @@ def _drop_copies(runs: dict[str, list[dict[str, Any]]], from_events: set[str]) -
       del runs[name]
 
 
-def load_runs(run_dir: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
-  """``{run name: rows sorted by step}`` from the logs under ``run_dir``.
+class LogSet:
+  """The logs under a run folder, read again at each :meth:`poll`.
+
+  Each poll looks for new files and folders, reads what every file gained,
+  and starts over a file that was truncated or replaced; a file that is gone
+  takes its rows with it. :meth:`runs` groups the rows by run. Without
+  ``tensorboard`` the event files are left unread: ``missing`` holds the
+  error and ``unread`` their paths.
+
+  Args:
+    run_dir: the folder (it need not exist yet).
+  """
+
+  def __init__(self, run_dir: str) -> None:
+    self.run_dir = run_dir
+    self.files: dict[str, _LogFile] = {}
+    self.missing: _optional.MissingExtraError | None = None
+    self.unread: list[str] = []
+
+  def poll(self, final: bool = False) -> list[tuple[str, str]]:
+    """Reads what the logs gained; returns the new ``(path, warning)``.
+
+    Args:
+      final: bool, read each file to its very end: a last line without its
+        newline is taken as it is, unread bytes of an event file reported.
+    """
+    found = dict(find_logs(self.run_dir)) if os.path.isdir(self.run_dir) else {}
+    for path in [p for p in self.files if found.get(p) != self.files[p].kind]:
+      del self.files[path]
+    warnings: list[tuple[str, str]] = []
+    self.unread = []
+    for path, kind in found.items():
+      log = self.files.setdefault(path, _LogFile(path, kind))
+      try:
+        warnings.extend((path, w) for w in log.poll(final))
+      except _optional.MissingExtraError as e:
+        self.missing = e
+        self.unread.append(path)
+    return warnings
+
+  def missing_warning(self) -> str | None:
+    """One line on the event files left unread for want of ``tensorboard``, or None."""
+    if not self.unread:
+      return None
+    folders = sorted({self._name(p) for p in self.unread})
+    shown = ", ".join(folders[:_SHOWN]) + (", ..." if len(folders) > _SHOWN else "")
+    return f"the event files of {len(folders)} folder(s) are not read ({shown}): {self.missing}"
+
+  def _name(self, path: str) -> str:
+    folder = os.path.relpath(os.path.dirname(path), self.run_dir)
+    return folder if folder != "." else os.path.basename(os.path.abspath(self.run_dir))
+
+  def runs(self) -> dict[str, Rows]:
+    """``{run name: rows sorted by step}``: a run is named by its rows' ``run`` key (a string),
+    else by its folder. Rows without loss-scale keys (validation rows) are dropped where a run
+    has others; rows of one step are merged, the later values winning; a run read from event
+    files that is a copy of one read from JSON lines is left out."""
+    runs: dict[str, Rows] = {}
+    from_events = set()
+    for path, log in self.files.items():
+      folder = self._name(path)
+      for row in log.rows:
+        name = row.get("run")
+        name = name if isinstance(name, str) else folder
+        runs.setdefault(name, []).append(row)
+        if log.kind == "events":
+          from_events.add(name)
+    runs = {k: _merge_steps(_train_rows(v)) for k, v in runs.items()}
+    _drop_copies(runs, from_events)
+    return runs
+
+  def waiting(self) -> list[str]:
+    """The folders (as run names) whose log files hold no row yet."""
+    with_rows = {self._name(p) for p, log in self.files.items() if log.rows}
+    return sorted({self._name(p) for p in self.files} - with_rows)
+
+
+def warn(path: str, what: str) -> None:
+  """Prints ``what`` about ``path`` as a warning of ``optax-dls inspect`` on stderr."""
+  import sys
+
+  print(f"optax-dls inspect: warning: {path}: {what}", file=sys.stderr)
+
+
+def load_runs(run_dir: str | os.PathLike) -> dict[str, Rows]:
+  """``{run name: rows sorted by step}`` from the logs under ``run_dir``, read once.
 
   Each folder is read from its JSONL files, or, where it has none, from its
   TensorBoard event files. A run is named by the rows' ``run`` key (a
@@ -172,32 +529,31 @@ def load_runs(run_dir: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
   corrupt records, malformed rows and unreadable files are skipped with a
   warning on stderr.
 
+  Args:
+    run_dir: the folder, searched recursively.
+
   Raises:
     NoLogsError: ``run_dir`` is missing, holds no logs, or only unreadable ones.
     TypeError: ``run_dir`` is not a str or ``os.PathLike``.
+    MissingExtraError: event files to read, no ``tensorboard``, and no run
+      read from JSON lines (with some, a warning names the files left unread).
   """
-  run_dir = writers._check_path("run_dir", run_dir)
+  run_dir = check_path("run_dir", run_dir)
   if not os.path.isdir(run_dir):
     raise NoLogsError(f"{run_dir!r} is not a folder.")
-  files = _log_files(run_dir)
-  runs: dict[str, list[dict[str, Any]]] = {}
-  from_events = set()
-  top = os.path.basename(os.path.abspath(run_dir))
-  for path, kind in files:
-    folder = os.path.relpath(os.path.dirname(path), run_dir)
-    for row in _read(path, kind):
-      row = {_canonical(k): v for k, v in row.items()}
-      name = row.get("run")
-      name = name if isinstance(name, str) else (folder if folder != "." else top)
-      runs.setdefault(name, []).append(row)
-      if kind == "events":
-        from_events.add(name)
-  runs = {k: _merge_steps(_train_rows(v)) for k, v in runs.items() if v}
-  _drop_copies(runs, from_events)
+  logs = LogSet(run_dir)
+  for path, what in logs.poll(final=True):
+    warn(path, what)
+  runs = logs.runs()
+  if logs.missing is not None and not runs:
+    raise logs.missing
+  if note := logs.missing_warning():
+    warn(run_dir, note)
+  files = list(logs.files)
   if not runs and files:
     raise NoLogsError(
       f"the logs under {run_dir!r} exist but are unreadable: none of {len(files)} file(s) "
-      f"({', '.join(p for p, _ in files[:3])}{', ...' if len(files) > 3 else ''}) holds a row "
+      f"({', '.join(files[:3])}{', ...' if len(files) > 3 else ''}) holds a row "
       "with a whole-number 'step'."
     )
   if not runs:

@@ -8,19 +8,27 @@ from typing import Any
 import numpy as np
 
 from optax_dls import _columns as C
+from optax_dls import _optional
 
 Rows = list[dict[str, Any]]
 
 
-def check_path(path: str) -> str | None:
-  """Why ``path`` cannot take the plot (a missing folder, an unknown image extension), or None."""
-  from matplotlib.backend_bases import FigureCanvasBase
+def _matplotlib(module: str) -> Any:
+  return _optional.require(module, "drawing the plot (--plot)")
 
+
+def check_path(path: str) -> str | None:
+  """Why ``path`` cannot take the plot (a missing folder, an unknown image extension), or None.
+
+  Raises:
+    MissingExtraError: matplotlib is not installed.
+  """
+  canvas = _matplotlib("matplotlib.backend_bases").FigureCanvasBase
   folder = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(folder):
     return f"the folder {os.path.dirname(path) or folder!r} does not exist"
   ext = os.path.splitext(path)[1].lstrip(".").lower()
-  kinds = FigureCanvasBase.get_supported_filetypes()
+  kinds = canvas.get_supported_filetypes()
   if ext not in kinds:
     return (
       f"unsupported image extension {ext or '(none)'!r} in {path!r}; "
@@ -38,11 +46,10 @@ def plot(runs: dict[str, Rows], out: str) -> None:
 
   Raises:
     OSError: ``out`` cannot be written.
+    MissingExtraError: matplotlib is not installed.
   """
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  _matplotlib("matplotlib").use("Agg")
+  plt = _matplotlib("matplotlib.pyplot")
 
   fig, (ax_s, ax_k) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
   for name, rows in runs.items():

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optax_dls import _plot, _report, writers
+from optax_dls import _plot, _report
 from optax_dls._diagnosis import (  # noqa: F401  (public names of this module before the split)
   DIVERGE_FACTOR,
   NO_GROWTH_UPDATES,
@@ -50,7 +50,8 @@ from optax_dls._diagnosis import (  # noqa: F401  (public names of this module b
   diagnose,
   zero_floor,
 )
-from optax_dls._logs import NoLogsError, load_runs
+from optax_dls._logs import NoLogsError, check_path, load_runs
+from optax_dls._optional import MissingExtraError
 from optax_dls._plot import plot  # noqa: F401
 from optax_dls._summary import summarize  # noqa: F401
 
@@ -69,9 +70,12 @@ def inspect(
     NoLogsError: no readable logs under ``run_dir``.
     TypeError: ``run_dir`` or ``plot_path`` is not a path, or ``as_json`` not
       a bool.
+    ImportError: an optional dependency is missing: ``tensorboard`` for event
+      files, ``matplotlib`` for the plot (a ``MissingExtraError`` naming the
+      ``monitoring`` extra).
   """
   if plot_path is not None:
-    plot_path = writers._check_path("plot_path", plot_path)
+    plot_path = check_path("plot_path", plot_path)
   if not isinstance(as_json, (bool, np.bool_)):
     raise TypeError(f"as_json must be a bool, got {as_json!r} of type {type(as_json).__name__}.")
   runs = load_runs(run_dir)
@@ -123,11 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   parser, p = _parser()
   args = parser.parse_args(argv)
-  if args.plot and (why := _plot.check_path(args.plot)):
-    p.error(f"argument --plot: {why}")
   try:
+    if args.plot and (why := _plot.check_path(args.plot)):
+      p.error(f"argument --plot: {why}")
     text = inspect(args.run_dir, args.plot, args.json)
-  except NoLogsError as e:
+  except (NoLogsError, MissingExtraError) as e:
     print(f"optax-dls inspect: error: {e}", file=sys.stderr)
     return 2
   except OSError as e:

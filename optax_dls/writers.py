@@ -19,14 +19,15 @@ import json
 import math
 import numbers
 import os
-import struct
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from optax_dls import _localisation, _logs, _optional
 
 JSONL_NAME = "metrics.jsonl"
 
@@ -75,13 +76,7 @@ def _tensorboard_value(value: Any) -> float | None:
   return value if math.isfinite(value) else None
 
 
-def _check_path(name: str, value: Any) -> str:
-  """``value`` as a str path; TypeError naming ``name`` unless it is a ``str`` or ``os.PathLike``."""
-  if not isinstance(value, (str, os.PathLike)):
-    raise TypeError(
-      f"{name} must be a str or os.PathLike, got {value!r} of type {type(value).__name__}."
-    )
-  return os.fspath(value)
+_check_path = _logs.check_path
 
 
 def _ends_without_newline(path: str) -> bool:
@@ -104,6 +99,35 @@ def _write_all(f: Any, data: bytes) -> None:
     view = view[f.write(view) :]
 
 
+_LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # the record's packed words, never written
+
+
+def _param_names(params: Any) -> list[str] | None:
+  """The leaf names ``params`` gives (see :class:`MetricsWriter`), or None without it."""
+  if params is None:
+    return None
+  if isinstance(params, (list, tuple)) and params and all(isinstance(n, str) for n in params):
+    return list(params)
+  try:
+    return _localisation.leaf_names(params)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+      "params must be a pytree of arrays or jax.ShapeDtypeStruct (the parameters), or a list "
+      f"of leaf names, got {params!r} of type {type(params).__name__}: {e}"
+    ) from None
+
+
+def _words(name: str, value: Any) -> np.ndarray:
+  """A packed bit record as a 1-D uint32 array; ValueError naming ``name`` unless integers."""
+  arr = np.asarray(value)
+  if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1:
+    raise ValueError(
+      f"metric {name!r} must be the packed uint32 words of optax_dls.metrics, got an array of "
+      f"dtype {arr.dtype} and shape {arr.shape}."
+    )
+  return arr.astype(np.uint32).reshape(-1)
+
+
 class MetricsWriter:
   """Writes scalar metrics every ``every`` steps as JSON lines and TensorBoard events.
 
@@ -122,6 +146,19 @@ class MetricsWriter:
   process id and a random suffix); non-finite values (``grad_norm`` on a
   skipped step) are kept in the JSON lines only.
 
+  Where the gradients went non-finite: the metrics' packed records
+  ``nonfinite_leaves`` and ``nonfinite_nan`` (the only arrays
+  :func:`optax_dls.metrics` holds) are not written as such. When
+  ``nonfinite_step`` (the update number of the last non-finite step) is > 0
+  and differs from that of the last row this writer wrote, or on its first
+  row, the JSON row gets ``"nonfinite_leaves": {name: "inf" | "nan", ...}``:
+  the gradient leaves that were not finite on that step, ``"nan"`` where a
+  leaf held a NaN, ``"inf"`` where it held infinities only. Logging every
+  ``k`` steps records the last non-finite step before each logged row only.
+  ``nonfinite_step`` and ``nonfinite_loss`` are written on every row as
+  scalars; TensorBoard also gets ``nonfinite_leaf_count``, the number of
+  non-finite leaves of that step.
+
   Args:
     logdir: folder to write into (created if missing).
     every: int >= 1, log the steps with ``step % every == 0``. Default 1.
@@ -129,13 +166,19 @@ class MetricsWriter:
       Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
     run_name: optional str stored in every JSON line under ``"run"``.
+    params: optional, names the gradient leaves of the non-finite record: the
+      parameters (a pytree of arrays or ``jax.ShapeDtypeStruct``; their
+      floating leaves in ``jax.tree.leaves`` order, named by key path as
+      ``"decoder/layers_3/attn/query/kernel"``), or a list of leaf names in
+      that order. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
     TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int,
       ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor
-      None.
-    ImportError: ``tensorboard=True`` without ``tensorboardX`` installed.
+      None, ``params`` neither a pytree of arrays nor a list of names.
+    ImportError: ``tensorboard=True`` without ``tensorboardX`` installed (a
+      ``MissingExtraError`` naming the ``monitoring`` extra).
   """
 
   def __init__(
@@ -146,8 +189,9 @@ class MetricsWriter:
     tensorboard: bool = True,
     jsonl: bool = True,
     run_name: str | None = None,
+    params: Any = None,
   ) -> None:
-    logdir = _check_path("logdir", logdir)
+    path = _check_path("logdir", logdir)
     if isinstance(every, bool) or not isinstance(every, numbers.Integral):
       raise TypeError(f"every must be an int, got {every!r}.")
     if every < 1:
@@ -161,24 +205,22 @@ class MetricsWriter:
       )
     if not (tensorboard or jsonl):
       raise ValueError("MetricsWriter needs tensorboard=True or jsonl=True, got both False.")
-    self.logdir = logdir
+    self.logdir: str = path
     self.every = int(every)
     self.run_name = run_name
-    self._closed = False
+    self._names: list[str] | None = _param_names(params)
+    self._last_nonfinite: int | None = None  # nonfinite_step of the last row written
+    self._closed: bool = False
     os.makedirs(self.logdir, exist_ok=True)
-    self._tb = None
+    self._tb: Any = None
     if tensorboard:
-      try:
-        from tensorboardX import SummaryWriter
-      except ImportError as e:
-        raise ImportError(
-          "MetricsWriter(tensorboard=True) needs tensorboardX: "
-          "pip install tensorboardX, or pass tensorboard=False."
-        ) from e
-      self._tb = SummaryWriter(
+      tensorboardx = _optional.require(
+        "tensorboardX", "MetricsWriter(tensorboard=True)", "pass tensorboard=False"
+      )
+      self._tb = tensorboardx.SummaryWriter(
         self.logdir, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:12]}"
       )
-    self._jsonl = self._open_jsonl() if jsonl else None
+    self._jsonl: Any = self._open_jsonl() if jsonl else None
 
   def _open_jsonl(self) -> Any:
     """Opens ``metrics.jsonl`` for unbuffered appends, first ending a line that was cut short."""
@@ -203,7 +245,9 @@ class MetricsWriter:
         is refused: reading it would be a device-to-host transfer on every
         step.
       metrics: a mapping of scalar values (JAX or NumPy arrays, numbers,
-        bools), e.g. :func:`optax_dls.metrics` of the optimizer state.
+        bools), e.g. :func:`optax_dls.metrics` of the optimizer state, whose
+        ``nonfinite_leaves`` / ``nonfinite_nan`` words are written as the
+        names of the non-finite leaves (see the class docstring).
       **extra: more scalars to write, e.g. ``loss=loss``.
 
     Returns:
@@ -213,8 +257,11 @@ class MetricsWriter:
       TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a
         mapping, a metric name is not a str, or a value is not a real number,
         bool or str.
-      ValueError: the writer is closed, a value is not a scalar, or a metric is
-        named ``"step"`` or ``"run"`` (reserved columns of every row).
+      ValueError: the writer is closed, a value is not a scalar (other than
+        the two packed records), a metric is named ``"step"`` or ``"run"``
+        (reserved columns of every row), ``nonfinite_leaves`` comes without
+        ``nonfinite_nan`` or ``nonfinite_step``, or its words do not fit the
+        names of ``params``.
     """
     self._check_open()
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
@@ -222,34 +269,57 @@ class MetricsWriter:
     step = int(step)
     if step % self.every:
       return False
-    if not isinstance(metrics, Mapping):
-      raise TypeError(
-        f"metrics must be a mapping of metric names to scalars, got {metrics!r} "
-        f"of type {type(metrics).__name__}."
-      )
-    values = {**metrics, **extra}
-    for key in values:
-      if not isinstance(key, str):
-        raise TypeError(f"metric names must be strings, got {key!r} of type {type(key).__name__}.")
-      if key in _RESERVED:
-        raise ValueError(
-          f"metric name {key!r} is reserved ({_RESERVED} are columns of every "
-          "logged row); rename the metric."
-        )
-    values = jax.device_get(values)
-    row = {"step": step}
+    values = jax.device_get(_checked_values(metrics, extra))
+    record = self._nonfinite(values)  # takes the packed words out of values
+    row: dict[str, Any] = {"step": step}
     if self.run_name is not None:
       row["run"] = self.run_name
     row.update({k: _to_python(k, v) for k, v in values.items()})
+    tb_only = {}
+    if record is not None:
+      nonfinite_step, leaves = record
+      if nonfinite_step > 0 and nonfinite_step != self._last_nonfinite:
+        row[_LEAVES] = leaves
+      tb_only["nonfinite_leaf_count"] = len(leaves)
+    if "nonfinite_step" in row:
+      self._last_nonfinite = row["nonfinite_step"]
+    self._write(step, row, tb_only)
+    return True
+
+  def _nonfinite(self, values: dict[str, Any]) -> tuple[int, dict[str, str]] | None:
+    """``(nonfinite_step, {leaf name: "inf" | "nan"})`` from the packed records in ``values``
+    (removed from it), or None when it has none."""
+    if _LEAVES not in values and _NAN not in values:
+      return None
+    missing = [k for k in (_LEAVES, _NAN, "nonfinite_step") if k not in values]
+    if missing:
+      raise ValueError(
+        f"metrics has {_LEAVES!r} or {_NAN!r} without {missing}: pass the three together, as "
+        "optax_dls.metrics gives them."
+      )
+    leaves, nan = _words(_LEAVES, values.pop(_LEAVES)), _words(_NAN, values.pop(_NAN))
+    if leaves.shape != nan.shape:
+      raise ValueError(f"{_LEAVES!r} and {_NAN!r} differ in shape: {leaves.shape}, {nan.shape}.")
+    names = self._names
+    if names is None:
+      names = [f"leaf {k}" for k in range(leaves.size * _localisation.WORD_BITS)]
+    elif _localisation.num_words(len(names)) != leaves.size:
+      raise ValueError(
+        f"params names {len(names)} gradient leaves, but {_LEAVES!r} holds {leaves.size} "
+        f"word(s) of 32 bits: pass the parameters of this optimizer state as params."
+      )
+    step = _to_python("nonfinite_step", values["nonfinite_step"])
+    return int(step), _localisation.decode(leaves, nan, names)
+
+  def _write(self, step: int, row: dict[str, Any], tb_only: dict[str, Any]) -> None:
     if self._jsonl is not None:
       _write_all(self._jsonl, (json.dumps(row) + "\n").encode("utf-8"))
     if self._tb is not None:
-      for key, value in row.items():
+      for key, value in {**row, **tb_only}.items():
         # Non-finite values (grad_norm on a skipped step) stay in the JSONL only.
-        scalar = _tensorboard_value(value) if key != "step" else None
+        scalar = _tensorboard_value(value) if key not in ("step", _LEAVES) else None
         if scalar is not None:
           self._tb.add_scalar(key, scalar, step)
-    return True
 
   def flush(self) -> None:
     """Flushes the TensorBoard events (the JSON lines are written unbuffered).
@@ -274,11 +344,30 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
 
-  def __enter__(self) -> MetricsWriter:
+  def __enter__(self) -> Self:
     return self
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+def _checked_values(metrics: Any, extra: dict[str, Any]) -> dict[str, Any]:
+  """``{**metrics, **extra}``; TypeError / ValueError for a bad mapping or metric name."""
+  if not isinstance(metrics, Mapping):
+    raise TypeError(
+      f"metrics must be a mapping of metric names to scalars, got {metrics!r} "
+      f"of type {type(metrics).__name__}."
+    )
+  values = {**metrics, **extra}
+  for key in values:
+    if not isinstance(key, str):
+      raise TypeError(f"metric names must be strings, got {key!r} of type {type(key).__name__}.")
+    if key in _RESERVED:
+      raise ValueError(
+        f"metric name {key!r} is reserved ({_RESERVED} are columns of every "
+        "logged row); rename the metric."
+      )
+  return values
 
 
 def read_jsonl(
@@ -302,74 +391,11 @@ def read_jsonl(
       is neither callable nor None.
   """
   path = _check_path("path", path)
-  report = _reporter("on_bad_line", on_bad_line)
-  rows = []
-  with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes: a malformed line
-    for number, line in enumerate(f, start=1):
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        row = json.loads(line)
-      except (ValueError, RecursionError) as e:  # JSONDecodeError, an over-long int, deep nesting
-        report(number, f"not JSON ({type(e).__name__})")
-        continue
-      if not (isinstance(row, dict) and "step" in row):
-        report(number, "not a JSON object with a 'step' key")
-        continue
-      rows.append(row)
-  return rows
-
-
-def _reporter(name: str, callback: Any) -> Callable[[int, str], Any]:
-  if callback is None:
-    return lambda where, why: None
-  if not callable(callback):
-    raise TypeError(
-      f"{name} must be callable or None, got {callback!r} of type {type(callback).__name__}."
-    )
-  return callback
-
-
-_HEADER = struct.Struct("<QI")  # TFRecord: uint64 length, uint32 masked CRC-32C of the length
-_FOOTER = struct.Struct("<I")  # uint32 masked CRC-32C of the data
-
-
-def _records(data: bytes, report: Callable[[int, str], Any]) -> Any:
-  """``(offset, payload)`` of each intact TFRecord in ``data``.
-
-  Both CRCs of every record are checked. A record whose data is corrupt is
-  skipped; after a corrupt length the reader moves on to the next offset
-  where a record header checks out. Either way only the corrupt bytes are
-  lost.
-  """
-  from tensorboardX.record_writer import masked_crc32c
-
-  pos = 0
-  while pos + _HEADER.size <= len(data):
-    length, length_crc = _HEADER.unpack_from(data, pos)
-    if masked_crc32c(data[pos : pos + 8]) != length_crc:
-      report(pos, "corrupt record header")
-      pos = _next_header(data, pos + 1, masked_crc32c)
-      continue
-    start = pos + _HEADER.size
-    end = start + length
-    if end + _FOOTER.size > len(data):
-      report(pos, "record cut short (the file ends inside it)")
-      return
-    if masked_crc32c(data[start:end]) != _FOOTER.unpack_from(data, end)[0]:
-      report(pos, "corrupt record data (CRC mismatch)")
-    else:
-      yield pos, data[start:end]
-    pos = end + _FOOTER.size
-
-
-def _next_header(data: bytes, pos: int, masked_crc32c: Callable[[bytes], int]) -> int:
-  """The first offset >= ``pos`` holding a TFRecord header whose CRC checks, else ``len(data)``."""
-  for p in range(pos, len(data) - _HEADER.size + 1):
-    if masked_crc32c(data[p : p + 8]) == _HEADER.unpack_from(data, p)[1]:
-      return p
-  return len(data)
+  report = _logs.reporter("on_bad_line", on_bad_line)
+  chunk = _logs.JsonlTail(path).read(final=True)
+  for line, why in chunk.bad:
+    report(line, why)
+  return chunk.rows
 
 
 def read_tensorboard(
@@ -377,12 +403,15 @@ def read_tensorboard(
 ) -> list[dict[str, Any]]:
   """Scalars of one TensorBoard event file as rows ``{"step": s, tag: value, ...}``, sorted by step.
 
-  Reads the TFRecord framing directly, checks both CRC-32C sums of every
-  record, and parses each record with the ``Event`` protobuf that
-  ``tensorboardX`` ships (no TensorFlow or TensorBoard needed). Scalars
-  written as ``simple_value`` or as a one-element float tensor are read;
-  other summaries are ignored. A corrupt or undecodable record is skipped on
-  its own: it costs that record only.
+  Reads the file with TensorBoard's event-file loader
+  (``tensorboard.backend.event_processing.event_file_loader``), which checks
+  both CRC-32C sums of every record; no TensorFlow needed. Scalars written as
+  ``simple_value`` (tensorboardX, ``torch.utils.tensorboard``) or as a
+  one-element numeric tensor (TensorBoard's and TensorFlow's own writers) are
+  read; other summaries are ignored. A record that is not an ``Event`` costs
+  that record only. A corrupt record stops the loader: the scalars before it
+  are returned, those after it are lost, and ``on_bad_record`` is called once
+  with its offset; so is a last record cut short by the end of the file.
 
   Args:
     path: the event file.
@@ -393,28 +422,12 @@ def read_tensorboard(
     OSError: the file cannot be read.
     TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_record``
       is neither callable nor None.
-    ImportError: ``tensorboardX`` is not installed.
+    ImportError: ``tensorboard`` is not installed (a
+      ``MissingExtraError`` naming the ``monitoring`` extra).
   """
   path = _check_path("path", path)
-  from google.protobuf.message import DecodeError
-  from tensorboardX.proto import event_pb2
-
-  report = _reporter("on_bad_record", on_bad_record)
-  with open(path, "rb") as f:
-    data = f.read()
-  by_step: dict[int, dict[str, Any]] = {}
-  for offset, payload in _records(data, report):
-    try:
-      event = event_pb2.Event.FromString(payload)
-    except DecodeError:
-      report(offset, "not an Event protobuf")
-      continue
-    for v in event.summary.value:
-      if v.HasField("simple_value"):
-        value = float(v.simple_value)
-      elif v.HasField("tensor") and len(v.tensor.float_val) == 1:
-        value = float(v.tensor.float_val[0])
-      else:
-        continue
-      by_step.setdefault(int(event.step), {"step": int(event.step)})[v.tag] = value
-  return [by_step[s] for s in sorted(by_step)]
+  report = _logs.reporter("on_bad_record", on_bad_record)
+  chunk = _logs.EventsTail(path).read(final=True)
+  for offset, why in chunk.bad:
+    report(offset, why)
+  return chunk.rows

@@ -510,7 +510,9 @@ def test_skipped_lines_are_counted_on_stderr_and_cost_only_themselves(tmp_path, 
   )
 
 
-def test_a_corrupt_event_record_costs_that_record_only_in_inspect(tmp_path, capsys):
+def test_a_corrupt_event_record_keeps_the_steps_before_it_in_inspect_and_says_where(
+  tmp_path, capsys
+):
   stream = _simulate(40, growth_interval=5)
   _log(tmp_path, stream.rows, source="tensorboard")
   (path,) = tmp_path.glob("events.out.tfevents*")
@@ -520,8 +522,8 @@ def test_a_corrupt_event_record_costs_that_record_only_in_inspect(tmp_path, caps
   assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
   captured = capsys.readouterr()
   summary = json.loads(captured.out)[tmp_path.name]["summary"]
-  assert summary["logged_steps"] == 40 and summary["updates"] == 40
-  assert "skipped 1 corrupt record(s)" in captured.err
+  assert 18 <= summary["logged_steps"] <= 20 and summary["last_step"] < 20
+  assert re.search(r"at byte \d+: a corrupt or cut-short record: the \d+ byte\(s\)", captured.err)
 
 
 def test_a_step_logged_again_after_a_restart_is_merged(tmp_path, capsys):
@@ -772,3 +774,52 @@ def test_the_median_scale_is_a_logged_value(tmp_path, capsys):
   assert summary["scale_median"] == 2.0**10  # the lower median; the mean of the middle two is not
   assert cli.main(["inspect", str(tmp_path)]) == 0
   assert "median 2^10 /" in capsys.readouterr().out
+
+
+# --- Optional dependencies: one line naming the extra, exit status 2 ---
+
+_INSTALL = 'pip install "optax_dls[monitoring]"'
+
+
+def _without(monkeypatch, *modules):
+  """Makes ``import`` of each of ``modules`` fail, as when the package is not installed."""
+  for name in modules:
+    monkeypatch.setitem(sys.modules, name, None)
+
+
+def _one_line_error(capsys):
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and err.count("\n") == 1, err
+  return err
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+  _write_log(tmp_path / "run", '{"step": 0, "loss_scale": 1}\n')
+  _without(monkeypatch, "matplotlib", "matplotlib.backend_bases", "matplotlib.pyplot")
+  assert cli.main(["inspect", str(tmp_path / "run"), "--plot", str(tmp_path / "out.png")]) == 2
+  err = _one_line_error(capsys)
+  assert "--plot" in err and "matplotlib" in err and _INSTALL in err
+  with pytest.raises(ImportError, match="monitoring"):
+    cli.inspect(tmp_path / "run", plot_path=tmp_path / "out.png")
+
+
+def test_event_files_without_tensorboard_are_one_line_naming_the_extra(
+  tmp_path, capsys, monkeypatch
+):
+  _log(tmp_path, _simulate(10).rows, source="tensorboard")
+  _without(monkeypatch, "tensorboard", "tensorboard.backend.event_processing.event_file_loader")
+  assert cli.main(["inspect", str(tmp_path)]) == 2
+  err = _one_line_error(capsys)
+  assert "TensorBoard event files" in err and "tensorboard" in err and _INSTALL in err
+  assert "unreadable" not in err
+
+
+def test_without_tensorboard_the_json_lines_runs_are_still_reported(tmp_path, capsys, monkeypatch):
+  _log(tmp_path / "js", _simulate(10).rows)
+  _log(tmp_path / "tb", _simulate(10).rows, source="tensorboard")
+  _without(monkeypatch, "tensorboard", "tensorboard.backend.event_processing.event_file_loader")
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  captured = capsys.readouterr()
+  assert "run js" in captured.out and "run tb" not in captured.out
+  assert captured.err.count("\n") == 1 and "folder(s) are not read (tb)" in captured.err
+  assert _INSTALL in captured.err

@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import pathlib
+import sys
 import time
 
 import jax
@@ -42,7 +43,7 @@ def test_logs_every_k_steps_and_transfers_only_then(tmp_path, monkeypatch):
     ]
   assert logged == [True, False, False, True, False, False, True]
   assert len(calls) == 3
-  rows = [json.loads(line) for line in open(tmp_path / writers.JSONL_NAME)]
+  rows = [json.loads(line) for line in (tmp_path / writers.JSONL_NAME).read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 3, 6]
   for r, step in zip(rows, (0, 3, 6)):
     expected = jax.device_get(optax_dls.metrics(states[step]))
@@ -263,7 +264,7 @@ def _record_offsets(data):
 
 
 @pytest.mark.parametrize("where", ["data", "length"])
-def test_a_corrupt_event_record_costs_that_record_only(tmp_path, where):
+def test_a_corrupt_event_record_keeps_the_records_before_it_and_says_where(tmp_path, where):
   path = _event_file(tmp_path)
   intact = writers.read_tensorboard(path)
   data = bytearray(pathlib.Path(path).read_bytes())
@@ -275,12 +276,67 @@ def test_a_corrupt_event_record_costs_that_record_only(tmp_path, where):
   else:
     data[victim + 1] ^= 0xFF  # the record's length
   pathlib.Path(path).write_bytes(bytes(data))
-  expected = [dict(r) for r in intact]
-  del expected[1]["skip_count"]
+  # TensorBoard's loader stops at a corrupt record: what comes before it is kept.
+  expected = [intact[0], {"step": 1, "loss_scale": intact[1]["loss_scale"]}]
   assert writers.read_tensorboard(path) == expected
   bad = []
-  writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append(offset))
-  assert bad == [victim]
+  writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append((offset, why)))
+  assert [offset for offset, _ in bad] == [victim]
+  assert f"the {len(data) - victim} byte(s) from there to the end are not read" in bad[0][1]
+
+
+def test_a_last_event_record_cut_short_costs_that_record_only(tmp_path):
+  path = _event_file(tmp_path)
+  intact = writers.read_tensorboard(path)
+  data = pathlib.Path(path).read_bytes()
+  last = _record_offsets(data)[-1]
+  pathlib.Path(path).write_bytes(data[:-3])  # a crash in the middle of the last write
+  bad = []
+  rows = writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append(offset))
+  assert rows == intact[:-1] + [{"step": 5, "loss_scale": intact[-1]["loss_scale"]}]
+  assert bad == [last]
+
+
+def _tensorboard_writer_scalars(logdir, rows):
+  """Writes ``rows`` with TensorBoard's own event-file writer, each scalar as a one-element tensor
+  summary of the scalars plugin, as tf.summary.scalar and TensorBoard's summary API do."""
+  from tensorboard.compat.proto import event_pb2, summary_pb2
+  from tensorboard.plugins.scalar import metadata
+  from tensorboard.summary.writer.event_file_writer import EventFileWriter
+  from tensorboard.util import tensor_util
+
+  writer = EventFileWriter(str(logdir))
+  for row in rows:
+    values = [
+      summary_pb2.Summary.Value(
+        tag=tag,
+        metadata=metadata.create_summary_metadata(display_name=tag, description=""),
+        tensor=tensor_util.make_tensor_proto(np.float32(value)),
+      )
+      for tag, value in row.items()
+      if tag != "step"
+    ]
+    writer.add_event(event_pb2.Event(step=row["step"], summary=summary_pb2.Summary(value=values)))
+  writer.close()
+
+
+@pytest.mark.parametrize("source", ["tensorboardX", "torch", "torch new_style", "tensorboard"])
+def test_event_files_of_each_writer_are_read(tmp_path, source):
+  rows = [{"step": s, "loss_scale": 2.0 ** (10 + s), "skip_count": float(s // 2)} for s in range(5)]
+  if source == "tensorboard":
+    _tensorboard_writer_scalars(tmp_path, rows)
+  else:
+    if source == "tensorboardX":
+      from tensorboardX import SummaryWriter
+    else:
+      from torch.utils.tensorboard import SummaryWriter
+    kwargs = {"new_style": True} if source.endswith("new_style") else {}
+    with SummaryWriter(str(tmp_path)) as w:
+      for row in rows:
+        for tag in ("loss_scale", "skip_count"):
+          w.add_scalar(tag, row[tag], row["step"], **kwargs)
+  (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
+  assert writers.read_tensorboard(event_file) == rows
 
 
 def test_reader_callbacks_must_be_callable(tmp_path):
@@ -304,3 +360,145 @@ def test_reader_callbacks_must_be_callable(tmp_path):
 def test_paths_must_be_str_or_pathlike(call):
   with pytest.raises(TypeError, match=r"(logdir|path) must be a str or os.PathLike"):
     call()
+
+
+def test_tensorboard_true_without_tensorboardx_names_the_extra(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)
+  with pytest.raises(ImportError, match=r'tensorboardX.*pip install "optax_dls\[monitoring\]"'):
+    writers.MetricsWriter(tmp_path)
+  with writers.MetricsWriter(tmp_path, tensorboard=False) as w:  # the JSON lines need nothing
+    assert w.log(0, {"a": 1.0})
+
+
+# --- Where a step went non-finite: the packed leaf records, written as names ---
+
+
+def _words(bits, words=1):
+  out = np.zeros(words, np.uint32)
+  for k in bits:
+    out[k // 32] |= np.uint32(1 << (k % 32))
+  return out
+
+
+def _nonfinite_metrics(step, leaves=(), nan=(), loss=False, words=1, **extra):
+  """Metrics as optax_dls.metrics gives them once non-finite steps are localised (NumPy values)."""
+  return {
+    "loss_scale": np.float32(2.0**10),
+    "num_steps": np.int32(step + 1),
+    "nonfinite_step": np.int32(step),
+    "nonfinite_loss": np.bool_(loss),
+    "nonfinite_leaves": _words(leaves, words),
+    "nonfinite_nan": _words(nan, words),
+    **extra,
+  }
+
+
+PARAMS = {
+  "decoder": {"attn": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}, "step": jnp.int32(0)},
+  "embed": jax.ShapeDtypeStruct((8, 2), jnp.bfloat16),
+}  # floating leaves in order: decoder/attn/bias, decoder/attn/kernel, embed
+
+
+def test_non_finite_leaves_are_written_by_name_once_per_non_finite_step(tmp_path):
+  with writers.MetricsWriter(tmp_path, params=PARAMS) as w:
+    w.log(0, _nonfinite_metrics(0))  # no non-finite step yet
+    w.log(1, _nonfinite_metrics(2, leaves=[1, 2], nan=[2], **{"overflows/decoder": np.int32(1)}))
+    w.log(2, _nonfinite_metrics(2, leaves=[1, 2], nan=[2], **{"overflows/decoder": np.int32(1)}))
+    w.log(3, _nonfinite_metrics(4, leaves=[0], loss=True, **{"overflows/decoder": np.int32(2)}))
+  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert [r.get("nonfinite_leaves") for r in rows] == [
+    None,
+    {"decoder/attn/kernel": "inf", "embed": "nan"},
+    None,  # the same non-finite step as the row before
+    {"decoder/attn/bias": "inf"},
+  ]
+  assert [(r["nonfinite_step"], r["nonfinite_loss"]) for r in rows] == [
+    (0, False),
+    (2, False),
+    (2, False),
+    (4, True),
+  ]
+  assert "nonfinite_nan" not in rows[1] and rows[3]["overflows/decoder"] == 2
+  (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
+  tb = writers.read_tensorboard(event_file)
+  assert [r["nonfinite_leaf_count"] for r in tb] == [0, 2, 2, 1]
+  assert [r["nonfinite_loss"] for r in tb] == [0, 0, 0, 1]
+  assert tb[3]["overflows/decoder"] == 2 and tb[1]["nonfinite_step"] == 2
+  assert not any("nonfinite_leaves" in r or "nonfinite_nan" in r for r in tb)
+
+
+def test_the_first_row_of_a_writer_names_the_last_non_finite_step(tmp_path):
+  with writers.MetricsWriter(tmp_path, tensorboard=False, params=["a", "b"]) as w:
+    w.log(10, _nonfinite_metrics(7, leaves=[1]))  # e.g. a resumed run
+  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert row["nonfinite_leaves"] == {"b": "inf"}
+
+
+def test_without_params_the_leaves_are_numbered(tmp_path):
+  with writers.MetricsWriter(tmp_path, tensorboard=False) as w:
+    w.log(0, _nonfinite_metrics(1, leaves=[3, 40], nan=[40], words=2))
+  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert row["nonfinite_leaves"] == {"leaf 3": "inf", "leaf 40": "nan"}
+
+
+def test_every_k_steps_records_the_last_non_finite_step_before_each_logged_row(tmp_path):
+  with writers.MetricsWriter(tmp_path, tensorboard=False, every=5, params=["a", "b"]) as w:
+    for step, (nonfinite, leaf) in enumerate([(0, 0)] * 3 + [(4, 0), (5, 1)] * 4):
+      w.log(step, _nonfinite_metrics(nonfinite, leaves=[leaf] if nonfinite else []))
+  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert [(r["step"], r.get("nonfinite_leaves")) for r in rows] == [
+    (0, None),
+    (5, {"a": "inf"}),  # step 5 logs nonfinite_step 4
+    (10, {"b": "inf"}),  # step 10 logs nonfinite_step 5: 4 in between is not recorded again
+  ]
+
+
+def test_the_record_from_a_real_optimizer_state_is_named(tmp_path):
+  from optax_dls import _localisation
+
+  params = {"b": jnp.zeros(2), "w": jnp.zeros(2)}
+  finite = [jnp.bool_(False), jnp.bool_(True)]  # leaf b held an inf
+  metrics = {
+    "nonfinite_step": jnp.int32(3),
+    "nonfinite_loss": jnp.bool_(False),
+    "nonfinite_leaves": _localisation.pack([~f for f in finite]),
+    "nonfinite_nan": _localisation.pack([jnp.bool_(False)] * 2),
+  }
+  with writers.MetricsWriter(tmp_path, tensorboard=False, params=params) as w:
+    w.log(0, metrics)
+  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert row["nonfinite_leaves"] == {"b": "inf"}
+
+
+@pytest.mark.parametrize(
+  "metrics, match",
+  [
+    ({"nonfinite_leaves": _words([0]), "nonfinite_step": 1}, "without.*nonfinite_nan"),
+    ({"nonfinite_leaves": _words([0]), "nonfinite_nan": _words([])}, "without.*nonfinite_step"),
+    (
+      {"nonfinite_leaves": _words([0], 2), "nonfinite_nan": _words([]), "nonfinite_step": 1},
+      "differ in shape",
+    ),
+    (
+      {"nonfinite_leaves": _words([0], 2), "nonfinite_nan": _words([], 2), "nonfinite_step": 1},
+      "params names 3 gradient leaves.*2 word",
+    ),
+    (
+      {"nonfinite_leaves": np.ones(1), "nonfinite_nan": _words([]), "nonfinite_step": 1},
+      "'nonfinite_leaves' must be the packed uint32 words",
+    ),
+    ({"nonfinite_count": _words([0])}, "'nonfinite_count' must be a scalar"),
+  ],
+)
+def test_a_malformed_non_finite_record_is_refused_naming_what_is_wrong(tmp_path, metrics, match):
+  with (
+    writers.MetricsWriter(tmp_path, tensorboard=False, params=PARAMS) as w,
+    pytest.raises(ValueError, match=match),
+  ):
+    w.log(0, metrics)
+
+
+@pytest.mark.parametrize("params", [{"a": "text"}, object()])
+def test_params_that_are_not_parameters_nor_names_raise_type_error(tmp_path, params):
+  with pytest.raises(TypeError, match="params must be a pytree"):
+    writers.MetricsWriter(tmp_path, tensorboard=False, params=params)
