@@ -22,6 +22,7 @@ NO_GROWTH_UPDATES = 1000  # updates proven without any growth before "never grow
 ZERO_RISE = 0.10  # rise of the share of exactly-zero unscaled gradients over the run
 STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
 DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
+_NAMED = 3  # parameters and steps named in a diagnosis
 
 # What to do about each symptom.
 _ADVICE = {
@@ -58,6 +59,13 @@ _ADVICE = {
     "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
     "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
     "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."
+  ),
+  "non-finite loss": (
+    "A loss that is inf or NaN makes every gradient non-finite whatever the scale: the step is "
+    "skipped, and so is every step like it. Check the batches of those steps for inf/NaN inputs "
+    "or labels (optax_dls.all_finite(batch)), find the first non-finite value with "
+    "jax_debug_nans, keep the loss, softmax and log-probabilities in float32, and check that the "
+    "parameters are still finite."
   ),
   "diverging loss": (
     "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
@@ -112,7 +120,7 @@ def _applied(rows: Rows, iv: C.Intervals) -> np.ndarray:
 _Found = list[tuple[str, str]]
 
 
-def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool) -> _Found:
+def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
   excess, updates, first, last = _overflow_excess(rows, iv)
   if stuck or not updates or excess / updates <= OVERFLOW_RATE:
     return []
@@ -121,7 +129,7 @@ def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool) -> _Found:
     f"{last} ({excess / updates:.1%}) were skipped beyond the one overflow per growth that "
     "dynamic scaling uses to probe"
   )
-  return [(symptom, _ADVICE["frequent overflow"])]
+  return [(symptom, where_advice(summary) + _ADVICE["frequent overflow"])]
 
 
 def _never_grows(rows: Rows, iv: C.Intervals, summary: dict[str, Any]) -> _Found:
@@ -216,7 +224,7 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
     f"stuck at the minimum: at least {count} updates were skipped with the loss scale at or "
     f"below 1 (lowest logged {scale_text(summary['scale_min'])})"
   )
-  return [(symptom, _ADVICE["stuck at the minimum"])]
+  return [(symptom, where_advice(summary, at_minimum=True) + _ADVICE["stuck at the minimum"])]
 
 
 def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
@@ -246,15 +254,76 @@ def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
   return [(symptom, _ADVICE["diverging loss"])]
 
 
+def _names(entries: list[dict[str, Any]]) -> str:
+  shown = [d["name"] for d in entries[:_NAMED]]
+  return ", ".join(shown) + (f" and {len(entries) - _NAMED} more" if len(entries) > _NAMED else "")
+
+
+def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
+  """What the kind of the recorded non-finite values says, naming the parameters: NaN (a bad
+  operation or bad data) against infinities (a scale too high, or, ``at_minimum``, values that
+  overflow float16 unscaled); "" without a record."""
+  by = (summary.get("nonfinite") or {}).get("by_parameter") or []
+  nan = sorted((d for d in by if d["nan"]), key=lambda d: -d["nan"])
+  inf = [d for d in by if not d["nan"]]
+  out = ""
+  if nan:
+    out += (
+      f"The logged non-finite steps held NaN in {_names(nan)}: an operation without a finite "
+      "result (0/0, log(0), the square root of a negative number, inf - inf) or bad data, which "
+      "no loss scale fixes: look at that layer's divisions, logs, square roots and "
+      "normalisations (an epsilon, float32), and at the data. "
+    )
+  if inf and at_minimum:
+    out += (
+      f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
+      f"{_names(inf)}, at a scale of 1 or less: values that overflow float16 unscaled, in "
+      "that layer's forward pass or its input. "
+    )
+  elif inf:
+    out += (
+      f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
+      f"{_names(inf)}: their gradients outgrew float16 at the scale of the step. The dynamic "
+      "scaler backs off by itself, so this needs action only when it keeps happening: look "
+      "at that layer first. "
+    )
+  return out
+
+
+def _listing(steps: list[int]) -> str:
+  shown = ", ".join(str(s) for s in steps[:_NAMED])
+  return shown + (f", ... ({len(steps)} in all)" if len(steps) > _NAMED else "")
+
+
+def _loss_not_finite(summary: dict[str, Any]) -> _Found:
+  where = summary.get("nonfinite")
+  if not where or not where["loss_steps"]:
+    return []
+  unit = "step" if where["numbering"] == "step" else "update"
+  steps = where["loss_steps"]
+  symptom = (
+    f"non-finite loss: the loss itself was not finite on {unit}{'s' * (len(steps) > 1)} "
+    f"{_listing(steps)}: loss scaling cannot fix this, look at the data or the model"
+  )
+  return [(symptom, _ADVICE["non-finite loss"])]
+
+
 def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
-  """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove;
-  ``zero_floor`` (see :func:`zero_floor`) is what runs logged beside it prove."""
+  """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove.
+
+  Args:
+    rows: one run's rows, sorted by step.
+    summary: :func:`optax_dls._summary.summarize` of ``rows``.
+    zero_floor: what runs logged beside it prove (see :func:`zero_floor`).
+      Default None.
+  """
   iv = C.intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   return (
-    _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS)
+    _loss_not_finite(summary)
+    + _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS, summary)
     + _never_grows(rows, iv, summary)
     + _lost_gradients(rows, summary, zero_floor)
     + _stuck(stuck, summary)

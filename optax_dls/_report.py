@@ -72,6 +72,47 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     )
   if summary["fp32_fallback_steps"]:
     lines.append(f"  fp32 fallback on at {summary['fp32_fallback_steps']} logged steps")
+  if groups := summary.get("overflows_by_group"):
+    counts = ", ".join(f"{label} {n}" for label, n in groups.items())
+    lines.append(f"  overflows    by parameter group: {counts}")
+  return lines + nonfinite_lines(summary)
+
+
+_SHOWN = 5  # parameters listed
+
+
+def _kind(entry: dict[str, Any]) -> str:
+  if entry["nan"] and entry["inf"]:
+    return f"nan on {entry['nan']}, inf on {entry['inf']}"
+  return "nan" if entry["nan"] else "inf"
+
+
+def last_nonfinite(summary: dict[str, Any], shown: int = _SHOWN) -> str | None:
+  """The last recorded non-finite step and its leaves, e.g. ``"step 117: dense/kernel (inf)"``,
+  or None."""
+  last = (summary.get("nonfinite") or {}).get("last")
+  if not last:
+    return None
+  leaves = [f"{name} ({kind})" for name, kind in last["leaves"].items()]
+  more = f" and {len(leaves) - shown} more" if len(leaves) > shown else ""
+  loss = ", the loss not finite" if last["loss"] else ""
+  unit = summary["nonfinite"]["numbering"]
+  return f"{unit} {last['step']}{loss}: {', '.join(leaves[:shown]) or 'no leaf'}{more}"
+
+
+def nonfinite_lines(summary: dict[str, Any]) -> list[str]:
+  """Which parameters the recorded non-finite steps came from, most often first."""
+  where = summary.get("nonfinite")
+  if not where or not where["steps_with_leaves"]:
+    return []
+  n, skips = where["steps_with_leaves"], summary["skips"]
+  of = f", of {skips} skipped" if skips is not None and n < skips else ""
+  lines = [f"  non-finite steps by parameter (the {n} the logs record{of}):"]
+  for entry in where["by_parameter"][:_SHOWN]:
+    lines.append(f"    {entry['name']}  {entry['steps']} of {n} ({_kind(entry)})")
+  if len(where["by_parameter"]) > _SHOWN:
+    lines.append(f"    ... and {len(where['by_parameter']) - _SHOWN} more")
+  lines.append(f"  last non-finite {last_nonfinite(summary)}")
   return lines
 
 

@@ -78,7 +78,9 @@ def summarize(rows: Rows) -> dict[str, Any]:
   median of the logged scales, itself a logged value; ``scale_increases``
   counts the increases between consecutive logged rows. The streak is the
   longest one seen in the logged rows (a lower bound when not every update
-  is logged, see ``every_update_logged``).
+  is logged, see ``every_update_logged``). Where the rows carry them:
+  ``overflows_by_group`` (see :func:`overflows_by_group`) and ``nonfinite``
+  (see :func:`nonfinite`).
 
   Args:
     rows: one run's rows, sorted by step, at least one.
@@ -104,4 +106,103 @@ def summarize(rows: Rows) -> dict[str, Any]:
       steps_at_max_scale=int((s == s.max()).sum()),
       scale_increases=int((np.diff(s) > 0).sum()),
     )
+  if groups := overflows_by_group(rows):
+    out["overflows_by_group"] = groups
+  if (where := nonfinite(rows)) is not None:
+    out["nonfinite"] = where
+  return out
+
+
+# --- Where the non-finite steps came from -------------------------------------------------------
+
+
+def _update_number(value: Any) -> int | None:
+  """A logged ``nonfinite_step`` as an int > 0, or None (no non-finite step yet, or malformed)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  if not (math.isfinite(value) and value == int(value) and value > 0):
+    return None
+  return int(value)
+
+
+def _step_offset(rows: Rows) -> int | None:
+  """``step - num_steps`` when it is the same at every logged row that has both (one update per
+  step), else None: then an update number cannot be told as a step."""
+  d = C.column(rows, "step") - C.counter(C.column(rows, "num_steps"))
+  d = d[np.isfinite(d)]
+  return int(d[0]) if d.size and (d == d[0]).all() else None
+
+
+def _records(rows: Rows) -> dict[int, dict[str, str]]:
+  """``{update number: {leaf name: "inf" | "nan"}}`` of the non-finite steps logged with names;
+  a step logged twice keeps the later record."""
+  out = {}
+  for row in rows:
+    leaves, update = row.get("nonfinite_leaves"), _update_number(row.get("nonfinite_step"))
+    if update is not None and isinstance(leaves, dict):
+      out[update] = {str(k): "nan" if v == "nan" else "inf" for k, v in leaves.items()}
+  return out
+
+
+def _by_parameter(records: dict[int, dict[str, str]]) -> list[dict[str, Any]]:
+  """Per leaf name: the recorded non-finite steps it was in, of them with NaN / inf only; most
+  steps first."""
+  counts: dict[str, dict[str, int]] = {}
+  for leaves in records.values():
+    for name, kind in leaves.items():
+      c = counts.setdefault(name, {"inf": 0, "nan": 0})
+      c[kind] += 1
+  out = [{"name": k, "steps": c["inf"] + c["nan"], **c} for k, c in counts.items()]
+  return sorted(out, key=lambda d: (-d["steps"], d["name"]))
+
+
+def nonfinite(rows: Rows) -> dict[str, Any] | None:
+  """Where the non-finite steps came from, as far as the rows record it; None without a
+  ``nonfinite_step`` column.
+
+  Returns:
+    ``{"numbering": "step" | "update", "steps_seen", "steps_with_leaves", "by_parameter",
+    "loss_steps", "last"}``: the distinct non-finite steps the rows name (by
+    ``nonfinite_step``), those of them recorded with their leaves, per leaf
+    name the count of those it was in (``{"name", "steps", "inf", "nan"}``,
+    most first), the non-finite steps whose loss itself was not finite, and
+    the last recorded one (``{"step", "leaves", "loss"}``, or None). Steps
+    are logged steps (``numbering`` "step") where ``step - num_steps`` is the
+    same at every row, else update numbers counted from 1 (``numbering``
+    "update").
+  """
+  if not C.present(rows, "nonfinite_step").any():
+    return None
+  offset = _step_offset(rows)
+  shift = offset or 0
+  seen, loss = set(), set()
+  for row in rows:
+    update = _update_number(row.get("nonfinite_step"))
+    if update is not None:
+      seen.add(update)
+      if C.number(row.get("nonfinite_loss")) > 0:
+        loss.add(update)
+  records = _records(rows)
+  last = max(records, default=None)
+  return {
+    "numbering": "update" if offset is None else "step",
+    "steps_seen": len(seen),
+    "steps_with_leaves": len(records),
+    "by_parameter": _by_parameter(records),
+    "loss_steps": [u + shift for u in sorted(loss)],
+    "last": None
+    if last is None
+    else {"step": last + shift, "leaves": records[last], "loss": last in loss},
+  }
+
+
+def overflows_by_group(rows: Rows) -> dict[str, int]:
+  """``{label: count}``: the last logged ``overflows/<label>``, the non-finite steps in which some
+  leaf of that parameter group was not finite."""
+  labels = sorted({k for r in rows for k in r if k.startswith("overflows/")})
+  out = {}
+  for key in labels:
+    value = C.last_known(C.counter(C.column(rows, key)))
+    if value is not None:
+      out[key.removeprefix("overflows/")] = int(value)
   return out

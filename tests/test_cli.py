@@ -823,3 +823,128 @@ def test_without_tensorboard_the_json_lines_runs_are_still_reported(tmp_path, ca
   assert "run js" in captured.out and "run tb" not in captured.out
   assert captured.err.count("\n") == 1 and "folder(s) are not read (tb)" in captured.err
   assert _INSTALL in captured.err
+
+
+# --- Where the non-finite steps came from ---
+
+NAMES = ["decoder/layers_3/attn/query/kernel", "decoder/layers_3/mlp/kernel", "embed/embedding"]
+
+
+def _localised(n, spikes, **simulate):
+  """A stream whose overflow at update ``t`` (for ``t`` in ``spikes``) came from the leaves
+  ``spikes[t] = ({leaf index: "inf" | "nan"}, loss not finite)``, with the metrics the loss
+  scaler gives for it: the packed record of the last non-finite step and per-group counts."""
+  stream = _simulate(n, spikes=set(spikes), **simulate)
+  rows, last, groups = [], None, {"decoder": 0, "embed": 0}
+  for t, row in enumerate(stream.rows):
+    if t in spikes:
+      last = (t + 1, *spikes[t])
+      for label in groups:
+        groups[label] += any(NAMES[k].startswith(label) for k in spikes[t][0])
+    leaves, kinds, loss = (0, {}, False) if last is None else last
+    bad = np.zeros(1, np.uint32)
+    nan = np.zeros(1, np.uint32)
+    for k, kind in kinds.items():
+      bad[0] |= np.uint32(1 << k)
+      nan[0] |= np.uint32((kind == "nan") << k)
+    rows.append(
+      row
+      | {
+        "nonfinite_step": np.int32(leaves),
+        "nonfinite_loss": np.bool_(loss),
+        "nonfinite_leaves": bad,
+        "nonfinite_nan": nan,
+      }
+      | {f"overflows/{label}": np.int32(c) for label, c in groups.items()}
+    )
+  return stream, rows
+
+
+def _log_named(path, rows, every=1, source="jsonl"):
+  with writers.MetricsWriter(
+    path, every=every, params=NAMES, tensorboard=source == "tensorboard", jsonl=source == "jsonl"
+  ) as w:
+    for step, row in enumerate(rows):
+      w.log(step, row)
+
+
+QUERY, MLP, EMBED = 0, 1, 2
+SPIKES = {t: ({QUERY: "inf"}, False) for t in range(20, 260, 20)} | {
+  t: ({EMBED: "nan", MLP: "inf"}, False) for t in (30, 90, 150)
+}  # 15 overflows: the query kernel in 12, the embedding (NaN) and the MLP (inf) in 3
+
+
+def test_the_report_names_the_parameters_behind_the_skips(tmp_path, capsys):
+  stream, rows = _localised(300, SPIKES, ceiling=2.0**30, init=2.0**10, growth_interval=10**6)
+  assert stream.skipped.sum() == 15
+  _log_named(tmp_path, rows)
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  assert "  non-finite steps by parameter (the 15 the logs record):" in text
+  assert "    decoder/layers_3/attn/query/kernel  12 of 15 (inf)" in text
+  assert "    decoder/layers_3/mlp/kernel  3 of 15 (inf)" in text
+  assert "    embed/embedding  3 of 15 (nan)" in text
+  assert "  overflows    by parameter group: decoder 15, embed 3" in text
+  assert "  last non-finite step 240: decoder/layers_3/attn/query/kernel (inf)" in text
+  summary = _inspect_json(tmp_path, capsys)[tmp_path.name]["summary"]
+  where = summary["nonfinite"]
+  assert (where["steps_seen"], where["steps_with_leaves"], where["numbering"]) == (15, 15, "step")
+  assert where["by_parameter"][0] == {"name": NAMES[QUERY], "steps": 12, "inf": 12, "nan": 0}
+  assert where["last"] == {"step": 240, "leaves": {NAMES[QUERY]: "inf"}, "loss": False}
+  assert summary["overflows_by_group"] == {"decoder": 15, "embed": 3}
+
+
+def test_logs_every_k_steps_say_how_many_non_finite_steps_they_record(tmp_path, capsys):
+  _, rows = _localised(300, SPIKES, ceiling=2.0**30, init=2.0**10, growth_interval=10**6)
+  _log_named(tmp_path, rows, every=50)
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  # Logged at steps 0, 50, ..., 250: each row names the last non-finite step before it, the
+  # overflows at updates 40, 100, 150 (the embedding's), 200 and 240.
+  assert "non-finite steps by parameter (the 5 the logs record, of 15 skipped" in text
+  assert "    decoder/layers_3/attn/query/kernel  4 of 5 (inf)" in text
+  assert "    embed/embedding  1 of 5 (nan)" in text
+
+
+def test_a_non_finite_loss_is_reported_with_its_steps(tmp_path, capsys):
+  spikes = {120: ({QUERY: "nan"}, True), 200: ({QUERY: "inf"}, False), 340: ({EMBED: "nan"}, True)}
+  _, rows = _localised(400, spikes, ceiling=2.0**30, init=2.0**10, growth_interval=10**6)
+  _log_named(tmp_path, rows)
+  (found,) = _inspect_json(tmp_path, capsys)[tmp_path.name]["diagnosis"]
+  assert found["symptom"] == (
+    "non-finite loss: the loss itself was not finite on steps 120, 340: loss scaling cannot fix "
+    "this, look at the data or the model"
+  )
+  assert "all_finite(batch)" in found["advice"]
+
+
+def test_a_non_finite_loss_is_found_in_tensorboard_logs_too(tmp_path, capsys):
+  spikes = {50: ({QUERY: "nan"}, True)}
+  _, rows = _localised(100, spikes, ceiling=2.0**30, init=2.0**10, growth_interval=10**6)
+  _log_named(tmp_path, rows, source="tensorboard")
+  report = _inspect_json(tmp_path, capsys)[tmp_path.name]
+  assert [d["symptom"][:40] for d in report["diagnosis"]] == [
+    "non-finite loss: the loss itself was not"
+  ]
+  assert report["summary"]["nonfinite"]["steps_with_leaves"] == 0  # the names are in JSONL only
+
+
+def test_the_advice_tells_nan_from_inf_and_names_the_parameters(tmp_path, capsys):
+  often = range(25, 900, 50)  # overflow spikes that no growth undoes: frequent overflow
+  for kind, leaf in (("inf", QUERY), ("nan", EMBED)):
+    _, rows = _localised(
+      900,
+      {t: ({leaf: kind}, False) for t in often},
+      growth_interval=10**6,
+      init=2.0**24,
+      ceiling=2.0**30,
+    )
+    _log_named(tmp_path / kind, rows)
+  report = _inspect_json(tmp_path, capsys)
+  ((inf_symptom, inf_advice),) = [(d["symptom"], d["advice"]) for d in report["inf"]["diagnosis"]]
+  ((nan_symptom, nan_advice),) = [(d["symptom"], d["advice"]) for d in report["nan"]["diagnosis"]]
+  assert inf_symptom.startswith("frequent overflow") and nan_symptom.startswith("frequent overflow")
+  assert f"held infinities in {NAMES[QUERY]}" in inf_advice and "backs off by itself" in inf_advice
+  assert "NaN" not in inf_advice
+  assert f"held NaN in {NAMES[EMBED]}" in nan_advice and "0/0" in nan_advice
+  assert "infinities" not in nan_advice
