@@ -206,3 +206,25 @@ def overflows_by_group(rows: Rows) -> dict[str, int]:
     if value is not None:
       out[key.removeprefix("overflows/")] = int(value)
   return out
+
+
+def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
+  """Updates, skips and update ratio over about the last ``window`` updates, from the counters of
+  the last row and of the latest row at least ``window`` updates before it (the first row when
+  none is); None where the counters do not tell.
+
+  Args:
+    rows: one run's rows, sorted by step.
+    window: int >= 1, the updates to look back. Default 100.
+  """
+  n, s = C.updates(rows), C.skips(rows)
+  known = np.flatnonzero(np.isfinite(n) & np.isfinite(s))
+  if known.size < 2:
+    return None
+  last = known[-1]
+  before = known[n[known] <= n[last] - window]
+  first = before[-1] if before.size else known[0]
+  dn, ds = int(n[last] - n[first]), int(s[last] - s[first])
+  if dn <= 0 or not 0 <= ds <= dn:
+    return None
+  return {"updates": dn, "skips": ds, "update_ratio": (dn - ds) / dn}

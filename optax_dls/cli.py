@@ -34,13 +34,14 @@ missing folder or with an unknown extension).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 
-from optax_dls import _plot, _report
+from optax_dls import _live, _plot, _report
 from optax_dls._diagnosis import (  # noqa: F401  (public names of this module before the split)
   DIVERGE_FACTOR,
   NO_GROWTH_UPDATES,
@@ -88,17 +89,44 @@ def inspect(
   return out + f"\nplot written to {plot_path}" if plot_path else out
 
 
+def _closed_pipe() -> int:
+  """Sends stdout to devnull, so that the interpreter's final flush does not fail on the closed
+  pipe too (as the Python docs recommend); returns the exit code 1."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stdout.fileno())
+  return 1
+
+
 def _print(text: str) -> int:
-  """Prints ``text``; 0, or 1 when the reader closed the pipe (then stdout goes to devnull, so
-  that the interpreter's final flush does not fail too, as the Python docs recommend)."""
+  """Prints ``text``; 0, or 1 when the reader closed the pipe."""
   try:
     print(text)
     sys.stdout.flush()
   except BrokenPipeError:
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    return 1
+    return _closed_pipe()
   return 0
+
+
+def _seconds(text: str) -> float:
+  """``--watch``'s value: a finite number of seconds > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+  return value
+
+
+def _count(text: str) -> int:
+  """``--max-refreshes``'s value: an int >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+  return value
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -116,7 +144,28 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     "--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image"
   )
   p.add_argument("--json", action="store_true", help="print the summary and diagnosis as JSON")
+  p.add_argument(
+    "--follow",
+    action="store_true",
+    help="keep reading the logs as they grow and show each run's current state, every 2 s "
+    "(Ctrl-C to stop)",
+  )
+  p.add_argument(
+    "--watch", metavar="SECONDS", type=_seconds, help="like --follow, every SECONDS seconds"
+  )
+  p.add_argument("--max-refreshes", type=_count, help=argparse.SUPPRESS)  # for tests: then stop
   return parser, p
+
+
+def _follow(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """``inspect --follow`` / ``--watch``: the live view until Ctrl-C (exit code 0)."""
+  if args.plot or args.json:
+    p.error("argument --follow/--watch: not allowed with --plot or --json")
+  interval = 2.0 if args.watch is None else args.watch
+  try:
+    return _live.follow(args.run_dir, interval, refreshes=args.max_refreshes)
+  except BrokenPipeError:
+    return _closed_pipe()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   parser, p = _parser()
   args = parser.parse_args(argv)
+  if args.follow or args.watch is not None or args.max_refreshes is not None:
+    return _follow(p, args)
   try:
     if args.plot and (why := _plot.check_path(args.plot)):
       p.error(f"argument --plot: {why}")
