@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from optax_dls import _logs, _report, _summary
+from optax_dls import _logs, _report, _summary, _tail
 
 RECENT = 100  # updates of the "recent" skips and update ratio
 _UP_AND_CLEAR = "\x1b[{}F\x1b[J"  # cursor up N lines to their start, clear to the end of screen
@@ -174,7 +174,7 @@ def follow(
       ``refreshes`` not an int.
     ValueError: ``interval`` not finite and > 0, or ``refreshes`` < 1.
   """
-  run_dir = _logs.check_path("run_dir", run_dir)
+  run_dir = _tail.check_path("run_dir", run_dir)
   _check_interval(interval, refreshes)
   out = sys.stdout if out is None else out
   err = sys.stderr if err is None else err

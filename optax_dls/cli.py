@@ -1,12 +1,18 @@
-"""``optax-dls inspect RUN_DIR``: summarise and diagnose a run's loss-scale logs.
+"""``optax-dls inspect RUN_DIR``: summarise and diagnose a run's loss-scale logs, once or live.
 
-Reads the ``metrics.jsonl`` files written by :class:`optax_dls.writers.MetricsWriter`
-(or any JSON lines with a ``step`` key and the keys of :func:`optax_dls.metrics`)
-and, where there are none, TensorBoard event files. Prints per run: steps,
-updates, skips, update ratio, longest logged skip streak, the lowest / median /
-highest logged loss scale (exact powers of two as ``2^k``), the logged steps at
-the lowest and highest scale, then a diagnosis of the usual symptoms with what
-to do about each. ``--plot out.png`` draws the loss scale and the skips.
+Reads, per folder under ``RUN_DIR``, the ``*.jsonl`` files written by
+:class:`optax_dls.writers.MetricsWriter` (or any JSON lines with a ``step`` key
+and the keys of :func:`optax_dls.metrics`), or, in a folder without them, its
+TensorBoard event files (read with TensorBoard's event-file loader; a run's
+TensorBoard copy beside its JSON lines is read once). Prints per run: steps,
+updates (applied and skipped), skips, update ratio, longest logged skip streak,
+the lowest / median / highest logged loss scale (exact powers of two as
+``2^k``), the logged steps at the lowest and highest scale, the overflows per
+parameter group and the non-finite steps by parameter (inf or NaN) where the
+logs carry them, then a diagnosis of the usual symptoms with what to do about
+each. ``--plot out.png`` draws the loss scale and the skips; ``--json`` prints
+the same as JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading
+the logs as they grow and shows the current state of every run until Ctrl-C.
 
 The logs may be written every ``k`` steps. The diagnosis then rests on the
 cumulative counters of the logged rows (``num_steps``, ``skip_count``, or
@@ -23,12 +29,16 @@ update. Rows logged twice for one step (a resumed run) are merged, the later
 values winning.
 
 Lines that are not JSON objects with a ``step``, rows whose ``step`` is not a
-whole number, corrupt TensorBoard records and unreadable files are skipped,
-each on its own, and counted in a warning on stderr.
+whole number, undecodable TensorBoard records and unreadable files are
+skipped, each on its own, and counted in a warning on stderr. A corrupt
+TensorBoard record stops the reading of its file there: the warning says from
+which byte on it is lost.
 
-Exit codes: 0 success; 1 the output was closed early (e.g. ``| head``); 2 no
-logs found, only unreadable logs, or a bad argument (e.g. ``--plot`` into a
-missing folder or with an unknown extension).
+Exit codes: 0 success (and Ctrl-C ending ``--follow``); 1 the output was
+closed early (e.g. ``| head``); 2 no logs found, only unreadable logs, a
+missing optional dependency (one line naming ``pip install
+"optax_dls[monitoring]"``), or a bad argument (e.g. ``--plot`` into a missing
+folder or with an unknown extension, ``--watch 0``).
 """
 
 from __future__ import annotations
@@ -51,10 +61,11 @@ from optax_dls._diagnosis import (  # noqa: F401  (public names of this module b
   diagnose,
   zero_floor,
 )
-from optax_dls._logs import NoLogsError, check_path, load_runs
+from optax_dls._logs import NoLogsError, load_runs
 from optax_dls._optional import MissingExtraError
 from optax_dls._plot import plot  # noqa: F401
 from optax_dls._summary import summarize  # noqa: F401
+from optax_dls._tail import check_path
 
 
 def inspect(

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _localisation, _logs, _optional
+from optax_dls import _localisation, _optional, _tail
 
 JSONL_NAME = "metrics.jsonl"
 
@@ -76,7 +76,7 @@ def _tensorboard_value(value: Any) -> float | None:
   return value if math.isfinite(value) else None
 
 
-_check_path = _logs.check_path
+_check_path = _tail.check_path
 
 
 def _ends_without_newline(path: str) -> bool:
@@ -391,8 +391,8 @@ def read_jsonl(
       is neither callable nor None.
   """
   path = _check_path("path", path)
-  report = _logs.reporter("on_bad_line", on_bad_line)
-  chunk = _logs.JsonlTail(path).read(final=True)
+  report = _tail.reporter("on_bad_line", on_bad_line)
+  chunk = _tail.JsonlTail(path).read(final=True)
   for line, why in chunk.bad:
     report(line, why)
   return chunk.rows
@@ -426,8 +426,8 @@ def read_tensorboard(
       ``MissingExtraError`` naming the ``monitoring`` extra).
   """
   path = _check_path("path", path)
-  report = _logs.reporter("on_bad_record", on_bad_record)
-  chunk = _logs.EventsTail(path).read(final=True)
+  report = _tail.reporter("on_bad_record", on_bad_record)
+  chunk = _tail.EventsTail(path).read(final=True)
   for offset, why in chunk.bad:
     report(offset, why)
   return chunk.rows

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from optax_dls import _live, _logs, cli, writers
+from optax_dls import _live, _tail, cli, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,6 +287,6 @@ def test_a_corrupt_event_record_is_reported_once_the_file_stops_growing(tmp_path
   data = bytearray(path.read_bytes())
   data[-6] ^= 0xFF  # the value of the last record
   path.write_bytes(bytes(data))
-  tail = _logs.EventsTail(str(path))
+  tail = _tail.EventsTail(str(path))
   assert [r["step"] for r in tail.read().rows] == [0, 1, 2] and tail.read().bad != []
   assert tail.read().bad == []  # once
