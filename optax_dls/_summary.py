@@ -19,6 +19,7 @@ Rows = C.Rows
 def scale_text(x: float) -> str:
   """A loss scale as ``2^k`` when it is an exact power of two other than 1, else in ``%g`` form.
 
+  >>> from optax_dls._summary import scale_text
   >>> scale_text(2.0**21), scale_text(2.0**-126), scale_text(1.0), scale_text(1500.0)
   ('2^21', '2^-126', '1', '1500')
   """
@@ -71,7 +72,8 @@ def summarize(rows: Rows) -> dict[str, Any]:
 
   ``updates`` counts the updates, skipped ones included (``num_steps``),
   ``applied_updates`` those applied, ``skips`` the skipped ones; these,
-  ``update_ratio`` and ``longest_skip_streak`` are None where the logged
+  ``update_ratio``, ``longest_skip_streak`` and ``fp32_fallback_steps`` (the
+  logged steps with the float32 fallback on) are None where the logged
   columns do not tell. ``scale_min`` / ``scale_max`` and
   ``steps_at_min_scale`` / ``steps_at_max_scale`` are the lowest and highest
   *logged* scales and the logged steps at them; ``scale_median`` is the lower
@@ -88,13 +90,14 @@ def summarize(rows: Rows) -> dict[str, Any]:
   steps = C.column(rows, "step")
   scale = C.column(rows, "loss_scale")
   iv = C.intervals(rows)
+  fallback = C.flag(rows, "fp32_fallback")  # the key appears only with the fp32 fallback
   out = {
     "logged_steps": len(rows),
     "first_step": int(steps[0]),
     "last_step": int(steps[-1]),
     "every_update_logged": C.every_update_logged(iv),
     **_counts(rows, iv),
-    "fp32_fallback_steps": int(np.nansum(C.flag(rows, "fp32_fallback"))),
+    "fp32_fallback_steps": int(np.nansum(fallback)) if np.isfinite(fallback).any() else None,
   }
   s = scale[np.isfinite(scale)]
   if s.size:

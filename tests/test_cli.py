@@ -948,3 +948,12 @@ def test_the_advice_tells_nan_from_inf_and_names_the_parameters(tmp_path, capsys
   assert "NaN" not in inf_advice
   assert f"held NaN in {NAMES[EMBED]}" in nan_advice and "0/0" in nan_advice
   assert "infinities" not in nan_advice
+
+
+def test_keys_of_features_not_in_use_are_unknown_not_zero(tmp_path, capsys):
+  # fp32_fallback and the recompute counters appear in the metrics only with those features.
+  _log(tmp_path, _simulate(50).rows)
+  (report,) = _inspect_json(tmp_path, capsys).values()
+  assert report["summary"]["fp32_fallback_steps"] is None and "nonfinite" not in report["summary"]
+  _log(tmp_path / "fb", [r | {"fp32_fallback": i >= 45} for i, r in enumerate(_simulate(50).rows)])
+  assert _inspect_json(tmp_path / "fb", capsys)["fb"]["summary"]["fp32_fallback_steps"] == 5
