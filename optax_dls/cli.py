@@ -172,6 +172,9 @@ def _follow(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """``inspect --follow`` / ``--watch``: the live view until Ctrl-C (exit code 0)."""
   if args.plot or args.json:
     p.error("argument --follow/--watch: not allowed with --plot or --json")
+  if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
+    print(f"optax-dls inspect: error: {args.run_dir!r} is not a folder.", file=sys.stderr)
+    return 2
   interval = 2.0 if args.watch is None else args.watch
   try:
     return _live.follow(args.run_dir, interval, refreshes=args.max_refreshes)

@@ -290,3 +290,9 @@ def test_a_corrupt_event_record_is_reported_once_the_file_stops_growing(tmp_path
   tail = _tail.EventsTail(str(path))
   assert [r["step"] for r in tail.read().rows] == [0, 1, 2] and tail.read().bad != []
   assert tail.read().bad == []  # once
+
+
+def test_following_a_file_that_is_not_a_folder_exits_2(tmp_path, capsys):
+  (tmp_path / "notes.txt").write_text("not logs")
+  assert cli.main(["inspect", str(tmp_path / "notes.txt"), "--follow"]) == 2
+  assert "is not a folder" in capsys.readouterr().err
