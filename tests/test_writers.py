@@ -328,8 +328,8 @@ def test_event_files_of_each_writer_are_read(tmp_path, source):
   else:
     if source == "tensorboardX":
       from tensorboardX import SummaryWriter
-    else:
-      from torch.utils.tensorboard import SummaryWriter
+    else:  # torch is not installed everywhere the tests run (no build for the newest Python)
+      SummaryWriter = pytest.importorskip("torch.utils.tensorboard").SummaryWriter
     kwargs = {"new_style": True} if source.endswith("new_style") else {}
     with SummaryWriter(str(tmp_path)) as w:
       for row in rows:
