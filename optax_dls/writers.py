@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _localisation, _optional, _tail
+from optax_dls import _access, _localisation, _optional, _tail
 
 JSONL_NAME = "metrics.jsonl"
 
@@ -109,7 +109,7 @@ def _param_names(params: Any) -> list[str] | None:
   if isinstance(params, (list, tuple)) and params and all(isinstance(n, str) for n in params):
     return list(params)
   try:
-    return _localisation.leaf_names(params)
+    return _access.leaf_names(params)
   except (TypeError, ValueError) as e:
     raise TypeError(
       "params must be a pytree of arrays or jax.ShapeDtypeStruct (the parameters), or a list "
@@ -153,7 +153,8 @@ class MetricsWriter:
   and differs from that of the last row this writer wrote, or on its first
   row, the JSON row gets ``"nonfinite_leaves": {name: "inf" | "nan", ...}``:
   the gradient leaves that were not finite on that step, ``"nan"`` where a
-  leaf held a NaN, ``"inf"`` where it held infinities only. Logging every
+  leaf held a NaN, ``"inf"`` where it held infinities only (what
+  :func:`optax_dls.nonfinite_leaves` gives). Logging every
   ``k`` steps records the last non-finite step before each logged row only.
   ``nonfinite_step`` and ``nonfinite_loss`` are written on every row as
   scalars; TensorBoard also gets ``nonfinite_leaf_count``, the number of
@@ -303,13 +304,8 @@ class MetricsWriter:
     names = self._names
     if names is None:
       names = [f"leaf {k}" for k in range(leaves.size * _localisation.WORD_BITS)]
-    elif _localisation.num_words(len(names)) != leaves.size:
-      raise ValueError(
-        f"params names {len(names)} gradient leaves, but {_LEAVES!r} holds {leaves.size} "
-        f"word(s) of 32 bits: pass the parameters of this optimizer state as params."
-      )
     step = _to_python("nonfinite_step", values["nonfinite_step"])
-    return int(step), _localisation.decode(leaves, nan, names)
+    return int(step), _access.nonfinite_leaves({_LEAVES: leaves, _NAN: nan}, names)
 
   def _write(self, step: int, row: dict[str, Any], tb_only: dict[str, Any]) -> None:
     if self._jsonl is not None:

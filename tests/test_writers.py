@@ -35,7 +35,13 @@ def _state_after(kinds):
 def test_logs_every_k_steps_and_transfers_only_then(tmp_path, monkeypatch):
   calls = []
   real_get = jax.device_get
-  monkeypatch.setattr(writers.jax, "device_get", lambda x: calls.append(1) or real_get(x))
+
+  def device_get(x):  # counts the calls that move device arrays (host values cost nothing)
+    if any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
+      calls.append(1)
+    return real_get(x)
+
+  monkeypatch.setattr(writers.jax, "device_get", device_get)
   states = _state_after([1.0, jnp.inf, 1.0, 1.0, jnp.inf, 1.0, 1.0])
   with writers.MetricsWriter(tmp_path, every=3, run_name="exp") as w:
     logged = [
@@ -49,8 +55,13 @@ def test_logs_every_k_steps_and_transfers_only_then(tmp_path, monkeypatch):
     expected = jax.device_get(optax_dls.metrics(states[step]))
     assert r["run"] == "exp" and r["loss"] == step / 2
     for key, value in expected.items():
-      assert r[key] == pytest.approx(value.item(), nan_ok=True), key
+      if key not in ("nonfinite_leaves", "nonfinite_nan"):  # the packed words: written as names
+        assert r[key] == pytest.approx(value.item(), nan_ok=True), key
   assert rows[1]["skip_count"] == 1 and rows[1]["skipped"] is False and rows[2]["skip_count"] == 2
+  # Updates 2 and 5 overflowed: rows 3 and 6 name the leaf (numbered: no params given).
+  assert [r["nonfinite_step"] for r in rows] == [0, 2, 5]
+  assert [r.get("nonfinite_leaves") for r in rows] == [None, {"leaf 0": "inf"}, {"leaf 0": "inf"}]
+  assert "nonfinite_nan" not in rows[1]
 
 
 def test_tensorboard_events_hold_the_same_scalars(tmp_path):
@@ -454,20 +465,24 @@ def test_every_k_steps_records_the_last_non_finite_step_before_each_logged_row(t
 
 
 def test_the_record_from_a_real_optimizer_state_is_named(tmp_path):
-  from optax_dls import _localisation
-
-  params = {"b": jnp.zeros(2), "w": jnp.zeros(2)}
-  finite = [jnp.bool_(False), jnp.bool_(True)]  # leaf b held an inf
-  metrics = {
-    "nonfinite_step": jnp.int32(3),
-    "nonfinite_loss": jnp.bool_(False),
-    "nonfinite_leaves": _localisation.pack([~f for f in finite]),
-    "nonfinite_nan": _localisation.pack([jnp.bool_(False)] * 2),
-  }
-  with writers.MetricsWriter(tmp_path, tensorboard=False, params=params) as w:
-    w.log(0, metrics)
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
-  assert row["nonfinite_leaves"] == {"b": "inf"}
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+  params = {"b": jnp.zeros(2), "n": jnp.zeros(2), "step": jnp.int32(0), "w": jnp.zeros(2)}
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for b, n in [(1.0, 1.0), (jnp.inf, 1.0), (1.0, 1.0), (-jnp.inf, jnp.nan)]:
+    grads = {"b": jnp.full(2, b), "n": jnp.array([1.0, n]), "step": None, "w": jnp.ones(2)}
+    _, state = update(grads, state, params)
+    with writers.MetricsWriter(tmp_path, tensorboard=False, params=params) as w:
+      w.log(0, optax_dls.metrics(state))
+  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert [r.get("nonfinite_leaves") for r in rows] == [
+    None,
+    {"b": "inf"},
+    {"b": "inf"},  # a new writer names the last non-finite step again
+    {"b": "inf", "n": "nan"},
+  ]
+  assert [r["nonfinite_step"] for r in rows] == [0, 2, 2, 4]
+  assert rows[3]["nonfinite_leaves"] == optax_dls.nonfinite_leaves(state, params)
 
 
 @pytest.mark.parametrize(
@@ -481,7 +496,7 @@ def test_the_record_from_a_real_optimizer_state_is_named(tmp_path):
     ),
     (
       {"nonfinite_leaves": _words([0], 2), "nonfinite_nan": _words([], 2), "nonfinite_step": 1},
-      "params names 3 gradient leaves.*2 word",
+      "3 floating leaves.*2 words",
     ),
     (
       {"nonfinite_leaves": np.ones(1), "nonfinite_nan": _words([]), "nonfinite_step": 1},
