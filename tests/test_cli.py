@@ -49,7 +49,7 @@ def trained(tmp_path_factory):
 
   bad = {5, 6, 7, 20}
   scales, skipped = [], []
-  with writers.MetricsWriter(out, every=1, run_name="tiny") as w:
+  with writers.MetricsWriter(out, every=1, run_name="tiny", params=params) as w:
     for i in range(30):
       x = jnp.full((2, 4), 1e4 if i in bad else 0.5)
       params, state, loss = step(params, state, x)
@@ -84,7 +84,9 @@ def test_text_output_and_tensorboard_only_folder(trained, capsys, tmp_path):
   assert cli.main(["inspect", str(out)]) == 0
   text = capsys.readouterr().out
   assert "run tiny" in text and "longest streak 3" in text
-  # The same run read back from its TensorBoard events only.
+  assert "non-finite steps by parameter (the 4 the logs record):\n    w  4 of 4 (inf)" in text
+  # The same run read back from its TensorBoard events only: the same summary, but for the
+  # leaf names, which only the JSON lines hold.
   tb_dir = tmp_path / "tb"
   tb_dir.mkdir()
   for name in os.listdir(out):
@@ -92,7 +94,11 @@ def test_text_output_and_tensorboard_only_folder(trained, capsys, tmp_path):
       os.link(out / name, tb_dir / name)
   from_tb = _inspect_json(tb_dir, capsys)["tb"]["summary"]
   from_jsonl = _inspect_json(out, capsys)["tiny"]["summary"]
-  assert from_tb == from_jsonl
+  named = from_jsonl["nonfinite"]
+  assert named["steps_seen"] == named["steps_with_leaves"] == 4
+  assert named["by_parameter"] == [{"name": "w", "steps": 4, "inf": 4, "nan": 0}]
+  unnamed = {**named, "steps_with_leaves": 0, "by_parameter": [], "last": None}
+  assert from_tb == {**from_jsonl, "nonfinite": unnamed}
 
 
 def test_folder_without_logs_exits_2(tmp_path, capsys):
