@@ -160,9 +160,23 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
   bad = [r for r in args.runs if r not in RUNS]
   if bad or not args.runs or len(set(args.runs)) != len(args.runs):
-    p.error(
-      f"argument --runs: expected distinct names from {','.join(RUNS)}, got {','.join(args.runs) or '(none)'}"
-    )
+    got = ",".join(args.runs) or "(none)"
+    p.error(f"argument --runs: expected distinct names from {','.join(RUNS)}, got {got}")
+  _check_numbers(p, args)
+  if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+    p.error(f"argument --out: must be a folder, got the existing file {args.out!r}")
+  try:
+    text = data.read_text(args.text) if args.text else data.default_text()
+    args.train, args.val = data.split_bytes(text, args.seq_len + 1)
+  except data.DataError as e:
+    p.error(str(e))
+  args.out = args.out or os.path.join("runs", time.strftime("train_lm-%Y%m%d-%H%M%S"))
+  return args
+
+
+def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Exits with an argparse error (code 2) for a size < 1, ``--heads`` not dividing
+  ``--d-model``, or a scale, try count, learning rate or seed out of its range."""
   for name in SIZES:
     if getattr(args, name) < 1:
       p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -178,15 +192,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"argument --lr: must be finite and > 0, got {args.lr}")
   if not 0 <= args.seed <= 2**32 - 1:
     p.error(f"argument --seed: must be in [0, 2**32 - 1], got {args.seed}")
-  if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
-    p.error(f"argument --out: must be a folder, got the existing file {args.out!r}")
-  try:
-    text = data.read_text(args.text) if args.text else data.default_text()
-    args.train, args.val = data.split_bytes(text, args.seq_len + 1)
-  except data.DataError as e:
-    p.error(str(e))
-  args.out = args.out or os.path.join("runs", time.strftime("train_lm-%Y%m%d-%H%M%S"))
-  return args
 
 
 def tokens_per_step(args) -> int:
@@ -277,7 +282,8 @@ def make_train_step(model, tx, args, max_tries=None):
 
 
 def run_writers(out: str, name: str) -> tuple[MetricsWriter, MetricsWriter]:
-  """A run's writers: rows appended to ``<out>/metrics.jsonl``, TensorBoard events in ``<out>/tb/<name>``."""
+  """A run's writers: rows appended to ``<out>/metrics.jsonl``, TensorBoard events in
+  ``<out>/tb/<name>``."""
   return (
     MetricsWriter(out, run_name=name, tensorboard=False),
     MetricsWriter(os.path.join(out, "tb", name), jsonl=False),
@@ -309,7 +315,8 @@ class Progress:
     elif step % max(1, self.steps // 4) == 0 or step == self.steps:
       print(
         f"{self.name:>{self.width}}: step {step}/{self.steps}  loss {m['loss']:.3f}  "
-        f"zero grads {m['underflow/zero_frac']:.1%}  loss scale {report.fmt_scale(m['loss_scale'])}  "
+        f"zero grads {m['underflow/zero_frac']:.1%}  "
+        f"loss scale {report.fmt_scale(m['loss_scale'])}  "
         + "  ".join(f"{k} {v}" for k, v in counts.items()),
         flush=True,
       )
@@ -410,7 +417,8 @@ def main(argv=None) -> int:
   ]
   n = tokens_per_step(args)
   print(
-    f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters; {args.steps} steps per run; "
+    f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters; "
+    f"{args.steps} steps per run; "
     f"loss averaged over {n:,} tokens per step ({args.replicas} replicas x {args.micro_batches} "
     f"micro-batches x {args.batch_size} x {args.seq_len} bytes), one replica computed",
     flush=True,

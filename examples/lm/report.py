@@ -97,7 +97,8 @@ def _smooth(y: np.ndarray, k: int) -> np.ndarray:
 
 
 def _val_panel(ax, histories: dict, reference: str) -> None:
-  """Validation-loss curves, the y range from the first sixth of the run on; final values in the legend."""
+  """Validation-loss curves, the y range from the first sixth of the run on; final values in
+  the legend."""
   ref = histories.get(reference)
   tops, lows = [], []
   for name, h in histories.items():
@@ -143,7 +144,8 @@ def _zero_panel(ax, histories: dict, k: int, reference: str) -> None:
 
 
 def _scale_panel(ax, histories: dict, scaled_runs: tuple[str, ...]) -> None:
-  """The loss scale of each of ``scaled_runs`` after each step, its skipped and recomputed steps marked."""
+  """The loss scale of each of ``scaled_runs`` after each step, its skipped and recomputed
+  steps marked."""
   ax.set_title("loss scale S after each step (fp32 and fp16 are not scaled: S = 1)", fontsize=9)
   runs = [name for name in scaled_runs if name in histories]
   if not runs:

@@ -1,4 +1,5 @@
-"""End to end: examples/train_lm.py at a tiny size, its outputs, inspect on them, and its flag errors."""
+"""End to end: examples/train_lm.py at a tiny size, its outputs, inspect on them, and its flag
+errors."""
 
 import contextlib
 import io
