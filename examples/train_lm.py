@@ -37,7 +37,10 @@ sees the difference.
 Everything lands in one folder (``--out``; printed at the end): ``metrics.jsonl``
 (every run's rows, with a ``run`` column) and TensorBoard events under
 ``tb/<run>``, both written by ``optax_dls.writers.MetricsWriter`` and read by
-``optax-dls inspect``; ``train_lm.png`` and ``summary.json``.
+``optax-dls inspect``; ``train_lm.png`` and ``summary.json``. The writers are
+given the parameters, so each row of a new non-finite step names the gradient
+leaves that held an inf or a NaN; the summary printed at the end counts, per
+parameter, the skipped steps it was not finite in.
 """
 
 from __future__ import annotations
@@ -281,13 +284,33 @@ def make_train_step(model, tx, args, max_tries=None):
   return train_step
 
 
-def run_writers(out: str, name: str) -> tuple[MetricsWriter, MetricsWriter]:
+def run_writers(out: str, name: str, params) -> tuple[MetricsWriter, MetricsWriter]:
   """A run's writers: rows appended to ``<out>/metrics.jsonl``, TensorBoard events in
-  ``<out>/tb/<name>``."""
+  ``<out>/tb/<name>``; ``params`` names the leaves of a non-finite step in the rows."""
   return (
-    MetricsWriter(out, run_name=name, tensorboard=False),
-    MetricsWriter(os.path.join(out, "tb", name), jsonl=False),
+    MetricsWriter(out, run_name=name, tensorboard=False, params=params),
+    MetricsWriter(os.path.join(out, "tb", name), jsonl=False, params=params),
   )
+
+
+class SkipsByParameter:
+  """Per gradient leaf, the skipped steps it was not finite in, with an inf or a NaN."""
+
+  def __init__(self, params):
+    self.names = optax_dls.leaf_names(params)
+    self.counts: dict[str, dict[str, int]] = {}
+
+  def update(self, m: dict) -> None:
+    """Counts the step of the metrics ``m`` (host values) if it was skipped: its non-finite
+    record is then that step's (a recomputed overflow is not counted: its step was applied)."""
+    if not m["skipped"]:
+      return
+    for name, kind in optax_dls.nonfinite_leaves(m, self.names).items():
+      self.counts.setdefault(name, {"inf": 0, "nan": 0})[kind] += 1
+
+  def result(self) -> dict[str, dict[str, int]]:
+    """``{leaf name: {"inf": steps, "nan": steps}}``, most steps first."""
+    return dict(sorted(self.counts.items(), key=lambda kv: (-sum(kv[1].values()), kv[0])))
 
 
 class Progress:
@@ -355,7 +378,8 @@ def train_run(name, args, params):
     )
   }
   t0 = time.perf_counter()
-  writers = run_writers(args.out, name)
+  writers = run_writers(args.out, name, params)
+  skips_by_parameter = SkipsByParameter(params)
 
   def log(step, values):
     for w in writers:
@@ -375,6 +399,7 @@ def train_run(name, args, params):
     )
     m = jax.device_get(m)
     log(step, m)
+    skips_by_parameter.update(m)
     for k in ("loss", "loss_scale", "skipped", "recomputed_steps"):
       hist[k].append(m[k])
     hist["zero_frac"].append(m["underflow/zero_frac"])
@@ -398,6 +423,7 @@ def train_run(name, args, params):
     if recomputes
     else None,
     "loss_scale": float(m["loss_scale"]),
+    "skips_by_parameter": skips_by_parameter.result(),
     "wall_s": time.perf_counter() - t0,
   }
   return row, hist
@@ -434,6 +460,8 @@ def main(argv=None) -> int:
     json.dump({"config": config, "tokens_per_step": n, "runs": results}, f, indent=2)
 
   print("\n" + report.table(results))
+  if skips := report.skips_by_parameter(results):
+    print("\n" + skips)
   cpu = time.process_time()
   print(f"\ntotal wall time {time.perf_counter() - start:.0f} s (process CPU time {cpu:.0f} s)")
   print(f"outputs: {os.path.abspath(args.out)}  (optax-dls inspect {args.out})")

@@ -63,6 +63,38 @@ def table(results: dict, reference: str = "fp32") -> str:
   return "\n".join([lines[0], "-" * len(lines[0])] + lines[1:])
 
 
+def _kind(counts: dict) -> str:
+  """``"inf"``, ``"nan"``, or ``"inf on 2, nan on 1"`` for a leaf that held both on some steps."""
+  if counts["inf"] and counts["nan"]:
+    return f"inf on {counts['inf']}, nan on {counts['nan']}"
+  return "nan" if counts["nan"] else "inf"
+
+
+def skips_by_parameter(results: dict, shown: int = 5) -> str:
+  """The parameters whose gradients were not finite on the skipped steps, per run, most first.
+
+  Reads each row's ``skips_by_parameter`` (``{leaf name: {"inf": steps, "nan": steps}}``)
+  and ``skipped``; runs without skips are left out, and so is the whole text ("") when no run
+  skipped a step.
+  """
+  lines = []
+  for name, r in results.items():
+    counts = r.get("skips_by_parameter") or {}
+    if not counts:
+      continue
+    lines.append(f"  {name}, {r['skipped']} skipped steps:")
+    width = max(len(leaf) for leaf in list(counts)[:shown])
+    for leaf, c in list(counts.items())[:shown]:
+      lines.append(f"    {leaf:<{width}}  {c['inf'] + c['nan']} of {r['skipped']} ({_kind(c)})")
+    if len(counts) > shown:
+      lines.append(f"    ... and {len(counts) - shown} more")
+  if not lines:
+    return ""
+  return "\n".join(
+    ["Skips by parameter (gradient leaves not finite on the skipped steps):"] + lines
+  )
+
+
 COLORS = {
   "fp32": "0.55",
   "fp16": "tab:red",

@@ -66,7 +66,8 @@ TRAIN_KEYS = {
   "num_steps",
   "update_ratio",
   "grad_norm",
-  "fp32_fallback",
+  "nonfinite_step",
+  "nonfinite_loss",
   "recomputed_steps",
   "recompute_tries",
   "underflow/zero_frac",
@@ -103,7 +104,8 @@ def test_metrics_jsonl_has_every_step_of_every_run(out):
     assert len(train) + len(evals) == len(recs)
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert [r["step"] for r in evals] == [0, 5, 10]
-    assert all(set(r) == TRAIN_KEYS and r["run"] == run for r in train)
+    # A row of a new non-finite step also names its leaves (nonfinite_leaves).
+    assert all(set(r) - {"nonfinite_leaves"} == TRAIN_KEYS and r["run"] == run for r in train)
     assert all(set(r) == EVAL_KEYS for r in evals)
     assert all(isinstance(r["skipped"], bool) for r in train)
   assert all(
@@ -162,12 +164,45 @@ def test_summary(out):
       "recomputed",
       "extra_passes",
       "loss_scale",
+      "skips_by_parameter",
       "wall_s",
     }
     assert 0 <= row["zero_frac"] <= 1 and row["wall_s"] > 0
+    assert bool(row["skips_by_parameter"]) == (row["skipped"] > 0)
     assert (
       (row["recomputed"] is None) == (row["extra_passes"] is None) == (name != "fp16-dls-recompute")
     )
+
+
+def _leaf_names():
+  args = train_lm.parse_args(TINY)
+  model = train_lm.Transformer(args.d_model, args.layers, args.heads, args.seq_len, train_lm.FP32)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))
+  return optax_dls.leaf_names(shapes["params"])
+
+
+def test_skipped_steps_name_the_parameters_that_overflowed(out):
+  """fp16-dls at 2**31: each skipped step's row names the leaves that overflowed (inf), and the
+  summary counts them per parameter."""
+  names = _leaf_names()
+  dls = train_rows(out, "fp16-dls")
+  skipped = [r for r in dls if r["skipped"]]
+  assert skipped and [r["step"] for r in dls if "nonfinite_leaves" in r] == [
+    r["step"] for r in skipped
+  ]
+  for r in skipped:
+    assert r["nonfinite_step"] == r["num_steps"] and r["nonfinite_leaves"]
+    assert set(r["nonfinite_leaves"]) <= set(names)
+    assert set(r["nonfinite_leaves"].values()) == {"inf"}
+  counts = json.loads((out / "summary.json").read_text())["runs"]["fp16-dls"]["skips_by_parameter"]
+  expected = {}
+  for r in skipped:
+    for leaf in r["nonfinite_leaves"]:
+      expected.setdefault(leaf, {"inf": 0, "nan": 0})["inf"] += 1
+  assert counts == expected
+  # Most skipped steps first.
+  totals = [c["inf"] + c["nan"] for c in counts.values()]
+  assert totals == sorted(totals, reverse=True)
 
 
 def test_loss_scaled_run_learns(out):
@@ -182,6 +217,10 @@ def test_redirected_output_is_plain_lines(out):
   assert (
     "vs fp32" in printed and "extra passes" in printed and f"optax-dls inspect {out}" in printed
   )
+  counts = json.loads((out / "summary.json").read_text())["runs"]["fp16-dls"]["skips_by_parameter"]
+  skips = printed[printed.index("Skips by parameter") :]
+  assert "fp16-dls, " in skips and all(f"{leaf}  " in skips for leaf in list(counts)[:5])
+  assert "(inf)" in skips
 
 
 def test_inspect_reads_every_run_and_flags_the_unscaled_fp16_run(out):
@@ -189,6 +228,15 @@ def test_inspect_reads_every_run_and_flags_the_unscaled_fp16_run(out):
   assert set(report) == set(RUNS)
   assert all(r["summary"]["updates"] == STEPS for r in report.values())
   assert any("zero" in d["symptom"] for d in report["fp16"]["diagnosis"])
+  # The parameters behind fp16-dls's overflows, as the example's summary counts them.
+  counts = json.loads((out / "summary.json").read_text())["runs"]["fp16-dls"]["skips_by_parameter"]
+  where = report["fp16-dls"]["summary"]["nonfinite"]
+  assert where["steps_with_leaves"] == report["fp16-dls"]["summary"]["skips"]
+  assert {e["name"]: {"inf": e["inf"], "nan": e["nan"]} for e in where["by_parameter"]} == counts
+  text = cli.inspect(str(out))
+  dls = text.split("run fp16-dls\n")[1].split("\nrun ")[0]
+  assert "non-finite steps by parameter" in dls
+  assert f"{next(iter(counts))}  " in dls and "(inf)" in dls
 
 
 def test_replicas_change_only_the_backward_pass_normalisation():
