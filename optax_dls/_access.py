@@ -154,34 +154,44 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Keys, every value a 0-d array except the two bit sets:
-    ``loss_scale`` (float32): the scale for the next loss.
-    ``skipped`` (bool): whether the last step was skipped.
-    ``skip_count`` (int32): skipped steps so far.
-    ``consecutive_skips`` (int32): skipped steps since the last applied one.
-    ``num_steps`` (int32): updates so far, skipped included.
-    ``update_ratio`` (float32): applied steps over all steps (1 before any).
-    ``grad_norm`` (float32): global L2 norm of the last step's unscaled
-      gradients (NaN before the first step, and with :func:`no_loss_scale`
-      unless it tracks the norm).
-    ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
-      the last non-finite step; 0 before any.
-    ``nonfinite_loss`` (bool): whether the loss of that step was itself not
-      finite (known when the loss is handed to ``update(..., loss=)`` or to
-      :func:`value_and_grad`).
-    ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
-      floating gradient leaf): the leaves that were not finite on that step,
-      and those of them that held a NaN (the others held infinities);
-      :func:`nonfinite_leaves` names them, and
-      :class:`optax_dls.writers.MetricsWriter` logs the names.
-    ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
-      which some leaf of that parameter group was not finite.
-    The keys each feature adds: ``fp32_fallback`` (bool) with the
-    :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
-    :func:`skips_at_min_scale`; ``underflow/zero_frac``,
-    ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
-    :func:`underflow_stats` chained inside; ``recomputed_steps`` and
-    ``recompute_tries`` (int32) with ``recompute_stats`` chained inside.
+  Every value is a 0-d array except the two bit sets. The keys:
+
+  - ``loss_scale`` (float32): the scale for the next loss.
+  - ``skipped`` (bool): whether the last step was skipped.
+  - ``skip_count`` (int32): skipped steps so far.
+  - ``consecutive_skips`` (int32): skipped steps since the last applied one.
+  - ``num_steps`` (int32): updates so far, skipped included.
+  - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1
+    before any).
+  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled
+    gradients (NaN before the first step, and with :func:`no_loss_scale`
+    unless it tracks the norm; inf or NaN on a non-finite step).
+  - ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
+    the last non-finite step; 0 before any.
+  - ``nonfinite_loss`` (bool): whether the loss of that step was itself not
+    finite (known when the loss is handed to ``update(..., loss=)`` or to
+    :func:`value_and_grad`).
+  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
+    floating gradient leaf, ``W = ceil(leaves / 32)``, at least 1): the
+    leaves that were not finite on that step, and those of them that held a
+    NaN (the others held infinities); :func:`nonfinite_leaves` names them,
+    and :class:`optax_dls.writers.MetricsWriter` logs the names.
+  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
+    which some leaf of that parameter group was not finite.
+
+  The keys each feature adds: ``fp32_fallback`` (bool) with the
+  :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
+  :func:`skips_at_min_scale`; ``underflow/zero_frac``,
+  ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
+  :func:`underflow_stats` chained inside; ``recomputed_steps`` and
+  ``recompute_tries`` (int32) with :func:`recompute_stats` chained inside.
+
+  Args:
+    opt_state: an optimizer state holding exactly one :class:`LossScaleState`
+      (any pytree around it, as for :func:`find_state`).
+
+  Returns:
+    A new ``dict`` from key to ``jax.Array``, as above.
 
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.

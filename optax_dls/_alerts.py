@@ -38,7 +38,8 @@ class SkipAlerts:
       first alert. Default 3.
 
   Raises:
-    TypeError / ValueError: a bad ``alert_after`` (the message names it).
+    TypeError: ``alert_after`` is not an integer (a bool or a float is not one).
+    ValueError: ``alert_after`` is outside [1, 2**31 - 1].
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

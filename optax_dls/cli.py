@@ -67,6 +67,8 @@ from optax_dls._plot import plot  # noqa: F401
 from optax_dls._summary import summarize  # noqa: F401
 from optax_dls._tail import check_path
 
+__all__ = ["NoLogsError", "inspect", "main"]
+
 
 def inspect(
   run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False

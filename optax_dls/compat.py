@@ -1,6 +1,6 @@
 """Loss-scale policies that reproduce the scale trajectories of other frameworks.
 
-Each preset returns a :class:`LossScalePolicy` whose scale, given the same
+Each preset returns a :class:`~optax_dls.LossScalePolicy` whose scale, given the same
 sequence of finite / non-finite steps, equals the reference implementation's
 scale bit for bit, as long as the reference stays inside ``[2**-126, 2**126]``
 (the range of every optax_dls scale, where ``1/S`` is a normal float32
@@ -13,6 +13,7 @@ References (read from the installed sources):
   DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py``;
   Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``;
   jmp ``jmp/_src/loss_scale.py``; flax ``flax/training/dynamic_scale.py``.
+
 The rule itself is dynamic loss scaling, Micikevicius et al. (2018), *Mixed
 Precision Training*, Sec. 3.2.
 """
@@ -74,7 +75,7 @@ def torch_policy(
     growth_interval: int in [1, 2**31 - 2]. Default 2000.
 
   Returns:
-    A :class:`LossScalePolicy` with the dynamic rule's state (``growth_tracker``,
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state (``growth_tracker``,
     ``hysteresis_left``).
 
   Raises:
@@ -104,7 +105,8 @@ def keras_policy(
     dynamic_growth_steps: int in [1, 2**31 - 2]. Default 2000.
 
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   return _rule(
     init=("initial_scale", initial_scale),
@@ -132,7 +134,8 @@ def jmp_policy(
     min_loss_scale: float in [2**-126, loss_scale]. Default 1.
 
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   factor = _validation.growth_factor("factor", factor)
   return _rule(
@@ -168,7 +171,8 @@ def flax_policy(
     minimum_scale: float in [2**-126, scale] or None. Default ``2**-126``.
 
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   floor = SCALE_MIN if minimum_scale is None else minimum_scale
   interval = _window("growth_interval", growth_interval, low=0)
@@ -208,7 +212,8 @@ def megatron_policy(
     hysteresis: int in [1, 2**31 - 2]. Default 2.
 
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   return _rule(
     init=("initial_scale", initial_scale),
@@ -253,7 +258,8 @@ def deepspeed_policy(
     consecutive_hysteresis: bool. Default False.
 
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   window = _validation.count("scale_window", scale_window, high=_validation.INT32_MAX - 2)
   return _rule(

@@ -8,7 +8,7 @@ A configuration is a mapping, or the ``loss_scale`` section of one::
       growth_interval: 100
       warmup_steps: 50
 
-:func:`from_config` turns it into a :class:`LossScalePolicy` or, given the
+:func:`from_config` turns it into a :class:`~optax_dls.LossScalePolicy` or, given the
 inner optimizer, a loss-scaled transformation. Unknown keys raise an error
 naming the key, before anything is built.
 """
@@ -93,7 +93,7 @@ _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "
 
 
 def preset(name: str) -> dict[str, Any]:
-  """The :func:`dynamic_loss_scale` arguments of a named preset, as a new dict.
+  """The :func:`~optax_dls.dynamic_loss_scale` arguments of a named preset, as a new dict.
 
   Use as ``optax_dls.dynamic_loss_scale(inner, **optax_dls.config.preset("qlora"))``
   or ``{"loss_scale": {"preset": "qlora"}}`` in a configuration.
@@ -248,27 +248,27 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
 
   * ``kind``: ``"dynamic"`` (default), ``"static"`` or ``"none"``;
   * ``preset``: a name for :func:`preset` (dynamic only), overridden by
-  * the :func:`dynamic_policy` arguments (``init_scale``, ``growth_interval``,
+  * the :func:`~optax_dls.dynamic_policy` arguments (``init_scale``, ``growth_interval``,
     ``warmup_steps``, ...) for ``dynamic``, or ``scale`` for ``static``;
   * ``fallback_after``, ``fallback_steps``, ``fallback_scale``: wrap the
-    policy in :func:`fp32_fallback` (``after``, ``steps``, ``scale``);
+    policy in :func:`~optax_dls.fp32_fallback` (``after``, ``steps``, ``scale``);
   * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of
-    :func:`loss_scaled`, and ``underflow_stats`` (a bool: chain
-    :func:`underflow_stats` first inside).
+    :func:`~optax_dls.loss_scaled`, and ``underflow_stats`` (a bool: chain
+    :func:`~optax_dls.underflow_stats` first inside).
 
   Args:
     config: a mapping, or a ``str`` / ``os.PathLike`` path to a YAML file.
     inner: the optax transformation to wrap, or None.
 
   Returns:
-    A :class:`LossScalePolicy` when ``inner`` is None, otherwise the
-    loss-scaled transformation (:func:`loss_scaled`).
+    A :class:`~optax_dls.LossScalePolicy` when ``inner`` is None, otherwise the
+    loss-scaled transformation (:func:`~optax_dls.loss_scaled`).
 
   Raises:
     ValueError: an unknown key (named in the message), an unknown kind or
       preset, a wrapper option without ``inner``, a fallback option without
       ``fallback_after``, ``alerts`` (alerts run on the host: see
-      :class:`SkipAlerts`), a value out of range, a ``loss_scale`` section
+      :class:`~optax_dls.SkipAlerts`), a value out of range, a ``loss_scale`` section
       together with loss-scale keys at the top level, or a YAML file that
       does not parse or repeats a key.
     TypeError: a value of the wrong type (a number written ``1e4`` that YAML

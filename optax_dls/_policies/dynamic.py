@@ -151,7 +151,10 @@ def dynamic_policy(
       Default 0.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a :class:`DynamicScaleState`.
+    A :class:`LossScalePolicy` whose state is a ``DynamicScaleState``: the
+    consecutive finite steps since the last growth or overflow
+    (``growth_tracker``) and the overflows still tolerated before a backoff
+    (``hysteresis_left``), both int32 ``()``.
 
   Raises:
     ValueError: a value outside its valid range; the message names it.
@@ -199,7 +202,7 @@ def static_policy(scale: float) -> LossScalePolicy:
 
   Returns:
     A :class:`LossScalePolicy` with the same state layout as
-    :func:`dynamic_policy` (a :class:`DynamicScaleState` held constant), so a
+    :func:`dynamic_policy` (a ``DynamicScaleState`` held constant), so a
     checkpoint moves between the two.
 
   Raises:

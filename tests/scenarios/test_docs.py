@@ -34,8 +34,6 @@ OPTIONAL = {"flax", "orbax", "jmp", "torch"}
 # Pages written against an API that this checkout may not have yet, with the name that
 # tells whether it has: (page, module, attribute).
 PLANNED_API = {"guide/migrate_flax.md": ("optax_dls.flax", "from_dynamic_scale")}
-# Rendered signatures known not to match the function's, until the function is fixed.
-PENDING_SIGNATURES = {"dynamic_loss_scale": "its __signature__ is rewritten by hand"}
 DOCS_BUILD = ("sphinx", "myst_parser", "sphinx_book_theme")
 
 
@@ -104,7 +102,9 @@ def test_page_snippets_run(page, tmp_path, monkeypatch):
   namespace = {"__name__": f"docs_{page}"}
   for i, block in enumerate(blocks):
     try:
-      exec(compile(block, f"docs/{page} (python block {i})", "exec"), namespace)  # noqa: S102
+      # As a script of its own: without this module's __future__ import (string annotations).
+      code = compile(block, f"docs/{page} (python block {i})", "exec", dont_inherit=True)
+      exec(code, namespace)  # noqa: S102
     except ModuleNotFoundError as e:
       if (e.name or "").split(".")[0] in OPTIONAL:
         pytest.skip(f"docs/{page} needs {e.name}, which is not installed")
@@ -230,23 +230,25 @@ def _rendered_parameters(entry: str) -> list[str]:
   return names
 
 
-def _signature_cases() -> list:
-  cases = []
-  for name in optax_dls.__all__:
-    obj = getattr(optax_dls, name)
-    if inspect.isfunction(obj):
-      marks = []
-      if name in PENDING_SIGNATURES:
-        marks = [pytest.mark.xfail(reason=PENDING_SIGNATURES[name], strict=False)]
-      cases.append(pytest.param(name, marks=marks, id=name))
-  return cases
+def _public_functions() -> list[str]:
+  """The dotted name of every public function: in ``optax_dls.__all__`` and in each public
+  submodule."""
+  names = []
+  for module in _public_modules():
+    for name in _public_names(module):
+      if inspect.isfunction(getattr(importlib.import_module(module), name)):
+        names.append(f"{module}.{name}")
+  return names
 
 
-@pytest.mark.parametrize("name", _signature_cases())
+@pytest.mark.parametrize("name", _public_functions())
 def test_api_reference_shows_the_real_signature(site, name):
-  entry = _entries(site / "api.html")[f"optax_dls.{name}"]
+  entry = _entries(site / "api.html")[name]
+  module, attribute = name.rsplit(".", 1)
   expected = []
-  for p in inspect.signature(getattr(optax_dls, name)).parameters.values():
+  for p in inspect.signature(
+    getattr(importlib.import_module(module), attribute)
+  ).parameters.values():
     prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
     expected.append(prefix + p.name)
   assert _rendered_parameters(entry) == expected
