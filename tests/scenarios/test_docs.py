@@ -31,9 +31,6 @@ RUNNABLE_PAGES = ["index.md", "troubleshooting.md"] + sorted(
 )
 # A page that imports one of these is skipped without it.
 OPTIONAL = {"flax", "orbax", "jmp", "torch"}
-# Pages written against an API that this checkout may not have yet, with the name that
-# tells whether it has: (page, module, attribute).
-PLANNED_API = {"guide/migrate_flax.md": ("optax_dls.flax", "from_dynamic_scale")}
 DOCS_BUILD = ("sphinx", "myst_parser", "sphinx_book_theme")
 
 
@@ -90,12 +87,6 @@ def _python_blocks(page: str) -> list[str]:
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_page_snippets_run(page, tmp_path, monkeypatch):
-  if page in PLANNED_API:
-    module, attribute = PLANNED_API[page]
-    if importlib.util.find_spec(module.split(".")[-1]) is None:
-      pytest.skip(f"docs/{page} needs {module.split('.')[-1]}, which is not installed")
-    if not hasattr(importlib.import_module(module), attribute):
-      pytest.skip(f"docs/{page} is written for {module}.{attribute}, not in this checkout yet")
   blocks = _python_blocks(page)
   assert blocks, f"docs/{page} has no ```python block"
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # files the snippets write go here
