@@ -134,7 +134,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
-  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a non-floating loss."""
+  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a loss that is
+  not floating point."""
   if loss is None or isinstance(loss, (str, bytes)):
     raise TypeError(
       f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."

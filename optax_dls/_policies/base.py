@@ -140,7 +140,8 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
     if not np.float32(policy.min_scale) <= value <= np.float32(policy.max_scale):
       raise ValueError(
         f"{what} must be finite and > 0, within the policy's [min_scale, max_scale] = "
-        f"[{_validation.scale_text(policy.min_scale)}, {_validation.scale_text(policy.max_scale)}] in "
+        f"[{_validation.scale_text(policy.min_scale)}, "
+        f"{_validation.scale_text(policy.max_scale)}] in "
         f"float32, got {scale!r}."
       )
     if policy.passthrough and value != 1.0:
