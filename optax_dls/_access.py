@@ -50,6 +50,13 @@ def find_state(opt_state: Any) -> LossScaleState:
   flax ``TrainState``, an ``nnx.Optimizer`` or its ``opt_state``. Leaves
   wrapped in ``nnx.Variable`` are returned as plain arrays.
 
+  Args:
+    opt_state: any pytree holding the state of one loss-scaled transformation.
+
+  Returns:
+    That :class:`LossScaleState` (a new one, of arrays, where its leaves were
+    ``nnx.Variable``); reading it does not change ``opt_state``.
+
   Raises:
     ValueError: there is no loss-scale state in ``opt_state``, or more than
       one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
@@ -96,8 +103,18 @@ def loss_scale(opt_state: Any) -> jax.Array:
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
 
+  Returns:
+    The state's ``loss_scale``: the S to multiply the next loss by, kept
+    within the policy's ``[min_scale, max_scale]`` (see :class:`LossScaleState`).
+
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+    >>> optax_dls.loss_scale(tx.init({'w': jnp.ones(2)}))  # init_scale's default, 2**15
+    Array(32768., dtype=float32)
   """
   return find_state(opt_state).loss_scale
 
@@ -330,6 +347,11 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
       traced; outside ``[2**-126, 2**126]`` always); a ``value`` of another
       shape; none or more than one loss-scale state in ``opt_state``.
     TypeError: ``value`` not a real number.
+
+  Returns:
+    A new ``opt_state`` of the same structure and dtypes (each leaf in the
+    wrapper it had, e.g. an ``nnx.Variable``); ``opt_state`` itself is not
+    changed.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

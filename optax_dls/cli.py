@@ -80,6 +80,10 @@ def inspect(
     plot_path: optional image file to draw the loss scale and the skips into.
     as_json: bool, return the summary and diagnosis as JSON instead of text.
 
+  Returns:
+    The report as one ``str``: text, ending with the plot's path when one was
+    drawn, or JSON with ``as_json``.
+
   Raises:
     NoLogsError: no readable logs under ``run_dir``.
     TypeError: ``run_dir`` or ``plot_path`` is not a path, or ``as_json`` not
@@ -189,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Args:
     argv: the arguments after the program name; default None: ``sys.argv[1:]``.
+
+  Returns:
+    The exit code, an ``int``: 0, 1 or 2 as in this module's docstring.
   """
   parser, p = _parser()
   args = parser.parse_args(argv)

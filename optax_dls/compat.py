@@ -81,6 +81,22 @@ def torch_policy(
   Raises:
     ValueError: a value out of range (the message names it).
     TypeError: a wrong or traced value.
+
+  Example:
+    GradScaler's trajectory with ``growth_interval=2``: two finite steps double
+    the scale, an overflow halves it.
+
+    >>> import jax.numpy as jnp, optax_dls
+    >>> policy = optax_dls.compat.torch_policy(init_scale=2.0**16, growth_interval=2)
+    >>> scale, state = policy.init()
+    >>> for finite in [True, True, False]:
+    ...   stats = optax_dls.GradStats(finite=jnp.array(finite), step=jnp.array(0),
+    ...                               grad_norm=jnp.array(1.0))
+    ...   scale, state = policy.update(scale, state, stats)
+    ...   print(float(scale))
+    65536.0
+    131072.0
+    65536.0
   """
   return _rule(
     init=("init_scale", init_scale),
@@ -103,6 +119,10 @@ def keras_policy(
   Args:
     initial_scale: float in [2**-126, 2**126]. Default ``2**15``.
     dynamic_growth_steps: int in [1, 2**31 - 2]. Default 2000.
+
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
 
   Raises:
     ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
@@ -132,6 +152,10 @@ def jmp_policy(
     period: int in [1, 2**31 - 2]. Default 2000.
     factor: number > 1, growth factor and backoff divisor. Default 2.
     min_loss_scale: float in [2**-126, loss_scale]. Default 1.
+
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
 
   Raises:
     ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
@@ -169,6 +193,10 @@ def flax_policy(
     growth_interval: int in [0, 2**31 - 3]. Default 2000.
     scale: float in [2**-126, 2**126], the initial scale. Default ``2**16``.
     minimum_scale: float in [2**-126, scale] or None. Default ``2**-126``.
+
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
 
   Raises:
     ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
@@ -210,6 +238,10 @@ def megatron_policy(
     backoff_factor: float in (0, 1). Default 0.5.
     growth_interval: int in [1, 2**31 - 2]. Default 1000.
     hysteresis: int in [1, 2**31 - 2]. Default 2.
+
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
 
   Raises:
     ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
@@ -256,6 +288,10 @@ def deepspeed_policy(
     min_scale: float in [2**-126, 2**126]. Default 1.
     delayed_shift: int in [1, 2**31 - 2], the hysteresis. Default 2.
     consecutive_hysteresis: bool. Default False.
+
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
 
   Raises:
     ValueError: a value out of range, as in :func:`torch_policy` (the message names it).

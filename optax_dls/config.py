@@ -128,7 +128,22 @@ def preset(name: str) -> dict[str, Any]:
 
 
 def preset_reason(name: str) -> str:
-  """Why the preset ``name`` has its values (one paragraph)."""
+  """Why the preset ``name`` has its values (one paragraph).
+
+  Args:
+    name: a name :func:`preset` knows, or its alias.
+
+  Returns:
+    The reason, a ``str`` of one paragraph, as ``docs/observability.md`` shows it.
+
+  Raises:
+    ValueError: an unknown name (the message lists the known ones).
+
+  Example:
+    >>> import optax_dls
+    >>> optax_dls.config.preset_reason("dpo").split(":")[0]
+    'Preference / alignment training (DPO, IPO, KTO)'
+  """
   preset(name)
   return _PRESETS[_ALIASES.get(name, name)][1]
 
@@ -182,6 +197,9 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
 
   Args:
     path: ``str`` or ``os.PathLike``, the YAML file.
+
+  Returns:
+    The file's top-level mapping, as a new ``dict``.
 
   Raises:
     ValueError: the file is not UTF-8 YAML, holds a key twice in one mapping,
