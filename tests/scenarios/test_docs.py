@@ -102,6 +102,18 @@ def test_page_snippets_run(page, tmp_path, monkeypatch):
       raise
 
 
+def test_design_table_lists_every_module():
+  """docs/design.md's layout table has a row for every module of optax_dls, and for no other."""
+  package = ROOT / "optax_dls"
+  modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py")}
+  rows = re.findall(r"^\| `([\w/]+\.py)` \|", (DOCS / "design.md").read_text(), re.MULTILINE)
+  assert len(rows) == len(set(rows)), (
+    f"listed twice: {sorted({r for r in rows if rows.count(r) > 1})}"
+  )
+  missing, stale = sorted(modules - set(rows)), sorted(set(rows) - modules)
+  assert not missing and not stale, f"not in the table: {missing}; no such module: {stale}"
+
+
 # The built site, once per session.
 
 
