@@ -50,6 +50,13 @@ def find_state(opt_state: Any) -> LossScaleState:
   flax ``TrainState``, an ``nnx.Optimizer`` or its ``opt_state``. Leaves
   wrapped in ``nnx.Variable`` are returned as plain arrays.
 
+  Args:
+    opt_state: any pytree holding the state of one loss-scaled transformation.
+
+  Returns:
+    That :class:`LossScaleState` (a new one, of arrays, where its leaves were
+    ``nnx.Variable``); reading it does not change ``opt_state``.
+
   Raises:
     ValueError: there is no loss-scale state in ``opt_state``, or more than
       one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
@@ -96,8 +103,18 @@ def loss_scale(opt_state: Any) -> jax.Array:
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
 
+  Returns:
+    The state's ``loss_scale``: the S to multiply the next loss by, kept
+    within the policy's ``[min_scale, max_scale]`` (see :class:`LossScaleState`).
+
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+    >>> optax_dls.loss_scale(tx.init({'w': jnp.ones(2)}))  # init_scale's default, 2**15
+    Array(32768., dtype=float32)
   """
   return find_state(opt_state).loss_scale
 
@@ -134,7 +151,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
-  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a non-floating loss."""
+  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a loss that is
+  not floating point."""
   if loss is None or isinstance(loss, (str, bytes)):
     raise TypeError(
       f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."
@@ -154,34 +172,44 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Keys, every value a 0-d array except the two bit sets:
-    ``loss_scale`` (float32): the scale for the next loss.
-    ``skipped`` (bool): whether the last step was skipped.
-    ``skip_count`` (int32): skipped steps so far.
-    ``consecutive_skips`` (int32): skipped steps since the last applied one.
-    ``num_steps`` (int32): updates so far, skipped included.
-    ``update_ratio`` (float32): applied steps over all steps (1 before any).
-    ``grad_norm`` (float32): global L2 norm of the last step's unscaled
-      gradients (NaN before the first step, and with :func:`no_loss_scale`
-      unless it tracks the norm).
-    ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
-      the last non-finite step; 0 before any.
-    ``nonfinite_loss`` (bool): whether the loss of that step was itself not
-      finite (known when the loss is handed to ``update(..., loss=)`` or to
-      :func:`value_and_grad`).
-    ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
-      floating gradient leaf): the leaves that were not finite on that step,
-      and those of them that held a NaN (the others held infinities);
-      :func:`nonfinite_leaves` names them, and
-      :class:`optax_dls.writers.MetricsWriter` logs the names.
-    ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
-      which some leaf of that parameter group was not finite.
-    The keys each feature adds: ``fp32_fallback`` (bool) with the
-    :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
-    :func:`skips_at_min_scale`; ``underflow/zero_frac``,
-    ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
-    :func:`underflow_stats` chained inside; ``recomputed_steps`` and
-    ``recompute_tries`` (int32) with ``recompute_stats`` chained inside.
+  Every value is a 0-d array except the two bit sets. The keys:
+
+  - ``loss_scale`` (float32): the scale for the next loss.
+  - ``skipped`` (bool): whether the last step was skipped.
+  - ``skip_count`` (int32): skipped steps so far.
+  - ``consecutive_skips`` (int32): skipped steps since the last applied one.
+  - ``num_steps`` (int32): updates so far, skipped included.
+  - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1
+    before any).
+  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled
+    gradients (NaN before the first step, and with :func:`no_loss_scale`
+    unless it tracks the norm; inf or NaN on a non-finite step).
+  - ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
+    the last non-finite step; 0 before any.
+  - ``nonfinite_loss`` (bool): whether the loss of that step was itself not
+    finite (known when the loss is handed to ``update(..., loss=)`` or to
+    :func:`value_and_grad`).
+  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
+    floating gradient leaf, ``W = ceil(leaves / 32)``, at least 1): the
+    leaves that were not finite on that step, and those of them that held a
+    NaN (the others held infinities); :func:`nonfinite_leaves` names them,
+    and :class:`optax_dls.writers.MetricsWriter` logs the names.
+  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
+    which some leaf of that parameter group was not finite.
+
+  The keys each feature adds: ``fp32_fallback`` (bool) with the
+  :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
+  :func:`skips_at_min_scale`; ``underflow/zero_frac``,
+  ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
+  :func:`underflow_stats` chained inside; ``recomputed_steps`` and
+  ``recompute_tries`` (int32) with :func:`recompute_stats` chained inside.
+
+  Args:
+    opt_state: an optimizer state holding exactly one :class:`LossScaleState`
+      (any pytree around it, as for :func:`find_state`).
+
+  Returns:
+    A new ``dict`` from key to ``jax.Array``, as above.
 
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
@@ -319,6 +347,11 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
       traced; outside ``[2**-126, 2**126]`` always); a ``value`` of another
       shape; none or more than one loss-scale state in ``opt_state``.
     TypeError: ``value`` not a real number.
+
+  Returns:
+    A new ``opt_state`` of the same structure and dtypes (each leaf in the
+    wrapper it had, e.g. an ``nnx.Variable``); ``opt_state`` itself is not
+    changed.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

@@ -78,7 +78,8 @@ def tree_varying_axes(leaves: Sequence[Any]) -> frozenset[str]:
 
 
 def vary_like(x: jax.Array, like: Any) -> jax.Array:
-  """``x`` made to vary over every mesh axis ``like`` varies over (a no-op outside ``shard_map``)."""
+  """``x`` made to vary over every mesh axis ``like`` varies over (a no-op outside
+  ``shard_map``)."""
   missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
   if not missing:
     return x

@@ -35,7 +35,7 @@ def recompute_stats() -> optax.GradientTransformation:
   """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
 
   An identity transformation (updates and state pass through unchanged) whose
-  state, a :class:`RecomputeState`, holds the number of steps whose gradients
+  state, a ``RecomputeState``, holds the number of steps whose gradients
   :func:`value_and_grad` recomputed after an overflow and the extra passes they
   took. Chain it inside the loss-scaled transformation; :func:`value_and_grad`
   finds it there and counts, and :func:`metrics` reports ``recomputed_steps``
@@ -48,8 +48,9 @@ def recompute_stats() -> optax.GradientTransformation:
   the counts of a step that recomputed and still overflowed stay counted.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a :class:`RecomputeState`
-    of two int32 zeros.
+    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of
+    two int32 ``()`` counters, ``recomputed_steps`` and ``recompute_tries``,
+    both 0 at ``init`` and saturating at ``2**31 - 1``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

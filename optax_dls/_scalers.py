@@ -108,6 +108,9 @@ def static_loss_scale(
     skip_lowering: as in :func:`loss_scaled`.
     labels: as in :func:`loss_scaled`.
 
+  Returns:
+    A :class:`LossScaledTransformation` whose scale stays at ``scale``.
+
   Raises:
     ValueError: ``scale`` out of range.
     TypeError: a wrong or traced value.
@@ -151,6 +154,10 @@ def no_loss_scale(
     track_grad_norm: bool, measure the global gradient norm for
       :func:`metrics` (one more read of the gradients per step). Default
       False: ``grad_norm`` stays NaN.
+
+  Returns:
+    A :class:`LossScaledTransformation` with ``passthrough`` True and a loss
+    scale of 1.
 
   Raises:
     TypeError: ``inner`` is not an optax transformation, or ``track_grad_norm``

@@ -15,12 +15,12 @@ from optax_dls._localisation import NonFiniteRecord
 class LossScaleState(NamedTuple):
   """State of a loss-scaled optimizer, kept inside the optax ``opt_state``.
 
-  Every field except ``policy_state`` and ``inner_state`` is a 0-d JAX array
-  with the dtype given below, so the state flattens, jits, scans, shards
-  (replicated) and checkpoints like any optax state. Hyperparameters are not
-  stored here: they are static and closed over by the transformation, except
-  the policy's scale range, which :func:`optax_dls.reset_scale` checks
-  against.
+  Every field except ``nonfinite``, ``policy_state`` and ``inner_state`` is a
+  0-d JAX array with the dtype given below, so the state flattens, jits,
+  scans, shards (replicated) and checkpoints like any optax state.
+  Hyperparameters are not stored here: they are static and closed over by the
+  transformation, except the policy's scale range, which
+  :func:`optax_dls.reset_scale` checks against.
 
   Attributes:
     loss_scale: float32 ``()``. The scale S to multiply the *next* loss by,
@@ -40,6 +40,13 @@ class LossScaleState(NamedTuple):
       last step (inf or NaN on a non-finite step; NaN before the first step);
       under ``pmap`` / ``shard_map`` with ``axis_name``, the norm over every
       device and the same on each (see ``docs/multi_device.md``).
+    nonfinite: the record of the last non-finite step, a ``NonFiniteRecord``
+      of ``step`` (int32 ``()``, its update number; 0 before any),
+      ``leaves`` and ``nan`` (uint32 ``[W]``, one bit per floating gradient
+      leaf: not finite, and held a NaN), ``loss`` (bool ``()``, the loss was
+      not finite) and ``overflows`` (a dict of int32 ``()`` per parameter-group
+      label, empty without labels). Read it with :func:`optax_dls.metrics`
+      and :func:`optax_dls.nonfinite_leaves`.
     policy_state: pytree of the loss-scale policy (for the dynamic policy a
       ``DynamicScaleState`` of ``growth_tracker`` and ``hysteresis_left``).
     inner_state: the wrapped optax transformation's state; bit-for-bit

@@ -215,7 +215,8 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
   usable wherever optax expects one, and an ordinary Python object: it copies,
   deep-copies, pickles (where its inner transformation's and policy's
   functions do) and rebuilds from its two fields. Its ``update`` is the method
-  of a :class:`LossScaler`, which also gives it
+  of a ``LossScaler`` (the private object that holds the definition: inner
+  transformation, policy, axis names, lowering), which also gives it
 
   * ``fused_step(grads, state, params, **extra_args) -> (new_params,
     new_state)``: the update and ``optax.apply_updates`` in one, which
@@ -235,18 +236,27 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
 
   @property
   def scaler(self) -> LossScaler | None:
-    """The :class:`LossScaler` whose ``update`` this is, or None."""
+    """The ``LossScaler`` whose ``update`` this is, or None (an ``update`` replaced by
+    another function)."""
     owner = getattr(self.update, "__self__", None)
     return owner if isinstance(owner, LossScaler) else None
 
   @property
   def fused_step(self) -> Callable[..., tuple[Any, Any]] | None:
-    """``update`` and ``optax.apply_updates`` in one (None without a :class:`LossScaler`)."""
+    """``update`` and ``optax.apply_updates`` in one, or None without a ``LossScaler``.
+
+    ``fused_step(grads, state, params, *, loss=None, **extra_args) -> (new_params,
+    new_state)``, as :func:`apply_step` calls it.
+    """
     return None if self.scaler is None else self.scaler.fused_step
 
   @property
   def back_off(self) -> Callable[..., tuple[jax.Array, Any]] | None:
-    """The check and the policy's move for an overflow (None without a :class:`LossScaler`)."""
+    """The check and the policy's move for an overflow, or None without a ``LossScaler``.
+
+    ``back_off(grads, state, *, loss=None) -> (finite, state)``, ``finite`` a bool
+    ``()``, as :func:`value_and_grad` calls it.
+    """
     return None if self.scaler is None else self.scaler.back_off
 
   @property
@@ -297,9 +307,12 @@ def loss_scaled(
 
   No host synchronisation. The state's types are a fixed point from ``init``
   on (no retrace after the first step): ``init`` gives each inner state leaf
-  the dtype the inner updates settle on and makes it strongly typed (see
-  :func:`optax_dls._state.settled_inner_init` for the one exception, an inner
-  update that cannot be traced without its extra arguments).
+  the dtype the inner updates settle on (traced with ``jax.eval_shape``, an
+  update that needs the loss given a float32 ``value=``) and makes it
+  strongly typed. The one exception is an inner update that cannot be traced
+  without its other extra arguments (``value_fn=`` of ``optax.lbfgs``'s line
+  search, say): only weak types are settled, and a state such an optimizer
+  widens on its first update retraces once.
 
   Args:
     inner: any optax ``GradientTransformation``; ``**extra_args`` of

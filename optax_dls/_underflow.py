@@ -106,7 +106,9 @@ def underflow_stats(
       fractions. Default None.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is an :class:`UnderflowState`.
+    An ``optax.GradientTransformation`` whose state is an ``UnderflowState``:
+    ``fractions``, a dict of float32 ``()`` (``zero_frac``, ``subnormal_frac``,
+    and one such dict per label; NaN before the first applied step).
 
   Raises:
     TypeError: a label that is not a string, or a bad ``axis_name``.

@@ -109,7 +109,8 @@ def scale(name: str, value: Any, low: float = SCALE_MIN, high: float = SCALE_MAX
 def scale_range(
   init: tuple[str, Any], low: tuple[str, Any], high: tuple[str, Any]
 ) -> tuple[float, float, float]:
-  """Checks ``low <= init <= high``, each a ``(name, value)`` loss scale; returns the three floats."""
+  """Checks ``low <= init <= high``, each a ``(name, value)`` loss scale; returns the three
+  floats."""
   (i_name, i), (lo_name, lo), (hi_name, hi) = init, low, high
   lo, hi = scale(lo_name, lo), scale(hi_name, hi)
   check(lo <= hi, hi_name, hi, f"{hi_name} >= {lo_name}={lo!r}")

@@ -192,7 +192,7 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   """Puts a checkpoint saved without loss scaling into a loss-scaled target.
 
   ``restored`` is the tree of a checkpoint whose optimizer state has no
-  :class:`LossScaleState` (a plain optax state), as it comes back without a
+  :class:`~optax_dls.LossScaleState` (a plain optax state), as it comes back without a
   target: ``manager.restore(step)`` with Orbax, or
   ``flax.training.checkpoints.restore_checkpoint(directory, target=None)``.
   ``target`` has the new layout: the same tree, with the optimizer state
@@ -208,7 +208,7 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   Args:
     restored: a tree of dicts and lists (or tuples) of arrays and numbers.
     target: a pytree of arrays (or ``jax.ShapeDtypeStruct``) holding exactly
-      one :class:`LossScaleState`.
+      one :class:`~optax_dls.LossScaleState`.
 
   Returns:
     ``target`` with the restored values: the same tree structure, dtypes and

@@ -67,6 +67,8 @@ from optax_dls._plot import plot  # noqa: F401
 from optax_dls._summary import summarize  # noqa: F401
 from optax_dls._tail import check_path
 
+__all__ = ["NoLogsError", "inspect", "main"]
+
 
 def inspect(
   run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
@@ -77,6 +79,10 @@ def inspect(
     run_dir: the folder with the logs (searched recursively).
     plot_path: optional image file to draw the loss scale and the skips into.
     as_json: bool, return the summary and diagnosis as JSON instead of text.
+
+  Returns:
+    The report as one ``str``: text, ending with the plot's path when one was
+    drawn, or JSON with ``as_json``.
 
   Raises:
     NoLogsError: no readable logs under ``run_dir``.
@@ -187,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Args:
     argv: the arguments after the program name; default None: ``sys.argv[1:]``.
+
+  Returns:
+    The exit code, an ``int``: 0, 1 or 2 as in this module's docstring.
   """
   parser, p = _parser()
   args = parser.parse_args(argv)

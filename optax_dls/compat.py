@@ -1,6 +1,6 @@
 """Loss-scale policies that reproduce the scale trajectories of other frameworks.
 
-Each preset returns a :class:`LossScalePolicy` whose scale, given the same
+Each preset returns a :class:`~optax_dls.LossScalePolicy` whose scale, given the same
 sequence of finite / non-finite steps, equals the reference implementation's
 scale bit for bit, as long as the reference stays inside ``[2**-126, 2**126]``
 (the range of every optax_dls scale, where ``1/S`` is a normal float32
@@ -13,6 +13,7 @@ References (read from the installed sources):
   DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py``;
   Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``;
   jmp ``jmp/_src/loss_scale.py``; flax ``flax/training/dynamic_scale.py``.
+
 The rule itself is dynamic loss scaling, Micikevicius et al. (2018), *Mixed
 Precision Training*, Sec. 3.2.
 """
@@ -74,12 +75,28 @@ def torch_policy(
     growth_interval: int in [1, 2**31 - 2]. Default 2000.
 
   Returns:
-    A :class:`LossScalePolicy` with the dynamic rule's state (``growth_tracker``,
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state (``growth_tracker``,
     ``hysteresis_left``).
 
   Raises:
     ValueError: a value out of range (the message names it).
     TypeError: a wrong or traced value.
+
+  Example:
+    GradScaler's trajectory with ``growth_interval=2``: two finite steps double
+    the scale, an overflow halves it.
+
+    >>> import jax.numpy as jnp, optax_dls
+    >>> policy = optax_dls.compat.torch_policy(init_scale=2.0**16, growth_interval=2)
+    >>> scale, state = policy.init()
+    >>> for finite in [True, True, False]:
+    ...   stats = optax_dls.GradStats(finite=jnp.array(finite), step=jnp.array(0),
+    ...                               grad_norm=jnp.array(1.0))
+    ...   scale, state = policy.update(scale, state, stats)
+    ...   print(float(scale))
+    65536.0
+    131072.0
+    65536.0
   """
   return _rule(
     init=("init_scale", init_scale),
@@ -103,8 +120,13 @@ def keras_policy(
     initial_scale: float in [2**-126, 2**126]. Default ``2**15``.
     dynamic_growth_steps: int in [1, 2**31 - 2]. Default 2000.
 
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
+
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   return _rule(
     init=("initial_scale", initial_scale),
@@ -131,8 +153,13 @@ def jmp_policy(
     factor: number > 1, growth factor and backoff divisor. Default 2.
     min_loss_scale: float in [2**-126, loss_scale]. Default 1.
 
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
+
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   factor = _validation.growth_factor("factor", factor)
   return _rule(
@@ -167,8 +194,13 @@ def flax_policy(
     scale: float in [2**-126, 2**126], the initial scale. Default ``2**16``.
     minimum_scale: float in [2**-126, scale] or None. Default ``2**-126``.
 
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
+
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   floor = SCALE_MIN if minimum_scale is None else minimum_scale
   interval = _window("growth_interval", growth_interval, low=0)
@@ -207,8 +239,13 @@ def megatron_policy(
     growth_interval: int in [1, 2**31 - 2]. Default 1000.
     hysteresis: int in [1, 2**31 - 2]. Default 2.
 
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
+
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   return _rule(
     init=("initial_scale", initial_scale),
@@ -252,8 +289,13 @@ def deepspeed_policy(
     delayed_shift: int in [1, 2**31 - 2], the hysteresis. Default 2.
     consecutive_hysteresis: bool. Default False.
 
+  Returns:
+    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state, as
+    :func:`torch_policy`.
+
   Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
+    ValueError: a value out of range, as in :func:`torch_policy` (the message names it).
+    TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   window = _validation.count("scale_window", scale_window, high=_validation.INT32_MAX - 2)
   return _rule(

@@ -8,7 +8,7 @@ A configuration is a mapping, or the ``loss_scale`` section of one::
       growth_interval: 100
       warmup_steps: 50
 
-:func:`from_config` turns it into a :class:`LossScalePolicy` or, given the
+:func:`from_config` turns it into a :class:`~optax_dls.LossScalePolicy` or, given the
 inner optimizer, a loss-scaled transformation. Unknown keys raise an error
 naming the key, before anything is built.
 """
@@ -62,38 +62,46 @@ _ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
 _PRESETS: dict[str, tuple[dict[str, Any], str]] = {
   "text_llm": (
     dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2),
-    "Decoder-only text LLMs: gradients are small and well behaved after the first steps, "
-    "so start high (2**16, PyTorch's default) and retry growth every 1000 steps "
-    "(Megatron-LM's window); hysteresis 2 (Megatron, DeepSpeed) rides out the isolated "
-    "overflow of a rare long or odd batch without halving the scale.",
+    (
+      "Decoder-only text LLMs: gradients are small and well behaved after the first steps, "
+      "so start high (2**16, PyTorch's default) and retry growth every 1000 steps "
+      "(Megatron-LM's window); hysteresis 2 (Megatron, DeepSpeed) rides out the isolated "
+      "overflow of a rare long or odd batch without halving the scale."
+    ),
   ),
   "multimodal": (
     dict(init_scale=2.0**13, growth_interval=1000, warmup_steps=1000, hysteresis=2),
-    "Vision-language and other multimodal models: patch embeddings, projector layers and "
-    "freshly joined towers give large activations and gradient spikes early on, so start "
-    "lower (2**13, between 2**12 and 2**14) and hold growth for the first 1000 updates "
-    "while the projector settles.",
+    (
+      "Vision-language and other multimodal models: patch embeddings, projector layers and "
+      "freshly joined towers give large activations and gradient spikes early on, so start "
+      "lower (2**13, between 2**12 and 2**14) and hold growth for the first 1000 updates "
+      "while the projector settles."
+    ),
   ),
   "preference": (
     dict(init_scale=2.0**15, max_scale=2.0**16, growth_interval=1000, hysteresis=2),
-    "Preference / alignment training (DPO, IPO, KTO): the loss is a function of sums of "
-    "per-token log-probabilities of a policy and a reference, whose gradients jump when "
-    "the margin flips; capping the scale at 65536 (2**16) keeps the scaled gradients out "
-    "of float16 overflow after long clean stretches.",
+    (
+      "Preference / alignment training (DPO, IPO, KTO): the loss is a function of sums of "
+      "per-token log-probabilities of a policy and a reference, whose gradients jump when "
+      "the margin flips; capping the scale at 65536 (2**16) keeps the scaled gradients out "
+      "of float16 overflow after long clean stretches."
+    ),
   ),
   "qlora": (
     dict(init_scale=2.0**16, growth_interval=1000, max_scale=2.0**24),
-    "QLoRA and other adapter fine-tuning: only small low-rank adapters train (LoRA B starts "
-    "at zero), on a frozen quantized base, at a small learning rate; their gradients are "
-    "tiny and underflow float16 easily, so start at 2**16 or more and grow every 1000 steps "
-    "up to 2**24.",
+    (
+      "QLoRA and other adapter fine-tuning: only small low-rank adapters train (LoRA B starts "
+      "at zero), on a frozen quantized base, at a small learning rate; their gradients are "
+      "tiny and underflow float16 easily, so start at 2**16 or more and grow every 1000 steps "
+      "up to 2**24."
+    ),
   ),
 }
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
 
 
 def preset(name: str) -> dict[str, Any]:
-  """The :func:`dynamic_loss_scale` arguments of a named preset, as a new dict.
+  """The :func:`~optax_dls.dynamic_loss_scale` arguments of a named preset, as a new dict.
 
   Use as ``optax_dls.dynamic_loss_scale(inner, **optax_dls.config.preset("qlora"))``
   or ``{"loss_scale": {"preset": "qlora"}}`` in a configuration.
@@ -120,7 +128,22 @@ def preset(name: str) -> dict[str, Any]:
 
 
 def preset_reason(name: str) -> str:
-  """Why the preset ``name`` has its values (one paragraph)."""
+  """Why the preset ``name`` has its values (one paragraph).
+
+  Args:
+    name: a name :func:`preset` knows, or its alias.
+
+  Returns:
+    The reason, a ``str`` of one paragraph, as ``docs/observability.md`` shows it.
+
+  Raises:
+    ValueError: an unknown name (the message lists the known ones).
+
+  Example:
+    >>> import optax_dls
+    >>> optax_dls.config.preset_reason("dpo").split(":")[0]
+    'Preference / alignment training (DPO, IPO, KTO)'
+  """
   preset(name)
   return _PRESETS[_ALIASES.get(name, name)][1]
 
@@ -175,6 +198,9 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
   Args:
     path: ``str`` or ``os.PathLike``, the YAML file.
 
+  Returns:
+    The file's top-level mapping, as a new ``dict``.
+
   Raises:
     ValueError: the file is not UTF-8 YAML, holds a key twice in one mapping,
       holds an unhashable key or a Python tag, or does not hold a mapping
@@ -201,8 +227,8 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     ) from None
   except yaml.YAMLError as e:
     raise ValueError(f"the configuration file {name!r} is not valid YAML: {e}") from None
-  if not isinstance(data, Mapping):
-    raise ValueError(
+  if not isinstance(data, Mapping):  # the file's content, not an argument: a ValueError
+    raise ValueError(  # noqa: TRY004
       f"the configuration file {name!r} must hold a mapping, got {type(data).__name__}."
     )
   return dict(data)
@@ -213,7 +239,7 @@ def _section(config: Any) -> dict[str, Any]:
     config = load_config(config)
   if not isinstance(config, Mapping):
     raise TypeError(f"config must be a mapping or a path to a YAML file, got {config!r}.")
-  section = config["loss_scale"] if "loss_scale" in config else config
+  section = config.get("loss_scale", config)
   if "loss_scale" in config:
     stray = sorted(k for k in config if k in _ALL_KEYS)
     if stray:
@@ -226,8 +252,8 @@ def _section(config: Any) -> dict[str, Any]:
   if not isinstance(section, Mapping):
     raise TypeError(f"config['loss_scale'] must be a mapping, got {section!r}.")
   for key in section:
-    if not isinstance(key, str):
-      raise ValueError(f"unknown loss-scale configuration key {key!r}.")
+    if not isinstance(key, str):  # a key of the configuration, as any unknown key
+      raise ValueError(f"unknown loss-scale configuration key {key!r}.")  # noqa: TRY004
   return dict(section)
 
 
@@ -240,7 +266,9 @@ def _reject(keys: Any, allowed: frozenset[str], kind: str) -> None:
       )
 
 
-def from_config(config: Any, inner: optax.GradientTransformation | None = None) -> Any:
+def from_config(  # noqa: C901 (one check per configuration key, in order)
+  config: Any, inner: optax.GradientTransformation | None = None
+) -> Any:
   """Builds loss scaling from a configuration mapping or YAML file.
 
   The mapping (or its ``loss_scale`` section, when it has one; the other
@@ -248,27 +276,27 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
 
   * ``kind``: ``"dynamic"`` (default), ``"static"`` or ``"none"``;
   * ``preset``: a name for :func:`preset` (dynamic only), overridden by
-  * the :func:`dynamic_policy` arguments (``init_scale``, ``growth_interval``,
+  * the :func:`~optax_dls.dynamic_policy` arguments (``init_scale``, ``growth_interval``,
     ``warmup_steps``, ...) for ``dynamic``, or ``scale`` for ``static``;
   * ``fallback_after``, ``fallback_steps``, ``fallback_scale``: wrap the
-    policy in :func:`fp32_fallback` (``after``, ``steps``, ``scale``);
+    policy in :func:`~optax_dls.fp32_fallback` (``after``, ``steps``, ``scale``);
   * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of
-    :func:`loss_scaled`, and ``underflow_stats`` (a bool: chain
-    :func:`underflow_stats` first inside).
+    :func:`~optax_dls.loss_scaled`, and ``underflow_stats`` (a bool: chain
+    :func:`~optax_dls.underflow_stats` first inside).
 
   Args:
     config: a mapping, or a ``str`` / ``os.PathLike`` path to a YAML file.
     inner: the optax transformation to wrap, or None.
 
   Returns:
-    A :class:`LossScalePolicy` when ``inner`` is None, otherwise the
-    loss-scaled transformation (:func:`loss_scaled`).
+    A :class:`~optax_dls.LossScalePolicy` when ``inner`` is None, otherwise the
+    loss-scaled transformation (:func:`~optax_dls.loss_scaled`).
 
   Raises:
     ValueError: an unknown key (named in the message), an unknown kind or
       preset, a wrapper option without ``inner``, a fallback option without
       ``fallback_after``, ``alerts`` (alerts run on the host: see
-      :class:`SkipAlerts`), a value out of range, a ``loss_scale`` section
+      :class:`~optax_dls.SkipAlerts`), a value out of range, a ``loss_scale`` section
       together with loss-scale keys at the top level, or a YAML file that
       does not parse or repeats a key.
     TypeError: a value of the wrong type (a number written ``1e4`` that YAML

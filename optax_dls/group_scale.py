@@ -6,8 +6,9 @@ small sub-network, a LoRA adapter for instance, below the float16 underflow
 threshold (2**-24). Multiplying the cotangent that flows into that sub-network
 by a factor k at its output, and by 1/k at its input, scales only that
 sub-network's gradients; :func:`group_unscale` divides them by k again before
-the optimizer. A public submodule: ``optax_dls.group_scale``. It is loss scaling (Micikevicius et al. 2018, *Mixed Precision
-Training*) applied to part of the backward pass.
+the optimizer. It is loss scaling (Micikevicius et al. 2018, *Mixed Precision
+Training*) applied to part of the backward pass. A public submodule:
+``optax_dls.group_scale``.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def scale_gradient(x: Any, factor: float) -> Any:
 
 
 def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
-  """Wraps a sub-network ``fn(params, *inputs)`` so that its gradients come out ``factor`` times larger.
+  """Wraps a sub-network ``fn(params, *inputs)``: its gradients come out ``factor`` times larger.
 
   The cotangent of the output is multiplied by ``factor`` (so every cotangent
   and parameter gradient inside the sub-network is scaled), and the

@@ -29,6 +29,8 @@ import numpy as np
 
 from optax_dls import _access, _localisation, _optional, _tail
 
+__all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
+
 JSONL_NAME = "metrics.jsonl"
 
 

@@ -100,7 +100,10 @@ def amax_policy(
       ``"grad_norm"``.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is an :class:`AmaxScaleState`.
+    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: the last
+    ``history_len`` unscaled statistics, newest first (``amax_history``, float32
+    ``[history_len]``, 0 for an empty slot), and the consecutive finite steps
+    since the scale last moved (``growth_tracker``, int32 ``()``).
 
   Raises:
     ValueError: a value outside its range; the message names it.

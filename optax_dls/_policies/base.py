@@ -44,8 +44,13 @@ class LossScalePolicy(NamedTuple):
 
   Write one the way you write an optax transformation::
 
-      def init() -> tuple[loss_scale, policy_state]
-      def update(loss_scale, policy_state, stats) -> tuple[loss_scale, policy_state]
+      def init() -> tuple[jax.Array, PolicyState]:  # (loss_scale, policy_state)
+        ...
+
+      def update(
+        loss_scale: jax.Array, policy_state: PolicyState, stats: GradStats
+      ) -> tuple[jax.Array, PolicyState]:  # the next (loss_scale, policy_state)
+        ...
 
   ``loss_scale`` is a float32 ``()`` array; ``policy_state`` is any pytree of
   arrays with fixed dtypes (it lives in the optimizer state); ``stats`` is a
@@ -73,6 +78,22 @@ class LossScalePolicy(NamedTuple):
     min_scale: float in ``[2**-126, 2**126]``, the lowest scale the policy
       may take. Default ``2**-126``.
     max_scale: float in ``[min_scale, 2**126]``, the highest. Default ``2**126``.
+
+  Example:
+    A policy that halves the scale on every overflow and never grows it, with
+    no state of its own (an empty tuple):
+
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> def init():
+    ...   return jnp.float32(2.0**10), ()
+    >>> def update(scale, state, stats):
+    ...   return jnp.where(stats.finite, scale, scale / 2), state
+    >>> policy = optax_dls.LossScalePolicy(init, update, min_scale=1.0)
+    >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
+    >>> state = tx.init({'w': jnp.ones(1)})
+    >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)
+    >>> float(optax_dls.loss_scale(state))
+    512.0
   """
 
   init: Callable[[], tuple[jax.Array, Any]]
@@ -119,7 +140,8 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
     if not np.float32(policy.min_scale) <= value <= np.float32(policy.max_scale):
       raise ValueError(
         f"{what} must be finite and > 0, within the policy's [min_scale, max_scale] = "
-        f"[{_validation.scale_text(policy.min_scale)}, {_validation.scale_text(policy.max_scale)}] in "
+        f"[{_validation.scale_text(policy.min_scale)}, "
+        f"{_validation.scale_text(policy.max_scale)}] in "
         f"float32, got {scale!r}."
       )
     if policy.passthrough and value != 1.0:

@@ -151,7 +151,10 @@ def dynamic_policy(
       Default 0.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a :class:`DynamicScaleState`.
+    A :class:`LossScalePolicy` whose state is a ``DynamicScaleState``: the
+    consecutive finite steps since the last growth or overflow
+    (``growth_tracker``) and the overflows still tolerated before a backoff
+    (``hysteresis_left``), both int32 ``()``.
 
   Raises:
     ValueError: a value outside its valid range; the message names it.
@@ -199,12 +202,20 @@ def static_policy(scale: float) -> LossScalePolicy:
 
   Returns:
     A :class:`LossScalePolicy` with the same state layout as
-    :func:`dynamic_policy` (a :class:`DynamicScaleState` held constant), so a
+    :func:`dynamic_policy` (a ``DynamicScaleState`` held constant), so a
     checkpoint moves between the two.
 
   Raises:
     ValueError: ``scale`` out of range.
     TypeError: not a static number.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.static_policy(8.0))
+    >>> state = tx.init({'w': jnp.zeros(1)})
+    >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)  # skipped, S unchanged
+    >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['skip_count'])
+    (8.0, 1)
   """
   scale = _validation.scale("scale", scale)
   init = functools.partial(_static_init, scale)
@@ -228,6 +239,15 @@ def noop_policy() -> LossScalePolicy:
   Gradients reach the inner optimizer unchanged (``passthrough=True``), so the
   result is bit-for-bit the bare inner optimizer's. The state layout is the
   dynamic policy's, so the same training loop and checkpoints serve every
-  precision.
+  precision. :func:`no_loss_scale` is this policy around an optimizer.
+
+  Returns:
+    A :class:`LossScalePolicy` with ``passthrough=True`` and a scale of 1.
+
+  Example:
+    >>> import optax_dls
+    >>> policy = optax_dls.noop_policy()
+    >>> float(policy.init()[0]), policy.passthrough
+    (1.0, True)
   """
   return static_policy(1.0)._replace(passthrough=True)

@@ -64,7 +64,10 @@ def fp32_fallback(
       default: the policy's initial scale), the scale to restart at.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a :class:`FallbackState`.
+    A :class:`LossScalePolicy` whose state is a ``FallbackState``: the wrapped
+    policy's state (``policy_state``), the flag (``fp32_fallback``, bool ``()``),
+    the updates left (``steps_left``) and the skips in a row
+    (``consecutive_skips``), both int32 ``()``.
 
   Raises:
     TypeError: ``policy`` is not a :class:`LossScalePolicy`, or a wrong or

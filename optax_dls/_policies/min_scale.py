@@ -41,10 +41,14 @@ def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
     policy: the :class:`LossScalePolicy` to wrap; its ``min_scale`` is the floor.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a :class:`SkipsAtMinScaleState`.
+    A :class:`LossScalePolicy` whose state is a ``SkipsAtMinScaleState``: the
+    wrapped policy's state (``policy_state``) and the count
+    (``skips_at_min_scale``, int32 ``()``).
 
   Raises:
-    TypeError / ValueError: ``policy`` is not a usable :class:`LossScalePolicy`.
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`, or one of its fields
+      has the wrong type (see :class:`LossScalePolicy`).
+    ValueError: ``policy``'s ``stats``, scale range or initial scale is not valid.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
