@@ -294,7 +294,7 @@ def main(argv=None) -> dict:
     params = make_tree(kind, args.params)
     finite_grads = jax.tree.map(lambda p: p * 1e-3, params)
     bad_grads = dict(finite_grads)
-    first = sorted(bad_grads)[0]
+    first = min(bad_grads)
     bad_grads[first] = bad_grads[first].at[0].set(jnp.inf)
     runs = {}
     for name in args.variants.split(","):

@@ -4,7 +4,8 @@ A small MLP (float32 master weights, float16 compute) learns scikit-learn's
 digits with Adam; every ``--spike-every`` applied steps the learning rate jumps
 by ``--spike-factor`` for ``--spike-len`` steps, so the weights, and with them
 the gradients, grow for a while and come back. The loss is summed over the
-batch, so the gradients sit close to the float16 range at the usual scales. The default dynamic policy
+batch, so the gradients sit close to the float16 range at the usual scales. The default
+dynamic policy
 learns the safe scale only by overflowing (each overflow is a skipped step);
 the gradient-aware ``amax_policy`` sees the amax rise and backs off first.
 
@@ -103,7 +104,7 @@ def run(policy, args, data):
 
   keys = jax.random.split(jax.random.key(args.seed + 1), args.steps)
   train = jax.jit(lambda p, s: lax.scan(step, (p, s), keys))
-  (params, state), (scales, skipped) = train(params, tx.init(params))
+  (params, _state), (scales, skipped) = train(params, tx.init(params))
   skipped = np.asarray(skipped)
   final = float(xent(params, jnp.asarray(xte), jnp.asarray(yte), jnp.float32))
   train_loss = float(xent(params, xtr, ytr, jnp.float32))

@@ -303,7 +303,9 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
 
 
 def _is_names(params: Any) -> bool:
-  return isinstance(params, (list, tuple)) and all(isinstance(n, str) for n in params) and params
+  return (
+    isinstance(params, (list, tuple)) and bool(params) and all(isinstance(n, str) for n in params)
+  )
 
 
 def leaf_names(params: Any) -> list[str]:
@@ -402,7 +404,7 @@ def replace_state(opt_state: Any, new: LossScaleState) -> Any:
   the same structure, as :func:`find_state` returns it: each leaf keeps the dtype and
   the wrapper, e.g. an ``nnx.Variable``, of the leaf it replaces)."""
 
-  def put(node):
+  def put(node: Any) -> Any:
     if not isinstance(node, LossScaleState):
       return node
     old_leaves, treedef = jax.tree.flatten(node, is_leaf=_is_variable)

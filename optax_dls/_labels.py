@@ -48,7 +48,7 @@ def leaf_labels(labels: Labels, tree: Any, owner: str, reserved: tuple[str, ...]
   resolved = labels(tree) if isinstance(labels, Callable) else labels  # type: ignore[arg-type]
   label_leaves, treedef = jax.tree.flatten(resolved)
   try:
-    subtrees = treedef.flatten_up_to(tree)
+    subtrees = treedef.flatten_up_to(tree)  # type: ignore[attr-defined]
   except (ValueError, TypeError) as e:
     raise ValueError(f"{owner} labels do not match the gradient tree structure: {e}") from None
   out = []

@@ -16,7 +16,7 @@ import jax
 from jax import lax
 
 AxisName = str | Sequence[str] | None
-typeof = getattr(jax, "typeof", None) or jax.core.get_aval
+typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # type: ignore[attr-defined]
 
 
 def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
@@ -71,7 +71,7 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 def tree_varying_axes(leaves: Sequence[Any]) -> frozenset[str]:
   """Union of :func:`varying_axes` over ``leaves``."""
-  axes = frozenset()
+  axes: frozenset[str] = frozenset()
   for x in leaves:
     axes |= varying_axes(x)
   return axes
@@ -89,7 +89,7 @@ def vary_like(x: jax.Array, like: Any) -> jax.Array:
 def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """``x`` made to vary over mesh ``axes``: ``lax.pcast(..., to="varying")`` (jax >= 0.8.2),
   ``lax.pvary`` before it."""
-  return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
+  return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)  # type: ignore[attr-defined]
 
 
 def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: AxisName) -> None:

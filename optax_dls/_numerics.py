@@ -91,7 +91,7 @@ def unscale(tree: Any, inv_scale: jax.Array) -> Any:
   """Multiplies each floating leaf by ``inv_scale`` in float32 (or wider) and
   casts back to the leaf's dtype; other leaves pass through unchanged."""
 
-  def one(x):
+  def one(x: Any) -> Any:
     if not is_float(x):
       return x
     ct = compute_dtype(x.dtype)

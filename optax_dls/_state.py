@@ -118,7 +118,7 @@ def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any
       after = _updated_state(inner, state, params)
     except Exception:  # noqa: BLE001 (an update that needs other extra arguments)
       return state
-    if jax.tree.structure(after) != jax.tree.structure(state):
+    if jax.tree.structure(after) != jax.tree.structure(state):  # type: ignore[operator]
       return state
     widened = jax.tree.map(_types.like, state, after)
     if _dtypes(widened) == _dtypes(state):

@@ -69,7 +69,7 @@ def _fractions(leaves: list[jax.Array], axis_name: Any) -> dict[str, jax.Array]:
 
 
 def _all_fractions(labels: Any, tree: Any, axis_name: Any) -> dict[str, Any]:
-  out = _fractions(_numerics.float_leaves(tree), axis_name)
+  out: dict[str, Any] = dict(_fractions(_numerics.float_leaves(tree), axis_name))
   if labels is not None:
     for label, leaves in sorted(_groups(labels, tree).items()):
       out[label] = _fractions(leaves, axis_name)

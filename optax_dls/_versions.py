@@ -60,7 +60,7 @@ def _installed() -> dict[str, str]:
     from importlib.metadata import version
 
     found["optax"] = version("optax")
-  except Exception:  # no metadata (e.g. a source checkout on sys.path): optax's own
+  except Exception:  # noqa: BLE001 (no metadata, e.g. a source checkout on sys.path): optax's own
     import optax
 
     found["optax"] = optax.__version__

@@ -324,7 +324,7 @@ def from_config(  # noqa: C901 (one check per configuration key, in order)
     kwargs.update({k: section.pop(k) for k in list(section) if k in _POLICY_KEYS})
     policy = _policies.dynamic_policy(**kwargs)
   elif kind == "static":
-    _reject(section, ({"scale"} | _WRAPPER_KEYS) - {"fallback_scale"}, kind)
+    _reject(section, frozenset({"scale"} | _WRAPPER_KEYS) - {"fallback_scale"}, kind)
     if "scale" not in section:
       raise ValueError("loss_scale kind='static' needs a 'scale' key.")
     policy = _policies.static_policy(section.pop("scale"))

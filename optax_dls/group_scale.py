@@ -68,11 +68,11 @@ def _scale_gradient(x: Any, factor: float) -> Any:
   return x
 
 
-def _fwd(x, factor):
+def _fwd(x: Any, factor: Any) -> tuple[Any, None]:
   return x, None
 
 
-def _bwd(factor, _, ct):
+def _bwd(factor: Any, _: Any, ct: Any) -> tuple[Any]:
   return (jax.tree.map(lambda c: _times(c, factor), ct),)
 
 
@@ -127,7 +127,7 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   inverse = _factor(1.0 / factor)
 
   @functools.wraps(fn)
-  def wrapped(params, *inputs):
+  def wrapped(params: Any, *inputs: Any) -> Any:
     return _scale_gradient(fn(params, *_scale_gradient(inputs, inverse)), factor)
 
   return wrapped
@@ -161,7 +161,7 @@ def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
   inverse = jnp.float32(1.0 / _factor(factor))
   mask = _mask(mask)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
     del params
     return _numerics.unscale(updates, inverse), state
 

@@ -35,7 +35,8 @@ def requires_optax(version: str, reason: str):
 
 
 def enable_x64(on: bool = True):
-  """Context manager for 64-bit mode: ``jax.enable_x64`` (jax>=0.8), ``jax.experimental``'s before."""
+  """Context manager for 64-bit mode: ``jax.enable_x64`` (jax>=0.8), ``jax.experimental``'s
+  before."""
   if hasattr(jax, "enable_x64"):
     return jax.enable_x64(on)
   from jax import experimental

@@ -1,4 +1,5 @@
-"""SkipAlerts: one logging warning per episode of consecutive skips, and one when stuck at min_scale."""
+"""SkipAlerts: one logging warning per episode of consecutive skips, and one when stuck at
+min_scale."""
 
 import logging
 

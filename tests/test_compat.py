@@ -275,7 +275,8 @@ def test_deepspeed_dynamic_loss_scaler(seq, config):
 
 
 def test_hysteresis_sequences_of_the_reference_table():
-  # Failure kind 9 of docs/design.md, with Megatron (refill on growth) and DeepSpeed (consecutive) presets.
+  # Failure kind 9 of docs/design.md, with Megatron (refill on growth) and DeepSpeed
+  # (consecutive) presets.
   def run(policy_fn, seq):
     return ours(
       policy_fn,

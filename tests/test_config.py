@@ -165,7 +165,10 @@ def test_scientific_number_read_as_string_gets_a_hint(tmp_path):
 
 SAFE_LOAD_DOCUMENTS = [
   # Merge keys: one anchor, a list of anchors, an override of a merged key.
-  "defaults: &d {init_scale: 8.0, growth_interval: 3}\nloss_scale:\n  <<: *d\n  growth_interval: 5\n",
+  (
+    "defaults: &d {init_scale: 8.0, growth_interval: 3}\n"
+    "loss_scale:\n  <<: *d\n  growth_interval: 5\n"
+  ),
   "a: &a {x: 1}\nb: &b {y: 2, x: 3}\nc:\n  <<: [*a, *b]\n  z: 4\n",
   "base: &base\n  hysteresis: 2\nruns:\n  - <<: *base\n    init_scale: 4.0\n  - <<: *base\n",
   # Other safe tags and styles.

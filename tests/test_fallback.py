@@ -35,7 +35,7 @@ def test_training_continues_through_fallback_and_returns_to_fp16(lowering):
   @jax.jit
   def step(params, opt_state, x, y):
     traces.append(1)
-    loss, grads = vg(opt_state, params, opt_state, x, y)
+    _, grads = vg(opt_state, params, opt_state, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -127,5 +127,6 @@ def test_fallback_state_has_fixed_dtypes_and_composes_with_skips_at_min_scale():
     state = new
     m = optax_dls.metrics(state)
     counts.append((int(m["skips_at_min_scale"]), bool(m["fp32_fallback"]), float(m["loss_scale"])))
-  # 2 -> 1 (not yet at the minimum), then skips at the minimum 1; the fallback starts at the 2nd skip.
+  # 2 -> 1 (not yet at the minimum), then skips at the minimum 1; the fallback starts at the
+  # 2nd skip.
   assert counts == [(0, False, 1.0), (1, True, 1.0), (2, True, 1.0), (3, True, 1.0)]

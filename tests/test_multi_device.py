@@ -24,7 +24,10 @@ def test_bad_axis_name_is_a_type_error_naming_it(bad):
     _multi_device.check_axis_name(bad)
 
 
-def _in_shard_map(fn, spec=P("data", "model")):
+DATA_MODEL = P("data", "model")
+
+
+def _in_shard_map(fn, spec=DATA_MODEL):
   out = {}
 
   def local(x):

@@ -58,7 +58,7 @@ def test_scale_keeps_recent_amax_below_the_margin(seq):
   finite = np.array([f for f, _ in seq], bool)
   finite[0] = True
   amax = np.array([a for _, a in seq], np.float32)
-  scales, peaks, trackers = (
+  scales, peaks, _trackers = (
     np.asarray(x, np.float64)
     for x in _run(tuple(sorted(CONFIG.items())))(jnp.asarray(finite), jnp.asarray(amax))
   )
@@ -214,7 +214,8 @@ class MyState(NamedTuple):
 
 
 def my_policy(init_scale=2.0**10, every=2, amax_limit=2.0**14):
-  """Double every `every` clean steps, halve on overflow or when a scaled gradient nears the limit."""
+  """Double every `every` clean steps, halve on overflow or when a scaled gradient nears the
+  limit."""
 
   def init():
     return jnp.float32(init_scale), MyState(jnp.zeros([], jnp.int32), jnp.zeros(3, jnp.float32))

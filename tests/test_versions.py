@@ -105,7 +105,9 @@ def test_versions_compare_by_release_numbers():
 
 def test_import_on_a_too_old_jax_fails_with_the_message():
   code = "import jax; jax.__version__ = '0.6.2'; import optax_dls"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+  )
   assert out.returncode != 0
   assert (
     f"ImportError: optax_dls needs jax>={_versions.JAX_MIN}, but jax 0.6.2 is installed: "
@@ -116,7 +118,9 @@ def test_import_on_a_too_old_jax_fails_with_the_message():
 def test_import_of_the_flax_helpers_on_a_too_old_flax_fails_with_the_message():
   pytest.importorskip("flax", reason="flax (the flax extra) is not installed")
   code = "import flax; flax.__version__ = '0.10.7'; import optax_dls.flax"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+  )
   assert out.returncode != 0
   assert (
     f"ImportError: optax_dls.flax needs flax>={_versions.FLAX_MIN}, but flax 0.10.7 is installed"

@@ -179,7 +179,8 @@ def _amax_update(
 ) -> tuple[jax.Array, AmaxScaleState]:
   lo, hi = jnp.float32(rule.min_scale), jnp.float32(rule.max_scale)
   finite = stats.finite
-  observed = stats.amax / scale if rule.statistic == "amax" else stats.grad_norm
+  amax = stats.amax if stats.amax is not None else stats.grad_norm  # "amax" is asked for
+  observed = amax / scale if rule.statistic == "amax" else stats.grad_norm
   observed = jnp.where(finite, observed, jnp.float32(rule.max_value) / scale).astype(jnp.float32)
   history = jnp.roll(state.amax_history, 1).at[0].set(observed)
   peak = jnp.max(history)

@@ -112,8 +112,8 @@ def _fallback_update(
   start = ~active & ~stats.finite & (consecutive >= after)
   left = jnp.where(active, jnp.maximum(state.steps_left - 1, 0), jnp.where(start, steps, 0))
   restart_scale, restart_state = policy.init()
-  restart_scale = restart_scale if scale is None else scale
-  new_scale = jnp.where(ended, restart_scale, new_scale).astype(jnp.float32)
+  restart = restart_scale if scale is None else jnp.float32(scale)
+  new_scale = jnp.where(ended, restart, new_scale).astype(jnp.float32)
   policy_state = jax.tree.map(
     lambda a, b: jnp.where(ended, a, b).astype(jnp.result_type(b)), restart_state, policy_state
   )

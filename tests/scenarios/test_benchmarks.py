@@ -31,7 +31,7 @@ def test_step_overhead_runs_every_variant_and_reports_every_ratio(capsys):
 
 
 def test_the_hand_written_skips_apply_a_finite_step_and_skip_a_non_finite_one():
-  """And the floor (with or without waiting for its read) applies a finite step as bare Adam does."""
+  """And the floor (waiting for its read or not) applies a finite step as bare Adam does."""
   so = _load("step_overhead")
   params = so.make_tree("big", 800)
   finite = jax.tree.map(lambda p: 1e-3 * p, params)

@@ -1,4 +1,5 @@
-"""The behavioural contract of one update (docs/design.md), rule by rule, under jax.jit and each lowering."""
+"""The behavioural contract of one update (docs/design.md), rule by rule, under jax.jit and
+each lowering."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
-"""Failure kinds reported against other loss scalers (listed in docs/design.md), each impossible here."""
+"""Failure kinds reported against other loss scalers (listed in docs/design.md), each
+impossible here."""
 
 import jax
 import jax.numpy as jnp

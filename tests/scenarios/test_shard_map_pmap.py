@@ -128,7 +128,7 @@ def test_shard_map_norm_of_huge_finite_gradients_is_global_without_overflow(mesh
   tx = _tx(AXES, lowering=lowering)
   params = _params()
   grads = _grads(1e20)
-  _, state, per_device = _sharded_update(tx, mesh)(grads, tx.init(params), params)
+  _, _state, per_device = _sharded_update(tx, mesh)(grads, tx.init(params), params)
   per_device = np.asarray(per_device)
   assert per_device[:, 1].all() and not per_device[:, 2].any()  # every device applies the step
   expected = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values())) / 2.0**10
@@ -247,12 +247,13 @@ def test_pmap_without_axis_name_decides_per_device(lowering):
   ids=["no_loss_scale", "amax_policy"],
 )
 def test_shard_map_statistics_are_global_and_replicated(mesh, make_tx, backs_off, lowering):
-  """The stored norm (and an amax-driven scale) come from the whole gradient, the same on every device."""
+  """The stored norm (and an amax-driven scale) come from the whole gradient, the same on
+  every device."""
   tx = make_tx(AXES)
   params = _params()
   grads = _grads(1.0)
   grads["w"] = grads["w"].at[7, 3].set(1e5)  # the largest entry, on one device only
-  _, state, per_device = _sharded_update(tx, mesh)(grads, tx.init(params), params)
+  _, _state, per_device = _sharded_update(tx, mesh)(grads, tx.init(params), params)
   _, ref_state = jax.jit(make_tx(None).update)(grads, tx.init(params), params)
   per_device = np.asarray(per_device)
   np.testing.assert_allclose(per_device[:, 3], float(ref_state.grad_norm), rtol=1e-6)

@@ -43,7 +43,8 @@ def _put(tree, mesh, specs):
 
 
 def _state_specs(tx, state, param_specs):
-  """Inner-state leaves shaped like the parameters take their spec; every other leaf is replicated."""
+  """Inner-state leaves shaped like the parameters take their spec; every other leaf is
+  replicated."""
   return optax.tree_map_params(
     tx,
     lambda _, s: s,

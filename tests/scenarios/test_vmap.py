@@ -46,7 +46,7 @@ def test_each_member_skips_and_scales_on_its_own(lowering):
   update = jax.jit(jax.vmap(tx.update))
 
   solo = [
-    (jax.tree.map(lambda x: x[m], params), tx.init(jax.tree.map(lambda x: x[m], params)))
+    (jax.tree.map(lambda x, m=m: x[m], params), tx.init(jax.tree.map(lambda x, m=m: x[m], params)))
     for m in range(MEMBERS)
   ]
   solo_update = jax.jit(tx.update)
