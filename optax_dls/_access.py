@@ -292,14 +292,34 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   else:
     record = find_state(opt_state).nonfinite
     words, nan = record.leaves, record.nan
-  names = list(params) if _is_names(params) else _localisation.leaf_names(params)
+  names = _names_of(params)
   words, nan = np.asarray(jax.device_get(words)), np.asarray(jax.device_get(nan))
-  if _localisation.num_words(len(names)) != words.shape[-1]:
+  set_bits = np.flatnonzero(_localisation.unpack(words | nan, words.shape[-1] * 32))
+  if _localisation.num_words(len(names)) != words.shape[-1] or (
+    set_bits.size and set_bits[-1] >= len(names)
+  ):
     raise ValueError(
       f"params has {len(names)} floating leaves, which do not fit the state's record of "
-      f"{words.shape[-1]} words of 32 leaves: pass the parameters the state was built for."
+      f"{words.shape[-1]} words of 32 leaves (leaf {int(set_bits[-1]) if set_bits.size else 0}"
+      " is recorded): pass the parameters the state was built for."
     )
   return _localisation.decode(words, nan, names)
+
+
+def _names_of(params: Any) -> list[str]:
+  """The leaf names of ``params`` (a pytree of arrays, or the list of names)."""
+  if _is_names(params):
+    return list(params)
+  if (
+    params is None
+    or isinstance(params, (str, bytes))
+    or (isinstance(params, (list, tuple)) and any(isinstance(n, str) for n in params))
+  ):
+    raise TypeError(
+      f"params must be the parameters (a pytree of arrays) or the list of their leaf names "
+      f"(strings), got {params!r} of type {type(params).__name__}."
+    )
+  return _localisation.leaf_names(params)
 
 
 def _is_names(params: Any) -> bool:

@@ -164,21 +164,24 @@ def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
   return out
 
 
-def _unscaled_amax(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
-  """float32 ``[len(amax)]``: each largest magnitude unscaled, for a loss scale below 1, in
-  its own dtype (where it may overflow to inf) and then as float32; NaN stays NaN. The
-  scalars of one dtype are stacked and unscaled together: a few operations, whatever the
-  number of leaves."""
-  k = jnp.where(inv_scale > 1, inv_scale, 1.0).astype(jnp.float32)
+def _codes_by_dtype(values: list[jax.Array], k: jax.Array | None = None) -> jax.Array:
+  """int32 ``[len(values)]``: 2 where a scalar is NaN, 1 where it is infinite, 0 otherwise,
+  each told in its own dtype (a finite float64 value past the float32 range is finite),
+  after unscaling by ``k`` (a float32 ``()`` >= 1) in that dtype if given. The scalars of
+  one dtype are stacked and classified together: a few operations, whatever their number."""
+  if not values:
+    return jnp.zeros([0], jnp.int32)
   by_dtype: dict[Any, list[int]] = {}
-  for i, m in enumerate(amax):
-    by_dtype.setdefault(m.dtype, []).append(i)
-  order = [i for idx in by_dtype.values() for i in idx]
-  parts = [
-    unscale(jnp.stack([amax[i] for i in idx]), k).astype(jnp.float32) for idx in by_dtype.values()
-  ]
+  for i, v in enumerate(values):
+    by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
+  order, parts = [], []
+  for idx in by_dtype.values():
+    v = jnp.stack([values[i] for i in idx])
+    v = v if k is None else unscale(v, k)
+    parts.append(jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32))
+    order += idx
   joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-  return joined[np.argsort(np.asarray(order))]
+  return joined if order == sorted(order) else joined[np.argsort(np.asarray(order))]
 
 
 # Each entry times _TINY[compute dtype], squared: far from overflow for every finite
@@ -244,14 +247,6 @@ def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
     top = leaf_amax([x * (k.astype(jnp.finfo(ct).dtype) + zero)])[0]
     bad = bad | ~jnp.isfinite(top.astype(leaf.dtype))  # rounds to the leaf's dtype as unscale
   return bad
-
-
-def _codes_of(values: list[jax.Array]) -> jax.Array:
-  """int32 ``[n]``: 2 where a value is NaN, 1 where it is infinite, 0 otherwise."""
-  if not values:
-    return jnp.zeros([0], jnp.int32)
-  v = _stacked_float32(values)
-  return jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32)
 
 
 def _stacked_float32(values: list[jax.Array], factor: dict | None = None) -> jax.Array:
@@ -324,8 +319,8 @@ def leaf_codes(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
   magnitude is the first entry to overflow when unscaled, in the leaf's own dtype."""
   if not amax:
     return jnp.zeros([0], jnp.int32)
-  u = _unscaled_amax(amax, inv_scale)
-  return jnp.where(jnp.isnan(u), 2, jnp.where(jnp.isinf(u), 1, 0)).astype(jnp.int32)
+  k = jnp.where(inv_scale > 1, inv_scale, 1.0).astype(jnp.float32)
+  return _codes_by_dtype(amax, k)
 
 
 def finite_and_norm(
@@ -372,7 +367,7 @@ def finite_and_norm(
   def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
     k = jnp.where(i > 1, i, 1.0).astype(jnp.float32)  # a loss scale below 1: check u itself
     tiny = tiny_square_sums(g, k)
-    codes = _codes_of(tiny)
+    codes = _codes_by_dtype(tiny)
     norm = jnp.where(jnp.isfinite(s), jnp.sqrt(s) * i, tiny_norm(g, tiny, i / k, axis_name))
     # Unscaling a float16 or bfloat16 leaf rounds it back to its dtype, where it overflows
     # before float32 does: its largest entry decides, read only for such leaves.

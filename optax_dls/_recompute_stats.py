@@ -64,15 +64,17 @@ def recompute_stats() -> optax.GradientTransformation:
     (1, 3)
   """
 
-  def init_fn(params: Any) -> RecomputeState:
-    del params
-    return RecomputeState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+  return optax.GradientTransformation(_init, _update)
 
-  def update_fn(updates: Any, state: RecomputeState, params: Any = None) -> tuple[Any, Any]:
-    del params
-    return updates, state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+def _init(params: Any) -> RecomputeState:
+  del params
+  return RecomputeState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+
+
+def _update(updates: Any, state: RecomputeState, params: Any = None) -> tuple[Any, Any]:
+  del params
+  return updates, state
 
 
 def record(inner_state: Any, tries: jax.Array) -> Any:

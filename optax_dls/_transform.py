@@ -141,7 +141,8 @@ class LossScaler:
     """The lowering's check of the scaled gradients, and the step's finite flag (false
     too for a loss that is not finite)."""
     _check_state(state)
-    leaves = _numerics.float_leaves(grads) + ([] if loss is None else [jnp.asarray(loss)])
+    loss = checked_loss(loss)
+    leaves = _numerics.float_leaves(grads) + ([] if loss is None else [loss])
     _multi_device.check_axis_coverage(leaves, state.loss_scale, self.axis_name)
     check = self.lowering.check(grads, state.loss_scale, self.axis_name)
     return check, check.finite & ~_loss_not_finite(loss, self.axis_name)
@@ -397,20 +398,29 @@ def build_scaler(
   return kind(inner, policy, axis_name, lowering, labels, **options)
 
 
+def checked_loss(loss: Any) -> jax.Array | None:
+  """``loss`` as an array (None stays None): a real floating-point array of any shape (the
+  loss of this step, or its per-example values); TypeError naming it otherwise."""
+  if loss is None:
+    return None
+  try:
+    value = None if isinstance(loss, (str, bytes, dict)) else jnp.asarray(loss)
+  except (TypeError, ValueError):
+    value = None
+  if value is None or not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(
+      f"loss must be None or a real floating-point array (the loss of this step), got "
+      f"{loss!r} of type {type(loss).__name__}."
+    )
+  return value
+
+
 def _loss_not_finite(loss: Any, axis_name: Any) -> jax.Array:
   """bool ``()``: whether ``loss`` (None: not given) has an entry that is not finite,
   reduced over ``axis_name``."""
-  if loss is None:
+  value = checked_loss(loss)
+  if value is None:
     return jnp.zeros([], jnp.bool_)
-  try:
-    value = None if isinstance(loss, (str, bytes)) else jnp.asarray(loss)
-  except (TypeError, ValueError):
-    value = None
-  if value is None or not jnp.issubdtype(value.dtype, jnp.inexact):
-    raise TypeError(
-      f"loss must be None or a floating-point array (the loss of this step), got {loss!r} "
-      f"of type {type(loss).__name__}."
-    )
   bad = jnp.any(~jnp.isfinite(value)).astype(jnp.int32)
   return _multi_device.pmax(bad, axis_name) > 0
 

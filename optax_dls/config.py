@@ -21,7 +21,7 @@ from typing import Any
 
 import optax
 
-from optax_dls import _policies, _transform, _underflow
+from optax_dls import _accumulation, _policies, _transform, _underflow
 
 __all__ = ["from_config", "load_config", "preset", "preset_reason"]
 
@@ -354,5 +354,5 @@ def from_config(  # noqa: C901 (one check per configuration key, in order)
   if not isinstance(stats, (bool, type(None))):
     raise TypeError(f"underflow_stats in a configuration must be a bool, got {stats!r}.")
   if stats:
-    inner = optax.chain(_underflow.underflow_stats(), inner)
+    inner = optax.chain(_underflow.underflow_stats(), _accumulation.check_inner(inner))
   return _transform.loss_scaled(inner, policy, **section)
