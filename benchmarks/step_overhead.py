@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -256,6 +257,34 @@ def prepare(factory, params, grads) -> dict:
   }
 
 
+def fresh_compile_seconds(kind: str, total: int, name: str) -> float:
+  """Seconds to lower and compile variant ``name`` in a new Python process: XLA keeps the
+  kernels it compiled for earlier variants of the same process and reuses them, so the
+  ``compile_s`` of every variant but the first understates what a restart pays."""
+  here = __file__.rsplit("/", 1)[0]
+  code = (
+    f"import sys, time, jax; sys.path.insert(0, {here!r}); import step_overhead as b; "
+    f"params = b.make_tree({kind!r}, {total}); init, step = b.VARIANTS[{name!r}][0](); "
+    "state = init(params); grads = jax.tree.map(lambda p: p * 1e-3, params); "
+    "t = time.perf_counter(); "
+    "jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile(); "
+    "print(time.perf_counter() - t)"
+  )
+  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+  return float(out.stdout.split()[-1])
+
+
+def add_fresh_compile(rows: dict, kind: str, total: int) -> None:
+  """Each row's ``compile_fresh_s`` and its ratio to bare Adam's."""
+  for name, r in rows.items():
+    r["compile_fresh_s"] = fresh_compile_seconds(kind, total, name)
+  if "bare_adam" in rows:
+    for r in rows.values():
+      r["compile_fresh_ratio_to_bare_adam"] = (
+        r["compile_fresh_s"] / rows["bare_adam"]["compile_fresh_s"]
+      )
+
+
 def time_round(run: dict, steps: int) -> None:
   params, state = run["carry"]
   times = []
@@ -282,6 +311,11 @@ def main(argv=None) -> dict:
     "--trees", default="big,many", help="comma list of: big (8 leaves), many (200 leaves)"
   )
   ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
+  ap.add_argument(
+    "--fresh-compile",
+    action="store_true",
+    help="also time each variant's compilation in a new process (compile_fresh_s)",
+  )
   args = ap.parse_args(argv)
   out = {
     "backend": jax.default_backend(),
@@ -322,6 +356,8 @@ def main(argv=None) -> dict:
             a / b for a, b in zip(runs[name]["rounds"], runs[ref]["rounds"])
           )
     del runs
+    if args.fresh_compile:
+      add_fresh_compile(rows, kind, args.params)
     out["results"][kind] = {"leaves": len(params), **rows}
   print(json.dumps(out, indent=2))
   return out
