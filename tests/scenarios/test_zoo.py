@@ -213,27 +213,17 @@ def _handwritten(construct):
 
   def update(updates, state, params=None):
     del params
-    x = state["x"]
-    factor = LR
-    if construct == "python_scalar":
-      factor = LR * x
-    elif construct == "int_counter":
-      factor = LR / (1.0 + x.astype(jnp.float32))
-    out = jax.tree.map(lambda g: (-factor * g).astype(g.dtype), updates)
-    if construct in ("typed_key", "uint32_key"):
-      x, sub = jax.random.split(x)
-      keys = jax.random.split(sub, len(jax.tree.leaves(out)))
-      leaves, treedef = jax.tree.flatten(out)
-      noise = [1e-3 * jax.random.normal(k, g.shape, g.dtype) for k, g in zip(keys, leaves)]
-      out = jax.tree.unflatten(treedef, [g + n for g, n in zip(leaves, noise)])
-    elif construct == "literal_constant":
-      out = jax.tree.map(lambda g: g + jnp.zeros((), g.dtype), out)
-      x = jnp.zeros(())  # a constant, not computed from any input
+    x, factor, shift = state["x"], LR, 0.0
+    if construct == "literal_constant":
+      shift, x = x, jnp.zeros(())  # the new state: a constant, computed from no input
     elif construct == "python_scalar":
-      x = 0.5
+      factor, x = LR * x, 0.5
     elif construct == "int_counter":
-      x = optax.safe_increment(x)
-    return out, {"x": x}
+      factor, x = LR / (1.0 + x.astype(jnp.float32)), optax.safe_increment(x)
+    elif construct in ("typed_key", "uint32_key"):
+      x, sub = jax.random.split(x)
+      shift = 1e-3 * jax.random.uniform(sub)
+    return jax.tree.map(lambda g: (shift - factor * g).astype(g.dtype), updates), {"x": x}
 
   return optax.GradientTransformation(lambda params: {"x": make()}, update)
 
@@ -314,10 +304,17 @@ def _aval(x):
 
 
 def _types(tree):
-  """Tree structure and each leaf's (shape, dtype, weak type)."""
+  """Tree structure and each leaf's (shape, dtype, weak type, Python scalar or array): what
+  jax.jit's cache tells apart."""
   leaves, treedef = jax.tree.flatten(tree)
-  avals = [_aval(x) for x in leaves]
-  return treedef, [(tuple(a.shape), str(a.dtype), bool(a.weak_type)) for a in avals]
+  return treedef, [
+    (tuple(a.shape), str(a.dtype), bool(a.weak_type), type(x).__name__ if _python(x) else "array")
+    for x, a in zip(leaves, map(_aval, leaves))
+  ]
+
+
+def _python(x):
+  return isinstance(x, (bool, int, float, complex))
 
 
 def _is_key(x):
@@ -385,13 +382,14 @@ def _close_problems(actual, expected, what):
 
 # -- the runs --------------------------------------------------------------------------------------
 #
-# One jax.jit per inner compiles everything for it: the wrapped step of each (tree, lowering)
-# on both call paths, and the bare optimizer's two finite steps on each tree. XLA's compile time
-# is most of the zoo's cost, and one program per inner takes about half the time of one per
-# case. The program is called once per step, with each case's carry fed back, so each step's
-# result is read from its outputs and the four calls must compile once. A case whose state
-# types change over a step (seen by tracing it before) would recompile the shared program; it
-# runs alone instead, as its own jitted step, and check 3 reports it.
+# XLA's compile time is nearly all of the zoo's cost, so one jax.jit per inner compiles
+# everything for it: each (tree, lowering) case's step, and the bare optimizer's two finite
+# steps on each tree. Each step runs both call paths from the same state (XLA then shares the
+# work they have in common), the run goes on from the tx.update path's state, and the fused
+# path's outputs are checked against their inputs. The program is called once per step with
+# each case's carry fed back, so each step's result is read from its outputs and the four calls
+# must compile once. A case whose carry's types change over a step (seen by tracing it first)
+# would recompile the shared program: it runs alone, as its own jitted step.
 
 
 def _as_transformation(inner):
@@ -399,8 +397,10 @@ def _as_transformation(inner):
 
 
 def _bare(name, tree):
-  """The bare inner on one tree: its two finite steps, as a function for the shared program,
-  and its state types over BARE_UPDATES updates (traced only); or the error it raises."""
+  """The bare inner on one tree: its state types over BARE_UPDATES updates from its own init
+  (traced only), and its two finite steps as a function for the shared program, run from the
+  wrapped init's inner state (which may be widened already: check 3 says whether rightly), or
+  from its own init where that one will not do; or the error it raises."""
   try:
     inner, extras = _make(name)
     inner = optax.with_extra_args_support(_as_transformation(inner))
@@ -417,66 +417,70 @@ def _bare(name, tree):
         out.append((updates, params, state))
       return out
 
-    state = inner.init(params)
-    types, abstract = [_types(state)], state
+    init = inner.init(params)
+    types, abstract = [_types(init)], init
     for _ in range(BARE_UPDATES):
       abstract = jax.eval_shape(update, _step(us, 1), abstract, params)[1]
       types.append(_types(abstract))
-    jax.eval_shape(steps, state, params, us)
+    jax.eval_shape(steps, init, params, us)
   except Exception as e:  # noqa: BLE001
     return dict(error=e)
-  return dict(error=None, steps=steps, args=(state, params, us), types=types)
+  start = init
+  try:
+    wrapped = optax_dls.dynamic_loss_scale(_make(name)[0]).init(params).inner_state
+    jax.eval_shape(steps, wrapped, params, us)
+    start = wrapped
+  except Exception:  # noqa: BLE001 (the wrapped cases report it)
+    pass
+  return dict(error=None, steps=steps, args=(start, params, us), types=types, init=init)
 
 
 def _program(tx, extras):
-  """One step on both call paths; the carry is ((params, state), (params, state))."""
+  """One step from (params, state) on both call paths: the new (params, state) of the
+  tx.update path, and its updates and apply_step's (params, state) as the step's outputs."""
 
   def one(carry, u):
-    (pu, su), (pf, sf) = carry
-    updates, su = tx.update(_scaled(u, su), su, pu, **extras(pu, u))
-    pu = optax.apply_updates(pu, updates)
-    pf, sf = optax_dls.apply_step(tx, _scaled(u, sf), sf, pf, **extras(pf, u))
-    return ((pu, su), (pf, sf)), updates
+    params, state = carry
+    g = _scaled(u, state)
+    updates, new_state = tx.update(g, state, params, **extras(params, u))
+    fused = optax_dls.apply_step(tx, g, state, params, **extras(params, u))
+    return (optax.apply_updates(params, updates), new_state), (updates, fused)
 
   return one
 
 
 def _case(name, tree, skip_lowering):
-  """One wrapped case, traced: its first carry, its step, a jitted lax.scan of it, and what
-  tracing found (the scan over all four steps, the types after one step)."""
-  case = dict(error=None, scan_error=None, scan_types=None, step_types=None)
+  """One wrapped case, traced: its first carry, its step, a jitted lax.scan of it, and the
+  carry's types after a lax.scan over the four steps (or why that scan cannot be traced)."""
+  case = dict(error=None, scan_error=None, scan_types=None)
   try:
     inner, extras = _make(name)
     tx = optax_dls.dynamic_loss_scale(
       inner, init_scale=SCALE, growth_interval=1000, skip_lowering=skip_lowering
     )
     params, us = _params(tree), _unscaled_grads(tree)
-    state = tx.init(params)
+    case.update(carry0=(params, tx.init(params)), us=us)
   except Exception as e:  # noqa: BLE001
     return dict(case, error=e)
   one = _program(tx, extras)
-  scan = jax.jit(lambda carry, us: lax.scan(one, carry, us))
-  case.update(carry0=((params, state), (params, state)), one=one, scan=scan, us=us)
-  try:  # the scan over the four steps, traced: it raises when the carry's dtypes change
-    case["scan_types"] = _types(jax.eval_shape(scan, case["carry0"], us)[0])
+  case.update(one=one, scan=jax.jit(lambda carry, us: lax.scan(one, carry, us)))
+  try:  # it raises when a dtype in the carry changes
+    case["scan_types"] = _types(jax.eval_shape(case["scan"], case["carry0"], us)[0])
   except Exception as e:  # noqa: BLE001
     case["scan_error"] = e
-  try:
-    case["step_types"] = _types(jax.eval_shape(one, case["carry0"], _step(us, 0))[0])
-  except Exception as e:  # noqa: BLE001
-    case["error"] = e
   return case
 
 
 def _alone(case):
-  """The four steps of a case that cannot share the program: its own jitted step."""
+  """The four steps of a case that cannot share the program, as its own jitted step."""
   if case["error"] is not None:
     return dict(error=case["error"])
   step, carry, steps = jax.jit(case["one"]), case["carry0"], []
   try:
     for k in range(len(STEPS_FINITE)):
-      carry, updates = step(carry, _step(case["us"], k))
-      steps.append((carry, updates))
+      new, out = step(carry, _step(case["us"], k))
+      steps.append((carry, new, out))
+      carry = new
   except Exception as e:  # noqa: BLE001
     return dict(error=e)
   return dict(error=None, steps=steps, cache_size=step._cache_size())
@@ -484,11 +488,11 @@ def _alone(case):
 
 def _shared(cases, keys, bares):
   """The four steps of the cases ``keys`` and the bare steps, in one jitted program:
-  ({key: steps}, {tree: bare results}, how many times it compiled)."""
+  ({key: [(carry before, carry after, outputs)]}, {tree: bare results}, its compile count)."""
 
   def program(carries, us, bare_args):
     out = [cases[key]["scan"](carry, u) for key, carry, u in zip(keys, carries, us)]
-    out = [(carry, jax.tree.map(lambda x: x[0], updates)) for carry, updates in out]
+    out = [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in out]
     return out, {t: bares[t]["steps"](*a) for t, a in bare_args.items()}
 
   bare_args = {t: b["args"] for t, b in bares.items() if b["error"] is None}
@@ -497,9 +501,9 @@ def _shared(cases, keys, bares):
   for k in range(len(STEPS_FINITE)):
     us = [_first(cases[key]["us"], k) for key in keys]
     out, bare_results = compiled(carries, us, bare_args)
-    carries = [carry for carry, _ in out]
-    for key, o in zip(keys, out):
-      steps[key].append(o)
+    for key, before, (after, ys) in zip(keys, carries, out):
+      steps[key].append((before, after, ys))
+    carries = [after for after, _ in out]
   return steps, bare_results, compiled._cache_size()
 
 
@@ -517,11 +521,11 @@ def _zoo(name):
   keys = [
     key
     for key, c in cases.items()
-    if c["error"] is None and c["scan_error"] is None and c["step_types"] == _types(c["carry0"])
+    if c["error"] is None and c["scan_types"] == _types(c["carry0"])
   ]
   try:
     steps, bare_results, cache_size = _shared(cases, keys, bares)
-  except Exception as e:  # noqa: BLE001 (then each runs alone, and reports its own error)
+  except Exception as e:  # noqa: BLE001 (then each case runs alone, and reports its own error)
     keys, error = [], e
     try:
       _, bare_results, _ = _shared(cases, [], bares)
@@ -549,6 +553,7 @@ def _runs(name, tree, skip_lowering):
 
 
 def _steps(case):
+  """[(carry before, carry after, (updates, (params, state) of apply_step))] per step."""
   if case["error"] is not None:
     raise case["error"]
   return case["steps"]
@@ -568,11 +573,13 @@ INNER = pytest.mark.parametrize("name", INNERS)
 @TREE
 @INNER
 def test_finite_step_matches_bare(name, tree, skip_lowering):
-  """Each finite step equals the bare optimizer's on the unscaled gradients, on both paths."""
+  """init's inner state holds the bare init's values, and each finite step equals the bare
+  optimizer's on the unscaled gradients, on both call paths."""
   bare, case = _runs(name, tree, skip_lowering)
-  steps, problems = _steps(case), []
+  steps = _steps(case)
+  problems = _close_problems(case["carry0"][1].inner_state, bare["init"], "init: inner state")
   for k, (b_updates, b_params, b_state) in zip((1, 3), bare["results"]):
-    ((pu, su), (pf, sf)), updates = steps[k]
+    _, (pu, su), (updates, (pf, sf)) = steps[k]
     if not (bool(su.last_step_finite) and bool(sf.last_step_finite)):
       problems.append(f"step {k} was skipped")
     problems += _close_problems(updates, b_updates, f"step {k}: updates")
@@ -588,24 +595,22 @@ def test_finite_step_matches_bare(name, tree, skip_lowering):
 @INNER
 def test_skipped_step_is_bit_for_bit(name, tree, skip_lowering):
   """A NaN step from init and an inf step later: parameters and inner state untouched bit for
-  bit on both paths, zero updates of an applied step's types, the scale backed off."""
+  bit on both call paths, zero updates of an applied step's types, the scale backed off."""
   _, case = _runs(name, tree, skip_lowering)
   steps, problems = _steps(case), []
-  finite = [[bool(s.last_step_finite) for _, s in carry] for carry, _ in steps]
-  assert finite == [[f, f] for f in STEPS_FINITE], f"finite flags (two paths): {finite}"
+  finite = [[bool(s.last_step_finite) for s in (su, sf)] for _, (_, su), (_, (_, sf)) in steps]
+  assert finite == [[f, f] for f in STEPS_FINITE], f"finite flags (two call paths): {finite}"
   for k in (0, 2):
-    before = jax.tree.map(jnp.asarray, case["carry0"] if k == 0 else steps[k - 1][0])
-    carry, updates = steps[k]
-    for path, (p_before, s_before), (p_after, s_after) in zip(
-      ("tx.update", "apply_step"), before, carry
-    ):
+    before, after, (updates, fused) = steps[k]
+    p_before, s_before = jax.tree.map(jnp.asarray, before)
+    for path, (p_after, s_after) in (("tx.update", after), ("apply_step", fused)):
       problems += _bit_problems(p_after, p_before, f"step {k} ({path}): params")
       what = f"step {k} ({path}): inner state"
       problems += _bit_problems(s_after.inner_state, s_before.inner_state, what)
       scales = float(optax_dls.loss_scale(s_before)), float(optax_dls.loss_scale(s_after))
       if scales[1] != scales[0] / 2:
         problems.append(f"step {k} ({path}): the loss scale went {scales[0]} -> {scales[1]}")
-    if _types(updates) != _types(steps[1][1]):
+    if _types(updates) != _types(steps[1][2][0]):
       problems.append(f"step {k}: the updates' types differ from an applied step's")
     for p, u in zip(_paths(updates), jax.tree.leaves(updates)):
       if np.any(np.asarray(u)):
@@ -613,35 +618,42 @@ def test_skipped_step_is_bit_for_bit(name, tree, skip_lowering):
   _report(problems)
 
 
-def _settles(types):
-  return any(types[k] == types[k + 1] for k in range(len(types) - 1))
+def _settled(types):
+  """The first of the bare optimizer's state types that one more update keeps, or None."""
+  return next((types[k] for k in range(len(types) - 1) if types[k] == types[k + 1]), None)
 
 
-def _type_diff(carry0, types):
-  before = _types(carry0)
-  if before[0] != types[0]:
-    return f"tree structure {before[0]} -> {types[0]}"
-  return [(p, b, a) for p, b, a in zip(_paths(carry0), before[1], types[1]) if a != b]
+def _type_diff(tree, types):
+  """Where ``types`` differ from ``tree``'s: [] when nowhere."""
+  own = _types(tree)
+  if own[0] != types[0]:
+    return [f"tree structure {own[0]} -> {types[0]}"]
+  return [f"{p}: {a} -> {b}" for p, a, b in zip(_paths(tree), own[1], types[1]) if a != b]
 
 
 @CASES
 @TREE
 @INNER
 def test_state_types_are_a_fixed_point(name, tree, skip_lowering):
-  """From init on, the carry's (shape, dtype, weak type) never change: a lax.scan over the four
-  steps with the state as carry traces to init's types, and the jitted step compiles once."""
+  """From init on, the types of the parameters and the state (shape, dtype, weak type) never
+  change: init's inner state has the types the bare optimizer's state settles at, a lax.scan
+  over the four steps with them as carry traces to the same types, each step returns them on
+  both call paths, and the jitted step compiles once over the four steps."""
   bare, case = _runs(name, tree, skip_lowering)
-  if not _settles(bare["types"]):
+  settled = _settled(bare["types"])
+  if settled is None:
     pytest.skip(f"the bare optimizer's own state types do not settle in {BARE_UPDATES} updates")
-  problems, error = [], case["scan_error"]
+  problems, error, carry0 = [], case["scan_error"], case["carry0"]
+  if diff := _type_diff(carry0[1].inner_state, settled):
+    problems.append(f"init's inner state has not the bare optimizer's settled types: {diff}")
   if error is not None:
     problems.append(f"the lax.scan over the four steps raised {type(error).__name__}: {error}")
-  elif diff := _type_diff(case["carry0"], case["scan_types"]):
+  elif diff := _type_diff(carry0, case["scan_types"]):
     problems.append(f"the lax.scan over the four steps changed the carry's types: {diff}")
-  for k, (carry, _) in enumerate(_steps(case)):
-    if diff := _type_diff(case["carry0"], _types(carry)):
-      problems.append(f"step {k} changed the carry's types from init's: {diff}")
-      break
+  for k, (_, after, (_, fused)) in enumerate(_steps(case)):
+    for path, carry in (("tx.update", after), ("apply_step", fused)):
+      if diff := _type_diff(carry0, _types(carry)):
+        problems.append(f"step {k} ({path}) changed the types from init's: {diff}")
   if case["cache_size"] != 1:
     problems.append(f"the jitted step compiled {case['cache_size']} times in four steps")
   _report(problems)
