@@ -425,13 +425,11 @@ def _bare(name, tree):
     jax.eval_shape(steps, init, params, us)
   except Exception as e:  # noqa: BLE001
     return dict(error=e)
-  start = init
   try:
-    wrapped = optax_dls.dynamic_loss_scale(_make(name)[0]).init(params).inner_state
-    jax.eval_shape(steps, wrapped, params, us)
-    start = wrapped
+    start = optax_dls.dynamic_loss_scale(_make(name)[0]).init(params).inner_state
+    jax.eval_shape(steps, start, params, us)
   except Exception:  # noqa: BLE001 (the wrapped cases report it)
-    pass
+    start = init
   return dict(error=None, steps=steps, args=(start, params, us), types=types, init=init)
 
 
@@ -519,9 +517,7 @@ def _zoo(name):
     for low in LOWERINGS
   }
   keys = [
-    key
-    for key, c in cases.items()
-    if c["error"] is None and c["scan_types"] == _types(c["carry0"])
+    key for key, c in cases.items() if c["error"] is None and c["scan_types"] == _types(c["carry0"])
   ]
   try:
     steps, bare_results, cache_size = _shared(cases, keys, bares)
