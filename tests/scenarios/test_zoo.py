@@ -521,14 +521,14 @@ def _zoo(name):
   ]
   try:
     steps, bare_results, cache_size = _shared(cases, keys, bares)
-  except Exception as e:  # noqa: BLE001 (then each case runs alone, and reports its own error)
-    keys, error = [], e
+  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
+    keys = []
     try:
       _, bare_results, _ = _shared(cases, [], bares)
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
       bare_results = {}
-    for bare in bares.values():
-      bare.update(error=bare["error"] or error)
+      for bare in bares.values():
+        bare.update(error=bare["error"] or e)
   for tree, bare in bares.items():
     if bare["error"] is None:
       bare["results"] = bare_results[tree]
