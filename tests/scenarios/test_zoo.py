@@ -382,14 +382,20 @@ def _close_problems(actual, expected, what):
 
 # -- the runs --------------------------------------------------------------------------------------
 #
-# XLA's compile time is nearly all of the zoo's cost, so one jax.jit per inner compiles
-# everything for it: each (tree, lowering) case's step, and the bare optimizer's two finite
-# steps on each tree. Each step runs both call paths from the same state (XLA then shares the
-# work they have in common), the run goes on from the tx.update path's state, and the fused
-# path's outputs are checked against their inputs. The program is called once per step with
-# each case's carry fed back, so each step's result is read from its outputs and the four calls
-# must compile once. A case whose carry's types change over a step (seen by tracing it first)
-# would recompile the shared program: it runs alone, as its own jitted step.
+# XLA's compile time is nearly all of the zoo's cost. It goes by the distinct fused kernels of
+# a program (XLA compiles identical ones once per program), and much of the wrapper's work (its
+# check, its counters, its loss scale) makes the same kernels whatever the inner, so the inners
+# are compiled GROUP at a time: one jax.jit holds, for each inner of a group, each (tree,
+# lowering) case's step and the bare optimizer's two finite steps on each tree. Each step runs
+# both call paths from the same state (XLA then shares the work they have in common), the run
+# goes on from the tx.update path's state, and the fused path's outputs are checked against
+# their inputs. The program is called once per step with each case's carry fed back, so each
+# step's result is read from its outputs and the four calls must compile once. A case whose
+# carry's types change over a step (seen by tracing it first) would recompile the shared
+# program: it runs alone, as its own jitted step. A group whose program fails or compiles more
+# than once runs again one inner at a time, so that each inner reports its own.
+
+GROUP = 4  # inners per program: measured, 4 to 6 take about 30% less compile time than 1
 
 
 def _as_transformation(inner):
@@ -398,9 +404,8 @@ def _as_transformation(inner):
 
 def _bare(name, tree):
   """The bare inner on one tree: its state types over BARE_UPDATES updates from its own init
-  (traced only), and its two finite steps as a function for the shared program, run from the
-  wrapped init's inner state (which may be widened already: check 3 says whether rightly), or
-  from its own init where that one will not do; or the error it raises."""
+  (traced only), and its two finite steps as a function for the shared program (their first
+  state is chosen by _bare_start); or the error it raises."""
   try:
     inner, extras = _make(name)
     inner = optax.with_extra_args_support(_as_transformation(inner))
@@ -422,15 +427,28 @@ def _bare(name, tree):
     for _ in range(BARE_UPDATES):
       abstract = jax.eval_shape(update, _step(us, 1), abstract, params)[1]
       types.append(_types(abstract))
-    jax.eval_shape(steps, init, params, us)
   except Exception as e:  # noqa: BLE001
     return dict(error=e)
+  return dict(error=None, steps=steps, params=params, us=us, types=types, init=init)
+
+
+def _bare_start(bare, cases):
+  """Sets the bare steps' arguments: from the wrapped init's inner state (which may be widened
+  already: check 3 says whether rightly), or from the bare init where that one will not do
+  (the wrapped cases report why); or sets the error the bare steps raise from their own init."""
+  params, us = bare["params"], bare["us"]
+  wrapped = [c["carry0"][1].inner_state for c in cases if c["error"] is None]
   try:
-    start = optax_dls.dynamic_loss_scale(_make(name)[0]).init(params).inner_state
-    jax.eval_shape(steps, start, params, us)
+    jax.eval_shape(bare["steps"], wrapped[0], params, us)
+    start = wrapped[0]
   except Exception:  # noqa: BLE001 (the wrapped cases report it)
-    start = init
-  return dict(error=None, steps=steps, args=(start, params, us), types=types, init=init)
+    start = bare["init"]
+    try:
+      jax.eval_shape(bare["steps"], start, params, us)
+    except Exception as e:  # noqa: BLE001
+      bare.update(error=e)
+      return
+  bare.update(args=(start, params, us))
 
 
 def _program(tx, extras):
@@ -469,6 +487,21 @@ def _case(name, tree, skip_lowering):
   return case
 
 
+def _prepare(name):
+  """Inner ``name``, traced: {bares: {tree: bare}, cases: {(tree, lowering): case}, keys: the
+  cases that can share a program (no error, the carry's types kept over the four steps)}."""
+  bares = {tree: _bare(name, tree) for tree in TREES}
+  cases = {}
+  for tree in TREES:
+    if bares[tree]["error"] is None:
+      cases.update({(tree, low): _case(name, tree, low) for low in LOWERINGS})
+      _bare_start(bares[tree], [cases[(tree, low)] for low in LOWERINGS])
+  keys = [
+    key for key, c in cases.items() if c["error"] is None and c["scan_types"] == _types(c["carry0"])
+  ]
+  return dict(bares=bares, cases=cases, keys=keys)
+
+
 def _alone(case):
   """The four steps of a case that cannot share the program, as its own jitted step."""
   if case["error"] is not None:
@@ -484,47 +517,52 @@ def _alone(case):
   return dict(error=None, steps=steps, cache_size=step._cache_size())
 
 
-def _shared(cases, keys, bares):
-  """The four steps of the cases ``keys`` and the bare steps, in one jitted program:
-  ({key: [(carry before, carry after, outputs)]}, {tree: bare results}, its compile count)."""
+def _shared(units):
+  """The four steps of the cases ``unit["keys"]`` of each of ``units`` ({name: prepared
+  inner}) and its bare steps, in one jitted program: ({name: ({key: [(carry before, carry
+  after, outputs)]}, {tree: bare results})}, its compile count)."""
 
   def program(carries, us, bare_args):
-    out = [cases[key]["scan"](carry, u) for key, carry, u in zip(keys, carries, us)]
-    out = [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in out]
-    return out, {t: bares[t]["steps"](*a) for t, a in bare_args.items()}
+    out = {}
+    for name, unit in units.items():
+      cases, bares = unit["cases"], unit["bares"]
+      scans = [cases[key]["scan"](c, u) for key, c, u in zip(unit["keys"], carries[name], us[name])]
+      out[name] = (
+        [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in scans],
+        {t: bares[t]["steps"](*a) for t, a in bare_args[name].items()},
+      )
+    return out
 
-  bare_args = {t: b["args"] for t, b in bares.items() if b["error"] is None}
-  compiled, carries = jax.jit(program), [cases[key]["carry0"] for key in keys]
-  steps = {key: [] for key in keys}
-  for k in range(len(STEPS_FINITE)):
-    us = [_first(cases[key]["us"], k) for key in keys]
-    out, bare_results = compiled(carries, us, bare_args)
-    for key, before, (after, ys) in zip(keys, carries, out):
-      steps[key].append((before, after, ys))
-    carries = [after for after, _ in out]
-  return steps, bare_results, compiled._cache_size()
-
-
-@functools.cache
-def _zoo(name):
-  """Every case of inner ``name``: {tree: bare}, {(tree, lowering): case and its four steps}.
-  Never raises: an error is kept for the checks it stops."""
-  bares = {tree: _bare(name, tree) for tree in TREES}
-  cases = {
-    (tree, low): _case(name, tree, low)
-    for tree in TREES
-    if bares[tree]["error"] is None
-    for low in LOWERINGS
+  bare_args = {
+    name: {t: b["args"] for t, b in unit["bares"].items() if b["error"] is None}
+    for name, unit in units.items()
   }
-  keys = [
-    key for key, c in cases.items() if c["error"] is None and c["scan_types"] == _types(c["carry0"])
-  ]
-  try:
-    steps, bare_results, cache_size = _shared(cases, keys, bares)
-  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
-    keys = []
+  carries = {
+    name: [unit["cases"][key]["carry0"] for key in unit["keys"]] for name, unit in units.items()
+  }
+  steps = {name: {key: [] for key in unit["keys"]} for name, unit in units.items()}
+  compiled = jax.jit(program)
+  for k in range(len(STEPS_FINITE)):
+    us = {
+      name: [_first(unit["cases"][key]["us"], k) for key in unit["keys"]]
+      for name, unit in units.items()
+    }
+    out = compiled(carries, us, bare_args)
+    for name, unit in units.items():
+      for key, before, (after, ys) in zip(unit["keys"], carries[name], out[name][0]):
+        steps[name][key].append((before, after, ys))
+      carries[name] = [after for after, _ in out[name][0]]
+  return {name: (steps[name], out[name][1]) for name in units}, compiled._cache_size()
+
+
+def _finish(unit, run, cache_size):
+  """Each case of a prepared inner with its four steps, and each bare run with its results,
+  from ``run`` (the shared program's, or None where it failed): (bares, cases)."""
+  bares, cases = unit["bares"], unit["cases"]
+  steps, bare_results = run if run is not None else ({}, None)
+  if bare_results is None:
     try:
-      _, bare_results, _ = _shared(cases, [], bares)
+      bare_results = _shared({None: dict(unit, keys=[])})[0][None][1]
     except Exception as e:  # noqa: BLE001
       bare_results = {}
       for bare in bares.values():
@@ -533,19 +571,66 @@ def _zoo(name):
     if bare["error"] is None:
       bare["results"] = bare_results[tree]
   for key, case in cases.items():
-    run = dict(error=None, steps=steps[key], cache_size=cache_size) if key in keys else None
+    run = dict(error=None, steps=steps[key], cache_size=cache_size) if key in steps else None
     case.update(run or _alone(case))
   return bares, cases
 
 
-def _runs(name, tree, skip_lowering):
-  """(bare, case) for one case; skips the case where the bare optimizer cannot step."""
-  bares, cases = _zoo(name)
-  bare = bares[tree]
-  if bare["error"] is not None:
-    error = bare["error"]
-    pytest.skip(f"the bare optimizer cannot step on this tree: {type(error).__name__}: {error}")
-  return bare, cases[(tree, skip_lowering)]
+def _inner(unit):
+  """A prepared inner in its own program (each case alone where that fails)."""
+  try:
+    runs, cache_size = _shared({None: unit})
+    return _finish(unit, runs[None], cache_size)
+  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
+    return _finish(unit, None, None)
+
+
+def _shared_once(units):
+  """The runs of ``_shared(units)`` where its program runs and compiles once, else None."""
+  try:
+    runs, cache_size = _shared(units)
+  except Exception:  # noqa: BLE001 (then each inner runs on its own, and reports its own error)
+    return None
+  return runs if cache_size == 1 else None
+
+
+@functools.cache
+def _group(names):
+  """Every case of the inners ``names``, run in one program: {name: (bares, cases)}. Never
+  raises: an error is kept for the checks it stops."""
+  units = {name: _prepare(name) for name in names}
+  runs = _shared_once(units) if len(names) > 1 else None
+  if runs is not None:
+    return {name: _finish(unit, runs[name], 1) for name, unit in units.items()}
+  return {name: _inner(unit) for name, unit in units.items()}
+
+
+@pytest.fixture(scope="module")
+def zoo(request):
+  """``zoo(name, tree, skip_lowering) -> (bare, case)``, the inners this session runs compiled
+  GROUP at a time in INNERS order; skips the case where the bare optimizer cannot step."""
+  selected = {
+    item.callspec.params["name"]
+    for item in request.session.items
+    if getattr(item, "module", None) is request.module
+    and "name" in getattr(getattr(item, "callspec", None), "params", {})
+  }
+  names = [name for name in INNERS if name in selected]
+  groups = {
+    name: tuple(names[i : i + GROUP])
+    for i in range(0, len(names), GROUP)
+    for name in names[i : i + GROUP]
+  }
+
+  def runs(name, tree, skip_lowering):
+    bares, cases = _group(groups.get(name, (name,)))[name]
+    bare = bares[tree]
+    if bare["error"] is not None:
+      error = bare["error"]
+      pytest.skip(f"the bare optimizer cannot step on this tree: {type(error).__name__}: {error}")
+    return bare, cases[(tree, skip_lowering)]
+
+  return runs
 
 
 def _steps(case):
@@ -568,10 +653,10 @@ INNER = pytest.mark.parametrize("name", INNERS)
 @CASES
 @TREE
 @INNER
-def test_finite_step_matches_bare(name, tree, skip_lowering):
+def test_finite_step_matches_bare(zoo, name, tree, skip_lowering):
   """init's inner state holds the bare init's values, and each finite step equals the bare
   optimizer's on the unscaled gradients, on both call paths."""
-  bare, case = _runs(name, tree, skip_lowering)
+  bare, case = zoo(name, tree, skip_lowering)
   steps = _steps(case)
   problems = _close_problems(case["carry0"][1].inner_state, bare["init"], "init: inner state")
   for k, (b_updates, b_params, b_state) in zip((1, 3), bare["results"]):
@@ -589,10 +674,10 @@ def test_finite_step_matches_bare(name, tree, skip_lowering):
 @CASES
 @TREE
 @INNER
-def test_skipped_step_is_bit_for_bit(name, tree, skip_lowering):
+def test_skipped_step_is_bit_for_bit(zoo, name, tree, skip_lowering):
   """A NaN step from init and an inf step later: parameters and inner state untouched bit for
   bit on both call paths, zero updates of an applied step's types, the scale backed off."""
-  _, case = _runs(name, tree, skip_lowering)
+  _, case = zoo(name, tree, skip_lowering)
   steps, problems = _steps(case), []
   finite = [[bool(s.last_step_finite) for s in (su, sf)] for _, (_, su), (_, (_, sf)) in steps]
   assert finite == [[f, f] for f in STEPS_FINITE], f"finite flags (two call paths): {finite}"
@@ -630,12 +715,12 @@ def _type_diff(tree, types):
 @CASES
 @TREE
 @INNER
-def test_state_types_are_a_fixed_point(name, tree, skip_lowering):
+def test_state_types_are_a_fixed_point(zoo, name, tree, skip_lowering):
   """From init on, the types of the parameters and the state (shape, dtype, weak type) never
   change: init's inner state has the types the bare optimizer's state settles at, a lax.scan
   over the four steps with them as carry traces to the same types, each step returns them on
   both call paths, and the jitted step compiles once over the four steps."""
-  bare, case = _runs(name, tree, skip_lowering)
+  bare, case = zoo(name, tree, skip_lowering)
   settled = _settled(bare["types"])
   if settled is None:
     pytest.skip(f"the bare optimizer's own state types do not settle in {BARE_UPDATES} updates")
