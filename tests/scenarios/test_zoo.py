@@ -502,19 +502,36 @@ def _prepare(name):
   return dict(bares=bares, cases=cases, keys=keys)
 
 
-def _alone(case):
-  """The four steps of a case that cannot share the program, as its own jitted step."""
-  if case["error"] is not None:
-    return dict(error=case["error"])
-  step, carry, steps = jax.jit(case["one"]), case["carry0"], []
+def _alone(cases):
+  """The four steps of the cases that cannot share the program, together in their own jitted
+  step (each in its own where that fails); a case whose types change recompiles it."""
+  if len(cases) > 1 and _alone_together(cases, f"the jitted step of {len(cases)} cases") is None:
+    return
+  for case in cases:
+    if (error := _alone_together([case], "the jitted step")) is not None:
+      case.update(error=error)
+
+
+def _alone_together(cases, program):
+  """Runs the four steps of ``cases`` in one jitted step (``program`` names it in reports);
+  returns the error it raises, or None."""
+
+  def step(carries, us):
+    return [c["one"](carry, u) for c, carry, u in zip(cases, carries, us)]
+
+  step = jax.jit(step)
+  carries, steps = [c["carry0"] for c in cases], [[] for _ in cases]
   try:
     for k in range(len(STEPS_FINITE)):
-      new, out = step(carry, _step(case["us"], k))
-      steps.append((carry, new, out))
-      carry = new
+      out = step(carries, [_step(c["us"], k) for c in cases])
+      for case_steps, before, (after, ys) in zip(steps, carries, out):
+        case_steps.append((before, after, ys))
+      carries = [after for after, _ in out]
   except Exception as e:  # noqa: BLE001
-    return dict(error=e)
-  return dict(error=None, steps=steps, cache_size=step._cache_size())
+    return e
+  for case, case_steps in zip(cases, steps):
+    case.update(steps=case_steps, program=program, cache_size=step._cache_size())
+  return None
 
 
 def _shared(units):
@@ -557,7 +574,8 @@ def _shared(units):
 
 def _finish(unit, run, cache_size):
   """Each case of a prepared inner with its four steps, and each bare run with its results,
-  from ``run`` (the shared program's, or None where it failed): (bares, cases)."""
+  from ``run`` (the shared program's, or None where it failed); returns the cases left to run
+  alone (those not in the shared program without an error of their own)."""
   bares, cases = unit["bares"], unit["cases"]
   steps, bare_results = run if run is not None else ({}, None)
   if bare_results is None:
@@ -570,14 +588,13 @@ def _finish(unit, run, cache_size):
   for tree, bare in bares.items():
     if bare["error"] is None:
       bare["results"] = bare_results[tree]
-  for key, case in cases.items():
-    run = dict(error=None, steps=steps[key], cache_size=cache_size) if key in steps else None
-    case.update(run or _alone(case))
-  return bares, cases
+  for key in steps:
+    cases[key].update(steps=steps[key], program="the shared program", cache_size=cache_size)
+  return [c for key, c in cases.items() if key not in steps and c["error"] is None]
 
 
 def _inner(unit):
-  """A prepared inner in its own program (each case alone where that fails)."""
+  """A prepared inner in its own program; returns the cases left to run alone."""
   try:
     runs, cache_size = _shared({None: unit})
     return _finish(unit, runs[None], cache_size)
@@ -596,13 +613,16 @@ def _shared_once(units):
 
 @functools.cache
 def _group(names):
-  """Every case of the inners ``names``, run in one program: {name: (bares, cases)}. Never
-  raises: an error is kept for the checks it stops."""
+  """Every case of the inners ``names``, run in one program, and those that cannot share it
+  in another: {name: (bares, cases)}. Never raises: an error is kept for the checks it stops."""
   units = {name: _prepare(name) for name in names}
   runs = _shared_once(units) if len(names) > 1 else None
   if runs is not None:
-    return {name: _finish(unit, runs[name], 1) for name, unit in units.items()}
-  return {name: _inner(unit) for name, unit in units.items()}
+    alone = [c for name, unit in units.items() for c in _finish(unit, runs[name], 1)]
+  else:
+    alone = [c for unit in units.values() for c in _inner(unit)]
+  _alone(alone)
+  return {name: (unit["bares"], unit["cases"]) for name, unit in units.items()}
 
 
 @pytest.fixture(scope="module")
@@ -736,5 +756,5 @@ def test_state_types_are_a_fixed_point(zoo, name, tree, skip_lowering):
       if diff := _type_diff(carry0, _types(carry)):
         problems.append(f"step {k} ({path}) changed the types from init's: {diff}")
   if case["cache_size"] != 1:
-    problems.append(f"the jitted step compiled {case['cache_size']} times in four steps")
+    problems.append(f"{case['program']} compiled {case['cache_size']} times in four steps")
   _report(problems)
