@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dls import _types
@@ -112,7 +113,7 @@ def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any
   ``optax.lbfgs``'s line search, say), only the weak types are settled: a state that
   such an optimizer widens on its first update then retraces once.
   """
-  state = jax.tree.map(_types.strong, inner.init(params))
+  state = jax.tree.map(_settled_leaf, inner.init(params))
   for _ in range(_SETTLE_TRIES):
     try:
       after = _updated_state(inner, state, params)
@@ -125,6 +126,15 @@ def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any
       return state
     state = widened
   return state
+
+
+def _settled_leaf(x: Any) -> Any:
+  """A leaf of the inner ``init``'s state as an update under ``jit`` returns it: a Python
+  or NumPy scalar becomes an array (a Python one weakly typed, as ``jit`` gives it back);
+  a weakly typed array becomes strongly typed, as the inner updates return it."""
+  if isinstance(x, (bool, int, float, complex, np.generic)) and not isinstance(x, jax.Array):
+    return jnp.asarray(x)
+  return _types.strong(x)
 
 
 def _updated_state(inner: optax.GradientTransformationExtraArgs, state: Any, params: Any) -> Any:
