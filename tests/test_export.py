@@ -46,17 +46,21 @@ def _subjaxprs(eqn):
 
 
 def _taken(jaxpr, platform):
-  """The primitives the program runs when lowered for ``platform``: a platform-dependent
-  ``cond`` contributes only the branch of that platform."""
-  names = []
+  """The primitives the program runs when lowered for ``platform``: a ``cond`` on the
+  index of ``lax.platform_dependent`` (a ``platform_index`` equation) contributes only the
+  branch of that platform."""
+  names, chosen = [], {}
   for eqn in jaxpr.eqns:
-    platforms = eqn.params.get("branches_platforms")
-    if eqn.primitive.name == "cond" and platforms is not None:
-      index = next(
+    if eqn.primitive.name == "platform_index":
+      platforms = eqn.params["platforms"]
+      chosen[eqn.outvars[0]] = next(
         (i for i, p in enumerate(platforms) if p is not None and platform in p),
         platforms.index(None),
       )
-      names += _taken(eqn.params["branches"][index].jaxpr, platform)
+      continue
+    index = eqn.invars[0] if eqn.invars else None
+    if eqn.primitive.name == "cond" and not hasattr(index, "val") and index in chosen:
+      names += _taken(eqn.params["branches"][chosen[index]].jaxpr, platform)
       continue
     names.append(eqn.primitive.name)
     for sub in _subjaxprs(eqn):
