@@ -388,20 +388,17 @@ def _close_problems(actual, expected, what, scale=None):
 
 # -- the runs --------------------------------------------------------------------------------------
 #
-# XLA's compile time is nearly all of the zoo's cost. It goes by the distinct fused kernels of
-# a program (XLA compiles identical ones once per program), and much of the wrapper's work (its
-# check, its counters, its loss scale) makes the same kernels whatever the inner, so the inners
-# are compiled GROUP at a time: one jax.jit holds, for each inner of a group, each (tree,
-# lowering) case's step and the bare optimizer's two finite steps on each tree. Each step runs
-# both call paths from the same state (XLA then shares the work they have in common), the run
-# goes on from the tx.update path's state, and the fused path's outputs are checked against
-# their inputs. The program is called once per step with each case's carry fed back, so each
-# step's result is read from its outputs and the four calls must compile once. A case whose
-# carry's types change over a step (seen by tracing it first) would recompile the shared
-# program: it runs alone, as its own jitted step. A group whose program fails or compiles more
-# than once runs again one inner at a time, so that each inner reports its own.
-
-GROUP = 4  # inners per program: measured, 4 to 6 take about 30% less compile time than 1
+# XLA's compile time is most of the zoo's cost, so one jax.jit per inner compiles everything
+# for it: each (tree, lowering) case's step, and the bare optimizer's two finite steps on each
+# tree. Each step runs both call paths from the same state (XLA then shares the work they have
+# in common), the run goes on from the tx.update path's state, and the fused path's outputs are
+# checked against their inputs. The program is called once per step with each case's carry fed
+# back, so each step's result is read from its outputs and the four calls must compile once. A
+# case whose carry's types change over a step (seen by tracing it first) would recompile the
+# shared program: it runs with the other such cases of its inner, in a jitted step of their
+# own. (One program per inner compiles faster than one per case, and, with CPU_XLA_OPTIONS,
+# than one for several inners.)
+#
 # The zoo checks values, bits and types, not speed: on the CPU its programs are compiled with
 # XLA's backend optimizations off and its classic kernel emitters, which takes about 40% less
 # time (the rest of the suite compiles with XLA's defaults; the bare steps are compiled with
@@ -550,53 +547,41 @@ def _alone_together(cases, program):
   return None
 
 
-def _shared(units):
-  """The four steps of the cases ``unit["keys"]`` of each of ``units`` ({name: prepared
-  inner}) and its bare steps, in one jitted program: ({name: ({key: [(carry before, carry
-  after, outputs)]}, {tree: bare results})}, its compile count)."""
+def _shared(unit):
+  """The four steps of the cases ``unit["keys"]`` of a prepared inner and its bare steps, in
+  one jitted program: ({key: [(carry before, carry after, outputs)]}, {tree: bare results},
+  its compile count)."""
+  cases, bares, keys = unit["cases"], unit["bares"], unit["keys"]
 
   def program(carries, us, bare_args):
-    out = {}
-    for name, unit in units.items():
-      cases, bares = unit["cases"], unit["bares"]
-      scans = [cases[key]["scan"](c, u) for key, c, u in zip(unit["keys"], carries[name], us[name])]
-      out[name] = (
-        [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in scans],
-        {t: bares[t]["steps"](*a) for t, a in bare_args[name].items()},
-      )
-    return out
+    out = [cases[key]["scan"](carry, u) for key, carry, u in zip(keys, carries, us)]
+    out = [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in out]
+    return out, {t: bares[t]["steps"](*a) for t, a in bare_args.items()}
 
-  bare_args = {
-    name: {t: b["args"] for t, b in unit["bares"].items() if b["error"] is None}
-    for name, unit in units.items()
-  }
-  carries = {
-    name: [unit["cases"][key]["carry0"] for key in unit["keys"]] for name, unit in units.items()
-  }
-  steps = {name: {key: [] for key in unit["keys"]} for name, unit in units.items()}
-  compiled = _jit(program)
+  bare_args = {t: b["args"] for t, b in bares.items() if b["error"] is None}
+  compiled, carries = _jit(program), [cases[key]["carry0"] for key in keys]
+  steps = {key: [] for key in keys}
   for k in range(len(STEPS_FINITE)):
-    us = {
-      name: [_first(unit["cases"][key]["us"], k) for key in unit["keys"]]
-      for name, unit in units.items()
-    }
-    out = compiled(carries, us, bare_args)
-    for name, unit in units.items():
-      for key, before, (after, ys) in zip(unit["keys"], carries[name], out[name][0]):
-        steps[name][key].append((before, after, ys))
-      carries[name] = [after for after, _ in out[name][0]]
-  return {name: (steps[name], out[name][1]) for name in units}, compiled._cache_size()
+    us = [_first(cases[key]["us"], k) for key in keys]
+    out, bare_results = compiled(carries, us, bare_args)
+    for key, before, (after, ys) in zip(keys, carries, out):
+      steps[key].append((before, after, ys))
+    carries = [after for after, _ in out]
+  return steps, bare_results, compiled._cache_size()
 
 
-def _finish(unit, run, cache_size):
-  """Each case of a prepared inner with its four steps, and each bare run with its results,
-  from ``run`` (the shared program's, or None where it failed); returns the cases left to run
-  alone (those not in the shared program without an error of their own)."""
+@functools.cache
+def _zoo(name):
+  """Every case of inner ``name``: {tree: bare}, {(tree, lowering): case and its four steps}.
+  Never raises: an error is kept for the checks it stops."""
+  unit = _prepare(name)
   bares, cases = unit["bares"], unit["cases"]
-  steps, bare_results = run if run is not None else ({}, None)
-  if bare_results is None:
+  try:
+    steps, bare_results, cache_size = _shared(unit)
+  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
+    steps, cache_size = {}, None
     try:
-      bare_results = _shared({None: dict(unit, keys=[])})[0][None][1]
+      bare_results = _shared(dict(unit, keys=[]))[1]
     except Exception as e:  # noqa: BLE001
       bare_results = {}
       for bare in bares.values():
@@ -606,67 +591,18 @@ def _finish(unit, run, cache_size):
       bare["results"] = bare_results[tree]
   for key in steps:
     cases[key].update(steps=steps[key], program="the shared program", cache_size=cache_size)
-  return [c for key, c in cases.items() if key not in steps and c["error"] is None]
+  _alone([c for key, c in cases.items() if key not in steps and c["error"] is None])
+  return bares, cases
 
 
-def _inner(unit):
-  """A prepared inner in its own program; returns the cases left to run alone."""
-  try:
-    runs, cache_size = _shared({None: unit})
-    return _finish(unit, runs[None], cache_size)
-  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
-    return _finish(unit, None, None)
-
-
-def _shared_once(units):
-  """The runs of ``_shared(units)`` where its program runs and compiles once, else None."""
-  try:
-    runs, cache_size = _shared(units)
-  except Exception:  # noqa: BLE001 (then each inner runs on its own, and reports its own error)
-    return None
-  return runs if cache_size == 1 else None
-
-
-@functools.cache
-def _group(names):
-  """Every case of the inners ``names``, run in one program, and those that cannot share it
-  in another: {name: (bares, cases)}. Never raises: an error is kept for the checks it stops."""
-  units = {name: _prepare(name) for name in names}
-  runs = _shared_once(units) if len(names) > 1 else None
-  if runs is not None:
-    alone = [c for name, unit in units.items() for c in _finish(unit, runs[name], 1)]
-  else:
-    alone = [c for unit in units.values() for c in _inner(unit)]
-  _alone(alone)
-  return {name: (unit["bares"], unit["cases"]) for name, unit in units.items()}
-
-
-@pytest.fixture(scope="module")
-def zoo(request):
-  """``zoo(name, tree, skip_lowering) -> (bare, case)``, the inners this session runs compiled
-  GROUP at a time in INNERS order; skips the case where the bare optimizer cannot step."""
-  selected = {
-    item.callspec.params["name"]
-    for item in request.session.items
-    if getattr(item, "module", None) is request.module
-    and "name" in getattr(getattr(item, "callspec", None), "params", {})
-  }
-  names = [name for name in INNERS if name in selected]
-  groups = {
-    name: tuple(names[i : i + GROUP])
-    for i in range(0, len(names), GROUP)
-    for name in names[i : i + GROUP]
-  }
-
-  def runs(name, tree, skip_lowering):
-    bares, cases = _group(groups.get(name, (name,)))[name]
-    bare = bares[tree]
-    if bare["error"] is not None:
-      error = bare["error"]
-      pytest.skip(f"the bare optimizer cannot step on this tree: {type(error).__name__}: {error}")
-    return bare, cases[(tree, skip_lowering)]
-
-  return runs
+def _runs(name, tree, skip_lowering):
+  """(bare, case) for one case; skips the case where the bare optimizer cannot step."""
+  bares, cases = _zoo(name)
+  bare = bares[tree]
+  if bare["error"] is not None:
+    error = bare["error"]
+    pytest.skip(f"the bare optimizer cannot step on this tree: {type(error).__name__}: {error}")
+  return bare, cases[(tree, skip_lowering)]
 
 
 def _steps(case):
@@ -689,10 +625,10 @@ INNER = pytest.mark.parametrize("name", INNERS)
 @CASES
 @TREE
 @INNER
-def test_finite_step_matches_bare(zoo, name, tree, skip_lowering):
+def test_finite_step_matches_bare(name, tree, skip_lowering):
   """init's inner state holds the bare init's values, and each finite step equals the bare
   optimizer's on the unscaled gradients, on both call paths."""
-  bare, case = zoo(name, tree, skip_lowering)
+  bare, case = _runs(name, tree, skip_lowering)
   steps = _steps(case)
   problems = _close_problems(case["carry0"][1].inner_state, bare["init"], "init: inner state")
   for k, (b_updates, b_params, b_state) in zip((1, 3), bare["results"]):
@@ -710,10 +646,10 @@ def test_finite_step_matches_bare(zoo, name, tree, skip_lowering):
 @CASES
 @TREE
 @INNER
-def test_skipped_step_is_bit_for_bit(zoo, name, tree, skip_lowering):
+def test_skipped_step_is_bit_for_bit(name, tree, skip_lowering):
   """A NaN step from init and an inf step later: parameters and inner state untouched bit for
   bit on both call paths, zero updates of an applied step's types, the scale backed off."""
-  _, case = zoo(name, tree, skip_lowering)
+  _, case = _runs(name, tree, skip_lowering)
   steps, problems = _steps(case), []
   finite = [[bool(s.last_step_finite) for s in (su, sf)] for _, (_, su), (_, (_, sf)) in steps]
   assert finite == [[f, f] for f in STEPS_FINITE], f"finite flags (two call paths): {finite}"
@@ -751,12 +687,12 @@ def _type_diff(tree, types):
 @CASES
 @TREE
 @INNER
-def test_state_types_are_a_fixed_point(zoo, name, tree, skip_lowering):
+def test_state_types_are_a_fixed_point(name, tree, skip_lowering):
   """From init on, the types of the parameters and the state (shape, dtype, weak type) never
   change: init's inner state has the types the bare optimizer's state settles at, a lax.scan
   over the four steps with them as carry traces to the same types, each step returns them on
   both call paths, and the jitted step compiles once over the four steps."""
-  bare, case = zoo(name, tree, skip_lowering)
+  bare, case = _runs(name, tree, skip_lowering)
   settled = _settled(bare["types"])
   if settled is None:
     pytest.skip(f"the bare optimizer's own state types do not settle in {BARE_UPDATES} updates")
