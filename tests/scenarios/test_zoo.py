@@ -400,10 +400,15 @@ def _close_problems(actual, expected, what, scale=None):
 # than one for several inners.)
 #
 # The zoo checks values, bits and types, not speed: on the CPU its programs are compiled with
-# XLA's backend optimizations off and its classic kernel emitters, which takes about 40% less
-# time (the rest of the suite compiles with XLA's defaults; the bare steps are compiled with
-# the wrapped ones, in the same programs).
-CPU_XLA_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# XLA's backend optimizations off, its classic kernel emitters, and the machine code emitted
+# in one piece rather than split for threads that the zoo's small kernels do not keep busy,
+# which takes about half the time (the rest of the suite compiles with XLA's defaults; the
+# bare steps are compiled with the wrapped ones, in the same programs).
+CPU_XLA_OPTIONS = {
+  "xla_backend_optimization_level": 0,
+  "xla_cpu_use_fusion_emitters": False,
+  "xla_cpu_parallel_codegen_split_count": 1,
+}
 
 
 def _jit(fn):
