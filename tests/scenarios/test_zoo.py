@@ -11,8 +11,8 @@ step, an inf step (skipped) and a finite step, on both call paths (``tx.update``
 2. a skipped step leaves the parameters (a ``-0.0`` entry among them) and the inner
    state bit for bit, on both paths, with zero updates;
 3. the state's types (tree structure, shape, dtype, weak type) are a fixed point
-   from ``init``: the sequence runs as a ``lax.scan`` with the state as carry, inside
-   one ``jax.jit``, which a second call from its own output carry does not retrace.
+   from ``init``: a ``lax.scan`` over the sequence with the state as carry traces, and
+   the step, jitted and called once per step from its own output carry, compiles once.
 
 The loss scale is a power of two throughout (2**4, backed off to 2**3 and 2**2 by
 the skips), so unscaling is exact and the bare optimizer sees the same bits.
@@ -100,11 +100,6 @@ def _unscaled_grads(tree):
 
 def _step(us, k):
   return jax.tree.map(lambda x: x[k], us)
-
-
-def _first(us, k):
-  """Step ``k`` alone, stacked: the gradients of a one-step lax.scan."""
-  return jax.tree.map(lambda x: x[k : k + 1], us)
 
 
 def _scaled(u, state):
@@ -390,14 +385,16 @@ def _close_problems(actual, expected, what, scale=None):
 #
 # XLA's compile time is most of the zoo's cost, so one jax.jit per inner compiles everything
 # for it: each (tree, lowering) case's step, and the bare optimizer's two finite steps on each
-# tree. Each step runs both call paths from the same state (XLA then shares the work they have
-# in common), the run goes on from the tx.update path's state, and the fused path's outputs are
-# checked against their inputs. The program is called once per step with each case's carry fed
-# back, so each step's result is read from its outputs and the four calls must compile once. A
-# case whose carry's types change over a step (seen by tracing it first) would recompile the
-# shared program: it runs with the other such cases of its inner, in a jitted step of their
-# own. (One program per inner compiles faster than one per case, and, with CPU_XLA_OPTIONS,
-# than one for several inners.)
+# tree. The step is the jitted function that check 3's lax.scan traced, called directly (the
+# program reuses that trace, and has no loop to compile). Each step runs both call paths from
+# the same state (XLA then shares the work they have in common), the run goes on from the
+# tx.update path's state, and the fused path's outputs are checked against their inputs. The
+# program is called once per step with each case's carry fed back, so each step's result is
+# read from its outputs and the four calls must compile once. A case whose carry's types
+# change over a step (seen by tracing it first) would recompile the shared program: it runs
+# with the other such cases of its inner, in a jitted step of their own. (One program per
+# inner compiles faster than one per case, and, with CPU_XLA_OPTIONS, than one for several
+# inners.)
 #
 # The zoo checks values, bits and types, not speed: on the CPU its programs are compiled with
 # XLA's backend optimizations off, its classic kernel emitters, and the machine code emitted
@@ -484,8 +481,10 @@ def _program(tx, extras):
 
 
 def _case(name, tree, skip_lowering):
-  """One wrapped case, traced: its first carry, its step, a jitted lax.scan of it, and the
-  carry's types after a lax.scan over the four steps (or why that scan cannot be traced)."""
+  """One wrapped case, traced: its first carry, its jitted step, and the carry's types after
+  a lax.scan of that step over the four steps (or why that scan cannot be traced). The scan
+  traces the step with the carry's types, as the shared program then calls it: the program
+  reuses that trace."""
   case = dict(error=None, scan_error=None, scan_types=None)
   try:
     inner, extras = _make(name)
@@ -496,10 +495,10 @@ def _case(name, tree, skip_lowering):
     case.update(carry0=(params, tx.init(params)), us=us)
   except Exception as e:  # noqa: BLE001
     return dict(case, error=e)
-  one = _program(tx, extras)
-  case.update(one=one, scan=jax.jit(lambda carry, us: lax.scan(one, carry, us)))
+  step = case["step"] = jax.jit(_program(tx, extras))
   try:  # it raises when a dtype in the carry changes
-    case["scan_types"] = _types(jax.eval_shape(case["scan"], case["carry0"], us)[0])
+    carry = jax.eval_shape(lambda carry, us: lax.scan(step, carry, us), case["carry0"], us)[0]
+    case["scan_types"] = _types(carry)
   except Exception as e:  # noqa: BLE001
     case["scan_error"] = e
   return case
@@ -535,7 +534,7 @@ def _alone_together(cases, program):
   returns the error it raises, or None."""
 
   def step(carries, us):
-    return [c["one"](carry, u) for c, carry, u in zip(cases, carries, us)]
+    return [c["step"](carry, u) for c, carry, u in zip(cases, carries, us)]
 
   step = _jit(step)
   carries, steps = [c["carry0"] for c in cases], [[] for _ in cases]
@@ -559,15 +558,14 @@ def _shared(unit):
   cases, bares, keys = unit["cases"], unit["bares"], unit["keys"]
 
   def program(carries, us, bare_args):
-    out = [cases[key]["scan"](carry, u) for key, carry, u in zip(keys, carries, us)]
-    out = [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in out]
+    out = [cases[key]["step"](carry, u) for key, carry, u in zip(keys, carries, us)]
     return out, {t: bares[t]["steps"](*a) for t, a in bare_args.items()}
 
   bare_args = {t: b["args"] for t, b in bares.items() if b["error"] is None}
   compiled, carries = _jit(program), [cases[key]["carry0"] for key in keys]
   steps = {key: [] for key in keys}
   for k in range(len(STEPS_FINITE)):
-    us = [_first(cases[key]["us"], k) for key in keys]
+    us = [_step(cases[key]["us"], k) for key in keys]
     out, bare_results = compiled(carries, us, bare_args)
     for key, before, (after, ys) in zip(keys, carries, out):
       steps[key].append((before, after, ys))
