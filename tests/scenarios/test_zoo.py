@@ -11,8 +11,8 @@ step, an inf step (skipped) and a finite step, on both call paths (``tx.update``
 2. a skipped step leaves the parameters (a ``-0.0`` entry among them) and the inner
    state bit for bit, on both paths, with zero updates;
 3. the state's types (tree structure, shape, dtype, weak type) are a fixed point
-   from ``init``: the sequence runs as a ``lax.scan`` with the state as carry, inside
-   one ``jax.jit``, which a second call from its own output carry does not retrace.
+   from ``init``: a ``lax.scan`` over the sequence with the state as carry traces, and
+   the step, jitted and called once per step from its own output carry, compiles once.
 
 The loss scale is a power of two throughout (2**4, backed off to 2**3 and 2**2 by
 the skips), so unscaling is exact and the bare optimizer sees the same bits.
@@ -100,11 +100,6 @@ def _unscaled_grads(tree):
 
 def _step(us, k):
   return jax.tree.map(lambda x: x[k], us)
-
-
-def _first(us, k):
-  """Step ``k`` alone, stacked: the gradients of a one-step lax.scan."""
-  return jax.tree.map(lambda x: x[k : k + 1], us)
 
 
 def _scaled(u, state):
@@ -354,15 +349,20 @@ def _rtol(*dtypes):
   return max([1e-6] + [float(jnp.finfo(d).eps) for d in dtypes])
 
 
-def _close_problems(actual, expected, what):
+def _close_problems(actual, expected, what, scale=None):
   """Leaf by leaf, what is not close: floating leaves to the rounding of the coarser dtype
-  (rtol, and an atol of rtol times the leaf's largest magnitude, for entries that cancel to
-  about zero); the others exactly. [] when all are."""
+  (rtol, and an atol of rtol times the largest magnitude of the leaf, or of its leaf in
+  ``scale`` where that is larger, for entries that cancel to about zero); the others exactly.
+  [] when all are. Updates take the parameters as ``scale``: an optimizer that computes them
+  as a difference of parameter-sized values (schedule_free's) rounds them to the parameters'
+  last bit, in which two compilations of the same arithmetic may differ."""
   ta, te = jax.tree.structure(actual), jax.tree.structure(expected)
   if ta != te:
     return [f"{what}: tree structure {ta} != {te}"]
+  scales = jax.tree.leaves(expected if scale is None else scale)
   problems = []
-  for p, a, e in zip(_paths(expected), jax.tree.leaves(actual), jax.tree.leaves(expected)):
+  leaves = zip(_paths(expected), jax.tree.leaves(actual), jax.tree.leaves(expected), scales)
+  for p, a, e, m in leaves:
     a, e = jnp.asarray(a), jnp.asarray(e)
     try:
       if _is_key(e):
@@ -370,7 +370,8 @@ def _close_problems(actual, expected, what):
       elif jnp.issubdtype(e.dtype, jnp.floating):
         rtol = _rtol(a.dtype, e.dtype)
         e = np.asarray(e, np.float64)
-        atol = rtol * (np.max(np.abs(e)) if e.size else 0.0)
+        largest = max(np.max(np.abs(x), initial=0.0) for x in (e, np.asarray(m, np.float64)))
+        atol = rtol * largest
         np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=rtol, atol=atol)
       else:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
@@ -382,20 +383,34 @@ def _close_problems(actual, expected, what):
 
 # -- the runs --------------------------------------------------------------------------------------
 #
-# XLA's compile time is nearly all of the zoo's cost. It goes by the distinct fused kernels of
-# a program (XLA compiles identical ones once per program), and much of the wrapper's work (its
-# check, its counters, its loss scale) makes the same kernels whatever the inner, so the inners
-# are compiled GROUP at a time: one jax.jit holds, for each inner of a group, each (tree,
-# lowering) case's step and the bare optimizer's two finite steps on each tree. Each step runs
-# both call paths from the same state (XLA then shares the work they have in common), the run
-# goes on from the tx.update path's state, and the fused path's outputs are checked against
-# their inputs. The program is called once per step with each case's carry fed back, so each
-# step's result is read from its outputs and the four calls must compile once. A case whose
-# carry's types change over a step (seen by tracing it first) would recompile the shared
-# program: it runs alone, as its own jitted step. A group whose program fails or compiles more
-# than once runs again one inner at a time, so that each inner reports its own.
+# XLA's compile time is most of the zoo's cost, so one jax.jit per inner compiles everything
+# for it: each (tree, lowering) case's step, and the bare optimizer's two finite steps on each
+# tree. The step is the jitted function that check 3's lax.scan traced, called directly (the
+# program reuses that trace, and has no loop to compile). Each step runs both call paths from
+# the same state (XLA then shares the work they have in common), the run goes on from the
+# tx.update path's state, and the fused path's outputs are checked against their inputs. The
+# program is called once per step with each case's carry fed back, so each step's result is
+# read from its outputs and the four calls must compile once. A case whose carry's types
+# change over a step (seen by tracing it first) would recompile the shared program: it runs
+# with the other such cases of its inner, in a jitted step of their own. (One program per
+# inner compiles faster than one per case, and, with CPU_XLA_OPTIONS, than one for several
+# inners.)
+#
+# The zoo checks values, bits and types, not speed: on the CPU its programs are compiled with
+# XLA's backend optimizations off, its classic kernel emitters, and the machine code emitted
+# in one piece rather than split for threads that the zoo's small kernels do not keep busy,
+# which takes about half the time (the rest of the suite compiles with XLA's defaults; the
+# bare steps are compiled with the wrapped ones, in the same programs).
+CPU_XLA_OPTIONS = {
+  "xla_backend_optimization_level": 0,
+  "xla_cpu_use_fusion_emitters": False,
+  "xla_cpu_parallel_codegen_split_count": 1,
+}
 
-GROUP = 4  # inners per program: measured, 4 to 6 take about 30% less compile time than 1
+
+def _jit(fn):
+  """``jax.jit(fn)``, with CPU_XLA_OPTIONS on the CPU."""
+  return jax.jit(fn, compiler_options=CPU_XLA_OPTIONS if jax.default_backend() == "cpu" else None)
 
 
 def _as_transformation(inner):
@@ -466,8 +481,10 @@ def _program(tx, extras):
 
 
 def _case(name, tree, skip_lowering):
-  """One wrapped case, traced: its first carry, its step, a jitted lax.scan of it, and the
-  carry's types after a lax.scan over the four steps (or why that scan cannot be traced)."""
+  """One wrapped case, traced: its first carry, its jitted step, and the carry's types after
+  a lax.scan of that step over the four steps (or why that scan cannot be traced). The scan
+  traces the step with the carry's types, as the shared program then calls it: the program
+  reuses that trace."""
   case = dict(error=None, scan_error=None, scan_types=None)
   try:
     inner, extras = _make(name)
@@ -478,10 +495,10 @@ def _case(name, tree, skip_lowering):
     case.update(carry0=(params, tx.init(params)), us=us)
   except Exception as e:  # noqa: BLE001
     return dict(case, error=e)
-  one = _program(tx, extras)
-  case.update(one=one, scan=jax.jit(lambda carry, us: lax.scan(one, carry, us)))
+  step = case["step"] = jax.jit(_program(tx, extras))
   try:  # it raises when a dtype in the carry changes
-    case["scan_types"] = _types(jax.eval_shape(case["scan"], case["carry0"], us)[0])
+    carry = jax.eval_shape(lambda carry, us: lax.scan(step, carry, us), case["carry0"], us)[0]
+    case["scan_types"] = _types(carry)
   except Exception as e:  # noqa: BLE001
     case["scan_error"] = e
   return case
@@ -517,9 +534,9 @@ def _alone_together(cases, program):
   returns the error it raises, or None."""
 
   def step(carries, us):
-    return [c["one"](carry, u) for c, carry, u in zip(cases, carries, us)]
+    return [c["step"](carry, u) for c, carry, u in zip(cases, carries, us)]
 
-  step = jax.jit(step)
+  step = _jit(step)
   carries, steps = [c["carry0"] for c in cases], [[] for _ in cases]
   try:
     for k in range(len(STEPS_FINITE)):
@@ -534,53 +551,40 @@ def _alone_together(cases, program):
   return None
 
 
-def _shared(units):
-  """The four steps of the cases ``unit["keys"]`` of each of ``units`` ({name: prepared
-  inner}) and its bare steps, in one jitted program: ({name: ({key: [(carry before, carry
-  after, outputs)]}, {tree: bare results})}, its compile count)."""
+def _shared(unit):
+  """The four steps of the cases ``unit["keys"]`` of a prepared inner and its bare steps, in
+  one jitted program: ({key: [(carry before, carry after, outputs)]}, {tree: bare results},
+  its compile count)."""
+  cases, bares, keys = unit["cases"], unit["bares"], unit["keys"]
 
   def program(carries, us, bare_args):
-    out = {}
-    for name, unit in units.items():
-      cases, bares = unit["cases"], unit["bares"]
-      scans = [cases[key]["scan"](c, u) for key, c, u in zip(unit["keys"], carries[name], us[name])]
-      out[name] = (
-        [(carry, jax.tree.map(lambda x: x[0], ys)) for carry, ys in scans],
-        {t: bares[t]["steps"](*a) for t, a in bare_args[name].items()},
-      )
-    return out
+    out = [cases[key]["step"](carry, u) for key, carry, u in zip(keys, carries, us)]
+    return out, {t: bares[t]["steps"](*a) for t, a in bare_args.items()}
 
-  bare_args = {
-    name: {t: b["args"] for t, b in unit["bares"].items() if b["error"] is None}
-    for name, unit in units.items()
-  }
-  carries = {
-    name: [unit["cases"][key]["carry0"] for key in unit["keys"]] for name, unit in units.items()
-  }
-  steps = {name: {key: [] for key in unit["keys"]} for name, unit in units.items()}
-  compiled = jax.jit(program)
+  bare_args = {t: b["args"] for t, b in bares.items() if b["error"] is None}
+  compiled, carries = _jit(program), [cases[key]["carry0"] for key in keys]
+  steps = {key: [] for key in keys}
   for k in range(len(STEPS_FINITE)):
-    us = {
-      name: [_first(unit["cases"][key]["us"], k) for key in unit["keys"]]
-      for name, unit in units.items()
-    }
-    out = compiled(carries, us, bare_args)
-    for name, unit in units.items():
-      for key, before, (after, ys) in zip(unit["keys"], carries[name], out[name][0]):
-        steps[name][key].append((before, after, ys))
-      carries[name] = [after for after, _ in out[name][0]]
-  return {name: (steps[name], out[name][1]) for name in units}, compiled._cache_size()
+    us = [_step(cases[key]["us"], k) for key in keys]
+    out, bare_results = compiled(carries, us, bare_args)
+    for key, before, (after, ys) in zip(keys, carries, out):
+      steps[key].append((before, after, ys))
+    carries = [after for after, _ in out]
+  return steps, bare_results, compiled._cache_size()
 
 
-def _finish(unit, run, cache_size):
-  """Each case of a prepared inner with its four steps, and each bare run with its results,
-  from ``run`` (the shared program's, or None where it failed); returns the cases left to run
-  alone (those not in the shared program without an error of their own)."""
+@functools.cache
+def _zoo(name):
+  """Every case of inner ``name``: {tree: bare}, {(tree, lowering): case and its four steps}.
+  Never raises: an error is kept for the checks it stops."""
+  unit = _prepare(name)
   bares, cases = unit["bares"], unit["cases"]
-  steps, bare_results = run if run is not None else ({}, None)
-  if bare_results is None:
+  try:
+    steps, bare_results, cache_size = _shared(unit)
+  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
+    steps, cache_size = {}, None
     try:
-      bare_results = _shared({None: dict(unit, keys=[])})[0][None][1]
+      bare_results = _shared(dict(unit, keys=[]))[1]
     except Exception as e:  # noqa: BLE001
       bare_results = {}
       for bare in bares.values():
@@ -590,67 +594,18 @@ def _finish(unit, run, cache_size):
       bare["results"] = bare_results[tree]
   for key in steps:
     cases[key].update(steps=steps[key], program="the shared program", cache_size=cache_size)
-  return [c for key, c in cases.items() if key not in steps and c["error"] is None]
+  _alone([c for key, c in cases.items() if key not in steps and c["error"] is None])
+  return bares, cases
 
 
-def _inner(unit):
-  """A prepared inner in its own program; returns the cases left to run alone."""
-  try:
-    runs, cache_size = _shared({None: unit})
-    return _finish(unit, runs[None], cache_size)
-  except Exception:  # noqa: BLE001 (then each case runs alone, and reports its own error)
-    return _finish(unit, None, None)
-
-
-def _shared_once(units):
-  """The runs of ``_shared(units)`` where its program runs and compiles once, else None."""
-  try:
-    runs, cache_size = _shared(units)
-  except Exception:  # noqa: BLE001 (then each inner runs on its own, and reports its own error)
-    return None
-  return runs if cache_size == 1 else None
-
-
-@functools.cache
-def _group(names):
-  """Every case of the inners ``names``, run in one program, and those that cannot share it
-  in another: {name: (bares, cases)}. Never raises: an error is kept for the checks it stops."""
-  units = {name: _prepare(name) for name in names}
-  runs = _shared_once(units) if len(names) > 1 else None
-  if runs is not None:
-    alone = [c for name, unit in units.items() for c in _finish(unit, runs[name], 1)]
-  else:
-    alone = [c for unit in units.values() for c in _inner(unit)]
-  _alone(alone)
-  return {name: (unit["bares"], unit["cases"]) for name, unit in units.items()}
-
-
-@pytest.fixture(scope="module")
-def zoo(request):
-  """``zoo(name, tree, skip_lowering) -> (bare, case)``, the inners this session runs compiled
-  GROUP at a time in INNERS order; skips the case where the bare optimizer cannot step."""
-  selected = {
-    item.callspec.params["name"]
-    for item in request.session.items
-    if getattr(item, "module", None) is request.module
-    and "name" in getattr(getattr(item, "callspec", None), "params", {})
-  }
-  names = [name for name in INNERS if name in selected]
-  groups = {
-    name: tuple(names[i : i + GROUP])
-    for i in range(0, len(names), GROUP)
-    for name in names[i : i + GROUP]
-  }
-
-  def runs(name, tree, skip_lowering):
-    bares, cases = _group(groups.get(name, (name,)))[name]
-    bare = bares[tree]
-    if bare["error"] is not None:
-      error = bare["error"]
-      pytest.skip(f"the bare optimizer cannot step on this tree: {type(error).__name__}: {error}")
-    return bare, cases[(tree, skip_lowering)]
-
-  return runs
+def _runs(name, tree, skip_lowering):
+  """(bare, case) for one case; skips the case where the bare optimizer cannot step."""
+  bares, cases = _zoo(name)
+  bare = bares[tree]
+  if bare["error"] is not None:
+    error = bare["error"]
+    pytest.skip(f"the bare optimizer cannot step on this tree: {type(error).__name__}: {error}")
+  return bare, cases[(tree, skip_lowering)]
 
 
 def _steps(case):
@@ -673,17 +628,17 @@ INNER = pytest.mark.parametrize("name", INNERS)
 @CASES
 @TREE
 @INNER
-def test_finite_step_matches_bare(zoo, name, tree, skip_lowering):
+def test_finite_step_matches_bare(name, tree, skip_lowering):
   """init's inner state holds the bare init's values, and each finite step equals the bare
   optimizer's on the unscaled gradients, on both call paths."""
-  bare, case = zoo(name, tree, skip_lowering)
+  bare, case = _runs(name, tree, skip_lowering)
   steps = _steps(case)
   problems = _close_problems(case["carry0"][1].inner_state, bare["init"], "init: inner state")
   for k, (b_updates, b_params, b_state) in zip((1, 3), bare["results"]):
     _, (pu, su), (updates, (pf, sf)) = steps[k]
     if not (bool(su.last_step_finite) and bool(sf.last_step_finite)):
       problems.append(f"step {k} was skipped")
-    problems += _close_problems(updates, b_updates, f"step {k}: updates")
+    problems += _close_problems(updates, b_updates, f"step {k}: updates", scale=b_params)
     problems += _close_problems(pu, b_params, f"step {k}: params (tx.update)")
     problems += _close_problems(su.inner_state, b_state, f"step {k}: inner state (tx.update)")
     problems += _close_problems(pf, b_params, f"step {k}: params (apply_step)")
@@ -694,10 +649,10 @@ def test_finite_step_matches_bare(zoo, name, tree, skip_lowering):
 @CASES
 @TREE
 @INNER
-def test_skipped_step_is_bit_for_bit(zoo, name, tree, skip_lowering):
+def test_skipped_step_is_bit_for_bit(name, tree, skip_lowering):
   """A NaN step from init and an inf step later: parameters and inner state untouched bit for
   bit on both call paths, zero updates of an applied step's types, the scale backed off."""
-  _, case = zoo(name, tree, skip_lowering)
+  _, case = _runs(name, tree, skip_lowering)
   steps, problems = _steps(case), []
   finite = [[bool(s.last_step_finite) for s in (su, sf)] for _, (_, su), (_, (_, sf)) in steps]
   assert finite == [[f, f] for f in STEPS_FINITE], f"finite flags (two call paths): {finite}"
@@ -735,12 +690,12 @@ def _type_diff(tree, types):
 @CASES
 @TREE
 @INNER
-def test_state_types_are_a_fixed_point(zoo, name, tree, skip_lowering):
+def test_state_types_are_a_fixed_point(name, tree, skip_lowering):
   """From init on, the types of the parameters and the state (shape, dtype, weak type) never
   change: init's inner state has the types the bare optimizer's state settles at, a lax.scan
   over the four steps with them as carry traces to the same types, each step returns them on
   both call paths, and the jitted step compiles once over the four steps."""
-  bare, case = zoo(name, tree, skip_lowering)
+  bare, case = _runs(name, tree, skip_lowering)
   settled = _settled(bare["types"])
   if settled is None:
     pytest.skip(f"the bare optimizer's own state types do not settle in {BARE_UPDATES} updates")
