@@ -119,8 +119,16 @@ def _branches(part: int, run: Callable[..., Any]) -> dict[str, Any]:
   }
 
 
+def _same_everywhere(part: int) -> bool:
+  """Whether every platform takes the default's lowering for ``part``: then there is
+  nothing to choose, and the program is traced once."""
+  return all(how[part] == "where" for how in AUTO.values())
+
+
 def auto_check(grads: Any, scale: jax.Array, axis_name: Any = None) -> _numerics.Check:
   """The check of :data:`AUTO`'s lowering for the platform the program is lowered for."""
+  if _same_everywhere(0):
+    return WHERE.check(grads, scale, axis_name)
   branches = _branches(0, lambda how, g, s: how.check(g, s, axis_name))
   return lax.platform_dependent(grads, scale, **branches)
 
@@ -129,6 +137,8 @@ def auto_select(
   finite: jax.Array, apply: Apply, skipped: Skipped, *operands: Any
 ) -> tuple[Any, Any]:
   """The skip of :data:`AUTO`'s lowering for the platform the program is lowered for."""
+  if _same_everywhere(1):
+    return WHERE.select(finite, apply, skipped, *operands)
   branches = _branches(1, lambda how, f, *ops: how.select(f, apply, skipped, *ops))
   return lax.platform_dependent(finite, *operands, **branches)
 
