@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import optax
 
-import optax_dls
 from optax_dls import _localisation
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -39,33 +36,6 @@ def _without_record() -> None:
     [_localisation.num_words(flags.shape[0])], jnp.uint32
   )
   _localisation.recorded = lambda record, *args, **kwargs: record
-
-
-def _step(fused: bool):
-  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3), init_scale=1.0, min_scale=1.0)
-
-  def step(params, state, grads):
-    if fused:
-      return optax_dls.apply_step(tx, grads, state, params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return tx.init, step
-
-
-def _compile_seconds(kind: str, total: int, fused: bool, without: bool) -> float:
-  """Lowering and compiling one variant in a fresh process."""
-  code = (
-    "import sys, time, jax; sys.argv = ['x']; "
-    f"sys.path.insert(0, {__file__.rsplit('/', 1)[0]!r}); import localisation_cost as m; "
-    f"m._without_record() if {without} else None; "
-    f"params = m.step_overhead.make_tree({kind!r}, {total}); init, step = m._step({fused}); "
-    "state = init(params); t = time.perf_counter(); "
-    "jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile(); "
-    "print(time.perf_counter() - t)"
-  )
-  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-  return float(out.stdout.split()[-1])
 
 
 def main(argv=None) -> dict:
@@ -85,7 +55,7 @@ def main(argv=None) -> dict:
         if name == "without_record":
           saved = (_localisation.pack, _localisation.recorded)
           _without_record()
-        init, step = _step(fused)
+        init, step = step_overhead.ours_step("auto", fused)
         state = init(params)
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
         if name == "without_record":
@@ -110,8 +80,12 @@ def main(argv=None) -> dict:
         "without_record_median_s": statistics.median(wo["times"]),
         "paired_ratio": statistics.median(a / b for a, b in zip(w["rounds"], wo["rounds"])),
       }
-    compile_with = _compile_seconds(kind, args.params, False, False)
-    compile_without = _compile_seconds(kind, args.params, False, True)
+    name, without = (
+      "auto_update_finite",
+      "import localisation_cost; localisation_cost._without_record()",
+    )
+    compile_with = step_overhead.fresh_compile_seconds(kind, args.params, name)
+    compile_without = step_overhead.fresh_compile_seconds(kind, args.params, name, without)
     rows["update"].update(
       compile_with_s=compile_with,
       compile_without_s=compile_without,

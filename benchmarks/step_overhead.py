@@ -257,13 +257,16 @@ def prepare(factory, params, grads) -> dict:
   }
 
 
-def fresh_compile_seconds(kind: str, total: int, name: str) -> float:
+def fresh_compile_seconds(kind: str, total: int, name: str, prelude: str = "") -> float:
   """Seconds to lower and compile variant ``name`` in a new Python process: XLA keeps the
   kernels it compiled for earlier variants of the same process and reuses them, so the
-  ``compile_s`` of every variant but the first understates what a restart pays."""
+  ``compile_s`` of every variant but the first understates what a restart pays.
+  ``prelude``: Python statements run first in that process (after ``benchmarks/`` is on
+  ``sys.path``)."""
   here = __file__.rsplit("/", 1)[0]
   code = (
-    f"import sys, time, jax; sys.path.insert(0, {here!r}); import step_overhead as b; "
+    f"import sys, time, jax; sys.path.insert(0, {here!r}); {prelude + '; ' if prelude else ''}"
+    "import step_overhead as b; "
     f"params = b.make_tree({kind!r}, {total}); init, step = b.VARIANTS[{name!r}][0](); "
     "state = init(params); grads = jax.tree.map(lambda p: p * 1e-3, params); "
     "t = time.perf_counter(); "
