@@ -100,7 +100,19 @@ def _evaluate(
       env[v] = _select(finite, value, at_definition[v]) if v in at_definition else value
   out = [read(v) for v in jaxpr.outvars[:n_out]]
   new = [
-    read(v) if is_var(v) and v in at_definition else _select(finite, read(v), o)
+    read(v) if is_var(v) and v in at_definition else _select(finite, _output(v, read), o)
     for v, o in zip(state_vars, old, strict=True)
   ]
   return out, new
+
+
+def _output(v: Any, read: Callable[[Any], Any]) -> Any:
+  """The value of state output ``v``; a weakly typed literal as the Python scalar it came
+  from, so that its selection keeps the weak type the inner update returns."""
+  if (
+    isinstance(v, jax_core.Literal)
+    and getattr(v.aval, "weak_type", False)
+    and not getattr(v.aval, "shape", ())
+  ):
+    return v.val.item() if hasattr(v.val, "item") else v.val
+  return read(v)

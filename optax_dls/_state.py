@@ -104,51 +104,57 @@ def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any
   the loss-scaled state's types are a fixed point from ``init`` (no retrace, and a
   ``lax.scan`` carry keeps its type).
 
-  Each leaf is widened to the dtype the inner updates give it (traced with
-  ``jax.eval_shape``, repeated until the dtypes stop changing) and made strongly
-  typed, as every update returns it; values are unchanged (widening is exact).
-  An update that needs the loss as ``value=`` (``optax.contrib.momo``,
-  ``reduce_on_plateau``) is traced with a float32 ``()`` one. Where the inner update
-  cannot be traced without its other extra arguments (``value_fn=`` of
-  ``optax.lbfgs``'s line search, say), only the weak types are settled: a state that
-  such an optimizer widens on its first update then retraces once.
+  Each leaf is given the type the inner updates give it: the dtype they widen it to
+  and the strong type where they return it strongly typed (traced with
+  ``jax.eval_shape``, repeated until the types stop changing); values are unchanged
+  (widening is exact). An update that needs the loss as ``value=``
+  (``optax.contrib.momo``, ``reduce_on_plateau``) is traced with a float32 ``()`` one.
+  Where the inner update cannot be traced without its other extra arguments
+  (``value_fn=`` of ``optax.lbfgs``'s line search, say), the leaves are only made
+  strongly typed, as updates return them: a state that such an optimizer widens on
+  its first update then retraces once.
   """
-  state = jax.tree.map(_settled_leaf, inner.init(params))
+  state = jax.tree.map(_as_array, inner.init(params))
   for _ in range(_SETTLE_TRIES):
     try:
       after = _updated_state(inner, state, params)
     except Exception:  # noqa: BLE001 (an update that needs other extra arguments)
-      return state
+      return jax.tree.map(_types.strong, state)
     if jax.tree.structure(after) != jax.tree.structure(state):  # type: ignore[operator]
-      return state
-    widened = jax.tree.map(_types.like, state, after)
-    if _dtypes(widened) == _dtypes(state):
-      return state
-    state = widened
+      return jax.tree.map(_types.strong, state)
+    settled = jax.tree.map(_types.like, state, after)
+    if _types_of(settled) == _types_of(state):
+      return settled
+    state = settled
   return state
 
 
-def _settled_leaf(x: Any) -> Any:
-  """A leaf of the inner ``init``'s state as an update under ``jit`` returns it: a Python
-  or NumPy scalar becomes an array (a Python one weakly typed, as ``jit`` gives it back);
-  a weakly typed array becomes strongly typed, as the inner updates return it."""
+def _as_array(x: Any) -> Any:
+  """A leaf of the inner ``init``'s state as ``jit`` returns it: a Python or NumPy
+  scalar becomes an array (a Python one weakly typed, as ``jit`` gives it back)."""
   if isinstance(x, (bool, int, float, complex, np.generic)) and not isinstance(x, jax.Array):
     return jnp.asarray(x)
-  return _types.strong(x)
+  return x
 
 
 def _updated_state(inner: optax.GradientTransformationExtraArgs, state: Any, params: Any) -> Any:
   """The inner state's types after one update, traced: without extra arguments, or,
-  where the update needs one, with the loss as ``value``."""
+  where the update fails without one, with the loss as ``value``."""
   try:
     return jax.eval_shape(inner.update, params, state, params)[1]
-  except TypeError:
+  except Exception as without_value:  # noqa: BLE001 (TypeError or the optimizer's own error)
     value = jax.ShapeDtypeStruct((), jnp.float32)
-    return jax.eval_shape(lambda s, p, v: inner.update(p, s, p, value=v), state, params, value)[1]
+    try:
+      return jax.eval_shape(lambda s, p, v: inner.update(p, s, p, value=v), state, params, value)[1]
+    except Exception:  # noqa: BLE001
+      raise without_value from None
 
 
-def _dtypes(tree: Any) -> list[Any]:
-  return [getattr(x, "dtype", None) for x in jax.tree.leaves(tree)]
+def _types_of(tree: Any) -> list[Any]:
+  return [
+    (x.dtype, jax.typeof(x).weak_type) if isinstance(x, jax.Array) else getattr(x, "dtype", None)
+    for x in jax.tree.leaves(tree)
+  ]
 
 
 def with_scale(state: LossScaleState, loss_scale: jax.Array, policy_state: Any) -> LossScaleState:

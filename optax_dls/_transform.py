@@ -127,8 +127,8 @@ class LossScaler:
 
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
       unscaled = _numerics.unscale(g, inv_scale)
-      updates, inner_state = self.inner.update(unscaled, inner_state, p, **extra_args)
-      return output.out(p, updates), jax.tree.map(_types.strong, inner_state)
+      updates, new_state = self.inner.update(unscaled, inner_state, p, **extra_args)
+      return output.out(p, updates), jax.tree.map(_types.as_weak_as, new_state, inner_state)
 
     select = self.lowering.select
     result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, params)
@@ -308,12 +308,12 @@ def loss_scaled(
 
   No host synchronisation. The state's types are a fixed point from ``init``
   on (no retrace after the first step): ``init`` gives each inner state leaf
-  the dtype the inner updates settle on (traced with ``jax.eval_shape``, an
-  update that needs the loss given a float32 ``value=``) and makes it
-  strongly typed. The one exception is an inner update that cannot be traced
+  the dtype the inner updates settle on and their weak or strong type (traced
+  with ``jax.eval_shape``, an update that needs the loss given a float32
+  ``value=``). The one exception is an inner update that cannot be traced
   without its other extra arguments (``value_fn=`` of ``optax.lbfgs``'s line
-  search, say): only weak types are settled, and a state such an optimizer
-  widens on its first update retraces once.
+  search, say): the state is made strongly typed, and a state such an
+  optimizer widens on its first update retraces once.
 
   Args:
     inner: any optax ``GradientTransformation``; ``**extra_args`` of

@@ -24,14 +24,31 @@ def strong(x: Any) -> Any:
   return lax.convert_element_type(x, x.dtype) if jax.typeof(x).weak_type else x
 
 
+def weak(x: Any) -> bool:
+  """Whether ``x`` (an array, a tracer, a ``jax.ShapeDtypeStruct`` or an abstract value)
+  is weakly typed; a Python number is (a Python bool is not)."""
+  if isinstance(x, (int, float, complex)):
+    return not isinstance(x, bool)
+  if isinstance(x, jax.Array):
+    return bool(jax.typeof(x).weak_type)
+  return bool(getattr(x, "weak_type", False))
+
+
 def like(x: Any, target: Any) -> Any:
   """``x`` given ``target``'s dtype and the mesh axes it varies over: an old value of the
   inner state made to match what the inner update returns (it may widen a dtype, e.g.
-  float16 moments to float32). Strongly typed where ``x`` is."""
+  float16 moments to float32). Weakly typed only where both ``x`` and ``target`` are."""
   if not hasattr(x, "dtype") or not hasattr(target, "dtype"):
     return x
   x = x if x.dtype == target.dtype else x.astype(target.dtype)
+  x = x if weak(target) else strong(x)
   return _multi_device.vary_like(x, target)
+
+
+def as_weak_as(new: Any, old: Any) -> Any:
+  """``new`` weakly typed only where ``old`` is too: a new value of the inner state,
+  typed as ``old`` was, so that the state's types stay as ``init`` gave them."""
+  return new if weak(old) else strong(new)
 
 
 def negative_zeros_like(target: Any) -> Any:

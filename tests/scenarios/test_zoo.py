@@ -133,6 +133,7 @@ SPECIAL = {
   "contrib.momo": (lambda: optax.contrib.momo(LR), VALUE),
   "contrib.momo_adam": (lambda: optax.contrib.momo_adam(LR), VALUE),
   "contrib.reduce_on_plateau": (lambda: optax.contrib.reduce_on_plateau(), VALUE),
+  "handwritten-needs-value": (lambda: _needs_value(), VALUE),
   "contrib.sophia": (lambda: optax.contrib.sophia(LR), OBJ_FN),
   "contrib.mechanize": (lambda: optax.contrib.mechanize(optax.sgd(LR)), NO_EXTRAS),
   "contrib.sam": (lambda: optax.contrib.sam(optax.sgd(LR), optax.sgd(LR)), NO_EXTRAS),
@@ -200,6 +201,7 @@ def _handwritten(construct):
   make = {
     "literal_constant": lambda: jnp.zeros(()),
     "python_scalar": lambda: 0.5,
+    "weak_scalar": lambda: jnp.asarray(0.5),  # weakly typed, and kept so by the update
     "typed_key": lambda: jax.random.key(0),
     "uint32_key": lambda: jax.random.PRNGKey(0),
     "int_counter": lambda: jnp.zeros([], jnp.int32),
@@ -213,6 +215,8 @@ def _handwritten(construct):
       shift, x = x, jnp.zeros(())  # the new state: a constant, computed from no input
     elif construct == "python_scalar":
       factor, x = LR * x, 0.5
+    elif construct == "weak_scalar":
+      factor, x = LR * x, x * 0.5
     elif construct == "int_counter":
       factor, x = LR / (1.0 + x.astype(jnp.float32)), optax.safe_increment(x)
     elif construct in ("typed_key", "uint32_key"):
@@ -221,6 +225,22 @@ def _handwritten(construct):
     return jax.tree.map(lambda g: (shift - factor * g).astype(g.dtype), updates), {"x": x}
 
   return optax.GradientTransformation(lambda params: {"x": make()}, update)
+
+
+def _needs_value():
+  """An inner whose update raises its own error (not a TypeError) without ``value=``, as
+  ``optax.contrib.momo`` did in optax 0.2.5, and widens its float16 state to float32 from
+  the loss: ``init`` has to trace it with a ``value`` to settle the state's dtype."""
+
+  def update(updates, state, params=None, *, value=None):
+    del params
+    if value is None:
+      raise ValueError("this inner needs the loss as value=")
+    x = 0.5 * state["x"] + 0.5 * value  # float16 state, float32 loss: float32 from then on
+    return jax.tree.map(lambda g: (-LR * g).astype(g.dtype), updates), {"x": x}
+
+  init = lambda params: {"x": jnp.zeros([], jnp.float16)}
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 _ADAM_LABELS = {"w": "adam", "b": "sgd", "v": "adam"}
@@ -245,7 +265,14 @@ OTHERS = {
 OTHERS.update(
   {
     f"handwritten-state-{c}": functools.partial(_handwritten, c)
-    for c in ("literal_constant", "python_scalar", "typed_key", "uint32_key", "int_counter")
+    for c in (
+      "literal_constant",
+      "python_scalar",
+      "weak_scalar",
+      "typed_key",
+      "uint32_key",
+      "int_counter",
+    )
   }
 )
 OTHERS["handwritten-state-none"] = functools.partial(_handwritten, "none")
