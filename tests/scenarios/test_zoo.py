@@ -133,7 +133,6 @@ SPECIAL = {
   "contrib.momo": (lambda: optax.contrib.momo(LR), VALUE),
   "contrib.momo_adam": (lambda: optax.contrib.momo_adam(LR), VALUE),
   "contrib.reduce_on_plateau": (lambda: optax.contrib.reduce_on_plateau(), VALUE),
-  "handwritten-needs-value": (lambda: _needs_value(), VALUE),
   "contrib.sophia": (lambda: optax.contrib.sophia(LR), OBJ_FN),
   "contrib.mechanize": (lambda: optax.contrib.mechanize(optax.sgd(LR)), NO_EXTRAS),
   "contrib.sam": (lambda: optax.contrib.sam(optax.sgd(LR), optax.sgd(LR)), NO_EXTRAS),
@@ -276,6 +275,8 @@ OTHERS.update(
   }
 )
 OTHERS["handwritten-state-none"] = functools.partial(_handwritten, "none")
+OTHERS["handwritten-needs-value"] = _needs_value
+OTHER_EXTRAS = {"handwritten-needs-value": VALUE}
 
 INNERS = (
   [n for n in DISCOVERED if n not in NOT_AN_INNER]
@@ -287,7 +288,7 @@ INNERS = (
 def _make(name):
   """(inner, extra arguments of update) for the inner named ``name``."""
   if name in OTHERS:
-    return OTHERS[name](), NO_EXTRAS
+    return OTHERS[name](), OTHER_EXTRAS.get(name, NO_EXTRAS)
   if name in SPECIAL:
     factory, extras = SPECIAL[name]
     return factory(), extras
