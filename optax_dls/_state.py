@@ -151,10 +151,7 @@ def _updated_state(inner: optax.GradientTransformationExtraArgs, state: Any, par
 
 
 def _types_of(tree: Any) -> list[Any]:
-  return [
-    (x.dtype, jax.typeof(x).weak_type) if isinstance(x, jax.Array) else getattr(x, "dtype", None)
-    for x in jax.tree.leaves(tree)
-  ]
+  return [(getattr(x, "dtype", None), _types.weak(x)) for x in jax.tree.leaves(tree)]
 
 
 def with_scale(state: LossScaleState, loss_scale: jax.Array, policy_state: Any) -> LossScaleState:

@@ -46,8 +46,8 @@ def like(x: Any, target: Any) -> Any:
 
 
 def as_weak_as(new: Any, old: Any) -> Any:
-  """``new`` weakly typed only where ``old`` is too: a new value of the inner state,
-  typed as ``old`` was, so that the state's types stay as ``init`` gave them."""
+  """``new`` weakly typed only where ``old`` is too: a new value of the inner state never
+  becomes weakly typed where ``init`` gave the leaf a strong type."""
   return new if weak(old) else strong(new)
 
 
