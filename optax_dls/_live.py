@@ -11,11 +11,15 @@ file or a pipe each refresh writes one line per run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from optax_dls import _logs, _report, _summary, _tail
@@ -181,15 +185,35 @@ def follow(
   follower = Follower(run_dir)
   screen = _Screen(out, err, bool(getattr(out, "isatty", lambda: False)()), interval)
   done = 0
+  with _ctrl_c_interrupts():
+    try:
+      while True:
+        screen.show(*follower.refresh(block=screen.tty))
+        done += 1
+        if refreshes is not None and done >= refreshes:
+          return 0
+        time.sleep(interval)
+    except KeyboardInterrupt:
+      return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_interrupts() -> Iterator[None]:
+  """Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` inside the block, also in a process that
+  was started with SIGINT ignored (a background job of a shell script, which Python then
+  leaves ignored): otherwise nothing would end the live view. A handler of the program's
+  own is kept; the previous one is restored after. Off the main thread, nothing changes."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  before = signal.getsignal(signal.SIGINT)
+  if before in (signal.SIG_IGN, signal.SIG_DFL, None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
-    while True:
-      screen.show(*follower.refresh(block=screen.tty))
-      done += 1
-      if refreshes is not None and done >= refreshes:
-        return 0
-      time.sleep(interval)
-  except KeyboardInterrupt:
-    return 0
+    yield
+  finally:
+    if before is not None:  # None: a handler set outside Python, which stays
+      signal.signal(signal.SIGINT, before)
 
 
 def _check_interval(interval: Any, refreshes: Any) -> None:

@@ -201,14 +201,16 @@ def test_the_terminal_view_is_redrawn_in_place(tmp_path):
   assert second.count("\n") == drawn
 
 
-def test_ctrl_c_ends_the_follower_with_exit_status_0(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_ends_the_follower_with_exit_status_0(tmp_path, inherited):
+  # "ignored": started as a background job of a shell script is, with SIGINT ignored,
+  # which Python keeps ignored unless the program installs a handler.
   _rows_file(tmp_path / writers.JSONL_NAME, range(3))
+  command = [sys.executable, "-m", "optax_dls.cli", "inspect", str(tmp_path), "--watch", "0.1"]
+  if inherited == "ignored":
+    command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
   proc = subprocess.Popen(
-    [sys.executable, "-m", "optax_dls.cli", "inspect", str(tmp_path), "--watch", "0.1"],
-    cwd=ROOT,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
+    command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
   )
   try:
     assert _step_of(_line(proc.stdout).split(" ", 1)[1], "r") == 2  # after the time of day
