@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _compat import requires_optax
+from _compat import XLA_DEFAULTS, requires_optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -215,7 +215,8 @@ def test_a_policy_that_returns_an_invalid_scale_is_caught_and_clamped():
 
 def _compiled(tx):
   params = {"w": jnp.ones(4)}
-  return jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+  lowered = jax.jit(tx.update).lower(params, tx.init(params), params)
+  return lowered.compile(compiler_options=XLA_DEFAULTS).as_text()
 
 
 def _temp_bytes(tx, n=1 << 16):
@@ -227,7 +228,7 @@ def _temp_bytes(tx, n=1 << 16):
     return optax.apply_updates(params, updates), state
 
   lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), params)
-  return lowered.compile().memory_analysis().temp_size_in_bytes
+  return lowered.compile(compiler_options=XLA_DEFAULTS).memory_analysis().temp_size_in_bytes
 
 
 def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import jit_xla_defaults
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,11 +83,13 @@ def test_every_batch_is_applied_and_the_policy_sees_every_overflow(lowering):
 
 def test_a_recomputed_step_equals_a_step_run_directly_at_the_final_scale(lowering):
   tx = _tx(lowering)
-  (loss, grads), state = jax.jit(optax_dls.value_and_grad(LOSS16, tx))(tx.init(PARAMS), PARAMS, BIG)
+  (loss, grads), state = jit_xla_defaults(optax_dls.value_and_grad(LOSS16, tx))(
+    tx.init(PARAMS), PARAMS, BIG
+  )
   final = float(optax_dls.loss_scale(state))
   assert final < 2.0**15 and _tries(state) >= 1
   direct = optax_dls.reset_scale(tx.init(PARAMS), final)
-  (loss_d, grads_d), _ = jax.jit(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(
+  (loss_d, grads_d), _ = jit_xla_defaults(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(
     direct, PARAMS, BIG
   )
   # The scales are powers of two: no rounding from the change of scale, the gradients are the same.
@@ -375,10 +378,10 @@ def test_with_gradient_accumulation_each_micro_batch_is_recomputed():
 
 def test_no_loss_scale_takes_one_pass_and_never_multiplies_the_loss():
   tx = optax_dls.no_loss_scale(_counted(optax.sgd(1e-3)))
-  grad_fn = jax.jit(optax_dls.value_and_grad(LOSS32, tx))
+  grad_fn = jit_xla_defaults(optax_dls.value_and_grad(LOSS32, tx))
   (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL)
   assert _tries(state) == 0
-  plain_loss, plain_grads = jax.jit(jax.value_and_grad(LOSS32))(PARAMS, SMALL)
+  plain_loss, plain_grads = jit_xla_defaults(jax.value_and_grad(LOSS32))(PARAMS, SMALL)
   assert float(loss) == float(plain_loss)
   jax.tree.map(np.testing.assert_array_equal, grads, plain_grads)
   # S = 1 by construction: the scale in the state is not even read.

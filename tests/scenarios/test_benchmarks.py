@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _compat import XLA_DEFAULTS
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -72,6 +73,8 @@ def test_the_recompute_step_writes_no_more_layout_copies_than_the_plain_step():
   for recompute in (False, True):
     tx = e2e.VARIANTS["dynamic_loss_scale"]()
     counts[recompute] = _copies(
-      e2e.make_step(model, tx, recompute=recompute).lower(params, tx.init(params), batch).compile()
+      e2e.make_step(model, tx, recompute=recompute)
+      .lower(params, tx.init(params), batch)
+      .compile(compiler_options=XLA_DEFAULTS)
     )
   assert counts[True] <= counts[False], counts

@@ -421,24 +421,9 @@ def _close_problems(actual, expected, what, scale=None):
 # read from its outputs and the four calls must compile once. A case whose carry's types
 # change over a step (seen by tracing it first) would recompile the shared program: it runs
 # with the other such cases of its inner, in a jitted step of their own. (One program per
-# inner compiles faster than one per case, and, with CPU_XLA_OPTIONS, than one for several
-# inners.)
-#
-# The zoo checks values, bits and types, not speed: on the CPU its programs are compiled with
-# XLA's backend optimizations off, its classic kernel emitters, and the machine code emitted
-# in one piece rather than split for threads that the zoo's small kernels do not keep busy,
-# which takes about half the time (the rest of the suite compiles with XLA's defaults; the
-# bare steps are compiled with the wrapped ones, in the same programs).
-CPU_XLA_OPTIONS = {
-  "xla_backend_optimization_level": 0,
-  "xla_cpu_use_fusion_emitters": False,
-  "xla_cpu_parallel_codegen_split_count": 1,
-}
-
-
-def _jit(fn):
-  """``jax.jit(fn)``, with CPU_XLA_OPTIONS on the CPU."""
-  return jax.jit(fn, compiler_options=CPU_XLA_OPTIONS if jax.default_backend() == "cpu" else None)
+# inner compiles faster than one per case, and, with the suite's XLA options of
+# tests/conftest.py, than one for several inners; the bare steps are compiled with the
+# wrapped ones, in the same programs.)
 
 
 def _as_transformation(inner):
@@ -564,7 +549,7 @@ def _alone_together(cases, program):
   def step(carries, us):
     return [c["step"](carry, u) for c, carry, u in zip(cases, carries, us)]
 
-  step = _jit(step)
+  step = jax.jit(step)
   carries, steps = [c["carry0"] for c in cases], [[] for _ in cases]
   try:
     for k in range(len(STEPS_FINITE)):
@@ -590,7 +575,7 @@ def _shared(unit):
     return out, {t: bares[t]["steps"](*a) for t, a in bare_args.items()}
 
   bare_args = {t: b["args"] for t, b in bares.items() if b["error"] is None}
-  compiled, carries = _jit(program), [cases[key]["carry0"] for key in keys]
+  compiled, carries = jax.jit(program), [cases[key]["carry0"] for key in keys]
   steps = {key: [] for key in keys}
   for k in range(len(STEPS_FINITE)):
     us = [_step(cases[key]["us"], k) for key in keys]
