@@ -1,9 +1,15 @@
-"""The optional dependencies of the monitoring tools, and the one-line error when one is missing.
+"""The optional dependencies, and the one-line error that names the extra when one is missing.
 
-``tensorboardX`` (TensorBoard events written by
-:class:`optax_dls.writers.MetricsWriter`), ``tensorboard`` (reading event
-files) and ``matplotlib`` (``optax-dls inspect --plot``) come with the
-``monitoring`` extra.
+=================  =============================  ==========================================
+module             package                        extra
+=================  =============================  ==========================================
+``tensorboardX``   tensorboardX                   ``monitoring`` (writing TensorBoard events)
+``tensorboard``    tensorboard                    ``monitoring`` (reading event files)
+``matplotlib``     matplotlib                     ``monitoring`` (``inspect --plot``)
+``yaml``           PyYAML                         ``monitoring`` (YAML configurations)
+``flax``           flax                           ``flax`` (:mod:`optax_dls.flax`)
+``orbax``          orbax-checkpoint               ``checkpoint`` (:mod:`optax_dls.checkpoint`)
+=================  =============================  ==========================================
 """
 
 from __future__ import annotations
@@ -11,11 +17,24 @@ from __future__ import annotations
 import importlib
 import types
 
-INSTALL = 'pip install "optax_dls[monitoring]"'
+# module's top-level name -> (the package pip installs, the extra that brings it)
+PACKAGES = {
+  "tensorboardX": ("tensorboardX", "monitoring"),
+  "tensorboard": ("tensorboard", "monitoring"),
+  "matplotlib": ("matplotlib", "monitoring"),
+  "yaml": ("PyYAML", "monitoring"),
+  "flax": ("flax", "flax"),
+  "orbax": ("orbax-checkpoint", "checkpoint"),
+}
 
 
 class MissingExtraError(ImportError):
   """An optional dependency is not installed; the message names the extra that installs it."""
+
+
+def install(extra: str) -> str:
+  """The command that installs ``extra``, e.g. ``pip install "optax_dls[monitoring]"``."""
+  return f'pip install "optax_dls[{extra}]"'
 
 
 def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
@@ -23,7 +42,7 @@ def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
 
   Args:
     module: the dotted module name, e.g. ``"matplotlib.pyplot"``; its first
-      component is the package to install.
+      component is a key of :data:`PACKAGES`.
     feature: what needs it, for the message, e.g. ``"--plot"``.
     otherwise: what else the user can do, ending the message
       (e.g. ``"pass tensorboard=False"``). Default: nothing.
@@ -38,6 +57,8 @@ def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
   try:
     return importlib.import_module(module)
   except ImportError as e:
-    package = module.split(".")[0]
+    package, extra = PACKAGES[module.split(".")[0]]
     alternative = f", or {otherwise}" if otherwise else ""
-    raise MissingExtraError(f"{feature} needs {package} ({e}): {INSTALL}{alternative}") from e
+    raise MissingExtraError(
+      f"{feature} needs {package} ({e}): {install(extra)}{alternative}"
+    ) from e

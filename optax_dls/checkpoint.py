@@ -2,8 +2,8 @@
 and moving a checkpoint saved without loss scaling into a loss-scaled state.
 
 A public submodule: ``optax_dls.checkpoint.restore`` and
-``optax_dls.checkpoint.into_loss_scaled``. Orbax (``orbax-checkpoint``) is
-imported only when :func:`restore` runs.
+``optax_dls.checkpoint.into_loss_scaled``. Orbax (``orbax-checkpoint``, the
+``checkpoint`` extra) is imported only when :func:`restore` runs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_dls import _tree_paths
+from optax_dls import _optional, _tree_paths
 from optax_dls._state import LossScaleState
 
 __all__ = ["into_loss_scaled", "restore"]
@@ -164,7 +164,7 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
     FileNotFoundError: no checkpoint at ``step`` (the message lists the saved
       steps), or ``step`` is None and the manager has no checkpoint.
   """
-  import orbax.checkpoint as ocp  # optional dependency: only needed here
+  ocp = _optional.require("orbax.checkpoint", "optax_dls.checkpoint.restore")  # only needed here
 
   if not isinstance(manager, ocp.CheckpointManager):
     raise TypeError(

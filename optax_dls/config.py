@@ -21,7 +21,7 @@ from typing import Any
 
 import optax
 
-from optax_dls import _accumulation, _policies, _transform, _underflow
+from optax_dls import _accumulation, _optional, _policies, _transform, _underflow
 
 __all__ = ["from_config", "load_config", "preset", "preset_reason"]
 
@@ -207,16 +207,14 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
       (each message names the file).
     OSError: the file cannot be read.
     TypeError: ``path`` is neither a ``str`` nor an ``os.PathLike``.
-    ImportError: PyYAML is not installed.
+    ImportError: PyYAML is not installed (the message names the ``monitoring``
+      extra that installs it).
   """
   if not isinstance(path, (str, os.PathLike)):
     raise TypeError(
       f"path must be a str or os.PathLike, got {path!r} of type {type(path).__name__}."
     )
-  try:
-    import yaml
-  except ImportError as e:
-    raise ImportError("reading a YAML configuration needs PyYAML: pip install pyyaml") from e
+  yaml = _optional.require("yaml", "reading a YAML configuration")
   name = os.fspath(path)
   try:
     with open(path, encoding="utf-8") as f:

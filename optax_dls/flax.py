@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_dls import _versions
+from optax_dls import _optional, _versions
 
+_optional.require("flax", "optax_dls.flax")  # one line naming the extra when flax is missing
 _versions.check_flax()  # before flax is used: a clear ImportError when it is too old
 
 from flax import nnx
