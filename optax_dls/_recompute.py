@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from optax_dls import _access, _calls, _multi_device, _numerics, _recompute_stats, _validation
+from optax_dls._localisation import NonFiniteRecord
 from optax_dls._state import LossScaleState
 from optax_dls._transform import LossScaledTransformation
 
@@ -35,6 +36,7 @@ class Try(NamedTuple):
   at: LossScaleState  # the state this pass ran at: the scale of its gradients
   next: LossScaleState  # the state to compute at after this pass
   out: tuple[Any, Any]  # (value, grads)
+  record: NonFiniteRecord  # for tx.update: this pass's check when its loss was not finite
 
 
 class Outcome(NamedTuple):
@@ -139,9 +141,11 @@ def value_and_grad(
 
   * the loss itself is not finite (a bad batch, or a forward pass that
     overflowed: the scale multiplies the loss only after it): no retry, no
-    back-off; ``tx.update`` then skips the step and backs off once, as for
-    any skipped step (pass it ``loss=loss`` so that it records the loss as
-    the cause). ``fp32_fun``, if given, still runs once, at the same scale;
+    back-off; the returned state records the loss as the cause, and
+    ``tx.update`` then skips the step and backs off once, as for any skipped
+    step, and :func:`metrics` reports ``nonfinite_loss`` (``loss=`` need not
+    be passed to it). ``fp32_fun``, if given, still runs once, at the same
+    scale;
   * the back-off left the scale where it was (a static policy, the floor
     ``min_scale``, or hysteresis still left): the same pass at the same
     scale would overflow the same way. ``fp32_fun``, if given, still runs,
@@ -247,7 +251,9 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
     last = lax.cond(_again(plan, last), functools.partial(_retries, plan, fp16), lambda t: t, last)
   if fp32 is not None:  # the last resort, at the state the last float16 pass left
     last = lax.cond(last.finite, lambda t: t, lambda t: _try(plan, fp32, t.next, t.tries + 1), last)
-  at = last.at._replace(inner_state=_recompute_stats.record(state.inner_state, last.tries))
+  at = last.at._replace(
+    nonfinite=last.record, inner_state=_recompute_stats.record(state.inner_state, last.tries)
+  )
   value, grads = last.out
   return Outcome(value, grads, last.finite, _access.replace_state(opt_state, at))
 
@@ -326,7 +332,11 @@ def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Tr
   # A non-finite loss is no overflow of the gradients: the next pass runs at the same state.
   after = jax.tree.map(functools.partial(jnp.where, loss_finite), backed_off, at)
   stuck = ~loss_finite | (backed_off.loss_scale == at.loss_scale)
-  return Try(tries, finite, stuck, at, after, out)
+  # It is kept for tx.update, so that metrics say the loss was the cause even when update
+  # is not given the loss; the overflow counts stay update's to move, once per step.
+  cause = backed_off.nonfinite._replace(overflows=at.nonfinite.overflows)
+  record = jax.tree.map(functools.partial(jnp.where, loss_finite), at.nonfinite, cause)
+  return Try(tries, finite, stuck, at, after, out, record)
 
 
 def _check(

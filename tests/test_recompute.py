@@ -166,6 +166,28 @@ def test_a_non_finite_loss_stops_at_once_and_the_skip_backs_off_once(lowering):
   assert bool(optax_dls.metrics(state)["nonfinite_loss"])
 
 
+def test_the_state_says_the_loss_was_not_finite_without_loss_passed_to_update(lowering):
+  """value_and_grad has the loss: its state records it as the cause, which update keeps
+  for that step, counting the overflow of each labelled group once."""
+  tx = _tx(lowering, labels={"w": "weights", "b": "bias"})
+  grad_fn = jax.jit(optax_dls.value_and_grad(LOSS16, tx, max_tries=3))
+  (_, grads), state = grad_fn(tx.init(PARAMS), PARAMS, NAN)
+  assert bool(optax_dls.metrics(state)["nonfinite_loss"])
+  _, state = jax.jit(tx.update)(grads, state, PARAMS)  # no loss=
+  m = optax_dls.metrics(state)
+  assert bool(m["nonfinite_loss"]) and int(m["nonfinite_step"]) == 1
+  assert float(m["loss_scale"]) == 2.0**14 and int(m["skip_count"]) == 1
+  assert int(m["overflows/weights"]) == 1 and int(m["overflows/bias"]) == 1
+  # The next step's own update does not inherit it.
+  (_, grads), state = grad_fn(state, PARAMS, SMALL)
+  _, state = jax.jit(tx.update)(grads, state, PARAMS)
+  assert bool(state.last_step_finite) and int(optax_dls.metrics(state)["nonfinite_step"]) == 1
+  (_, grads), state = grad_fn(state, PARAMS, BIG)  # an overflow of the gradients, recomputed
+  _, state = jax.jit(tx.update)(grads, state, PARAMS)
+  m = optax_dls.metrics(state)
+  assert bool(state.last_step_finite) and not bool(m["nonfinite_loss"])
+
+
 def test_a_clean_step_after_a_non_finite_loss_takes_one_pass(lowering):
   """The record of the earlier non-finite loss stays in the state; it says nothing of this one."""
   seen = []
