@@ -197,6 +197,68 @@ def test_metrics_core_keys_follow_the_steps():
   ]
 
 
+ATTN = "decoder/layers_3/attn"
+NESTED = {
+  "decoder": {
+    "layers_3": {
+      "attn": {"query": {"kernel": jnp.ones((2, 2))}, "value": {"kernel": jnp.ones((2, 2))}},
+      "mlp": {"bias": jnp.ones(2, jnp.float16)},
+    }
+  },
+  "embed": jnp.ones(3),
+}
+
+
+def _grads_with(bad):
+  """Gradients of ones for NESTED; ``bad``: {leaf name: values of its first entries}."""
+
+  def leaf(path, x):
+    g = np.ones(x.shape, x.dtype)
+    values = bad.get("/".join(k.key for k in path), [])
+    g.reshape(-1)[: len(values)] = values
+    return jnp.asarray(g)
+
+  return jax.tree_util.tree_map_with_path(leaf, NESTED)
+
+
+# Steps in a row: (bad gradient entries, loss, the leaves named, whether the loss is named).
+NAMED_STEPS = [
+  ({f"{ATTN}/query/kernel": [np.inf]}, 1.0, {f"{ATTN}/query/kernel": "inf"}, False),
+  (
+    {
+      f"{ATTN}/query/kernel": [1.0, -np.inf],
+      f"{ATTN}/value/kernel": [np.nan],
+      "decoder/layers_3/mlp/bias": [np.inf, np.nan],  # both: a NaN
+    },
+    1.0,
+    {
+      f"{ATTN}/query/kernel": "inf",
+      f"{ATTN}/value/kernel": "nan",
+      "decoder/layers_3/mlp/bias": "nan",
+    },
+    False,
+  ),
+  ({}, np.nan, {}, True),  # finite gradients, a loss that is not finite
+  ({}, np.inf, {}, True),
+]
+
+
+def test_nonfinite_leaves_names_nested_leaves_and_a_bad_loss_alone_names_none(lowering):
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), skip_lowering=lowering)
+  update = jax.jit(lambda g, s, loss: tx.update(g, s, NESTED, loss=loss)[1])
+  state = tx.init(NESTED)
+  for i, (bad, loss, names, loss_named) in enumerate(NAMED_STEPS, start=1):
+    state = update(_grads_with(bad), state, jnp.float32(loss))
+    m = optax_dls.metrics(state)
+    assert bool(m["skipped"]) and int(m["nonfinite_step"]) == i, i
+    assert optax_dls.nonfinite_leaves(state, NESTED) == names, i
+    assert bool(m["nonfinite_loss"]) == loss_named, i
+  # A finite step keeps the record of the last non-finite one.
+  state = update(_grads_with({}), state, jnp.float32(1.0))
+  m = optax_dls.metrics(state)
+  assert not bool(m["skipped"]) and int(m["nonfinite_step"]) == 4 and bool(m["nonfinite_loss"])
+
+
 def test_feature_states_report_their_keys_and_are_unambiguous_in_a_chain():
   policy = optax_dls.skips_at_min_scale(
     optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=2)

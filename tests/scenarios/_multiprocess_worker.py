@@ -7,7 +7,8 @@ Joins a 2-process CPU cluster on localhost (2 devices per process, gloo
 collectives), then runs the same two steps under jit with NamedSharding (no
 axis_name) and under shard_map (axis_name="data"): step 1 has an inf only in
 a gradient shard held by process 1, step 2 is clean. Writes what this process
-sees (every local device's loss scale, the gathered parameters) to OUT_JSON.
+sees (every local device's loss scale and record of the non-finite leaves, the gathered
+parameters) to OUT_JSON.
 """
 
 import json
@@ -60,6 +61,20 @@ def _global(tree, mesh, specs):
   return jax.tree.map(one, tree, specs)
 
 
+def _local_records(record):
+  """Each local device's copy of the record: its leaf names and its step."""
+  shards = zip(*(x.addressable_shards for x in (record.leaves, record.nan, record.step)))
+  return [
+    {
+      "leaves": optax_dls.nonfinite_leaves(
+        {"nonfinite_leaves": w.data, "nonfinite_nan": n.data}, _params()
+      ),
+      "step": int(step.data),
+    }
+    for w, n, step in shards
+  ]
+
+
 def _run(mesh, tx, step, state_specs, inf_row):
   """Step 0 with an inf in ``inf_row`` of "w", step 1 clean; what this process sees after each."""
   params = _global(_params(), mesh, PSPECS)
@@ -73,6 +88,9 @@ def _run(mesh, tx, step, state_specs, inf_row):
     out[f"step{i}"] = {
       "scales": [float(s.data) for s in state.loss_scale.addressable_shards],
       "finite": [bool(s.data) for s in state.last_step_finite.addressable_shards],
+      "nonfinite": _local_records(state.nonfinite),
+      "nonfinite_leaves": optax_dls.nonfinite_leaves(state, params),
+      "nonfinite_step": int(optax_dls.metrics(state)["nonfinite_step"]),
       "params": {
         k: multihost_utils.process_allgather(v, tiled=True).tolist() for k, v in params.items()
       },

@@ -1,4 +1,5 @@
-"""Two processes on localhost (jax.distributed, gloo): an inf seen by one process skips both."""
+"""Two processes on localhost (jax.distributed, gloo): an inf seen by one process skips both,
+and every device of both names the leaf."""
 
 import json
 import os
@@ -61,6 +62,16 @@ def test_inf_in_process_1_skips_both_processes(results, mode):
     for k, v in step0["params"].items():  # parameters unchanged by the skipped step
       initial = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3) if k == "w" else np.ones(3)
       np.testing.assert_array_equal(np.asarray(v), initial)
+  assert results[0][mode] == results[1][mode]
+
+
+@pytest.mark.parametrize("mode", ["jit", "shard_map"])
+def test_every_device_of_both_processes_names_the_leaf_of_process_1(results, mode):
+  for r in results:
+    for step in ("step0", "step1"):  # the clean step 1 keeps the record of step 0
+      seen = r[mode][step]
+      assert seen["nonfinite"] == [{"leaves": {"w": "inf"}, "step": 1}] * 2, step
+      assert seen["nonfinite_leaves"] == {"w": "inf"} and seen["nonfinite_step"] == 1
   assert results[0][mode] == results[1][mode]
 
 

@@ -1,21 +1,28 @@
-"""Loss scaling under jit with NamedSharding: data-parallel and FSDP-style, no axis_name."""
+"""Loss scaling under jit with NamedSharding: data-parallel and FSDP-style, no axis_name; and the
+record of the non-finite leaves, the same on every device, also under shard_map."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import pcast_varying
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
 
 BAD_DEVICE = 6  # the one device whose shard gets the inf
+NAN_DEVICE = 1  # the one device whose shard of another leaf gets a NaN
 
 
-def _tx(lowering="auto"):
+def _tx(lowering="auto", axis_name=None):
   return optax_dls.dynamic_loss_scale(
-    optax.adam(1e-2), init_scale=2.0**10, growth_interval=2, skip_lowering=lowering
+    optax.adam(1e-2),
+    init_scale=2.0**10,
+    growth_interval=2,
+    skip_lowering=lowering,
+    axis_name=axis_name,
   )
 
 
@@ -150,3 +157,112 @@ def test_axis_name_under_plain_jit_is_a_clear_error(lowering):
   params = {"w": jnp.ones(3)}
   with pytest.raises(ValueError, match=r"axis_name='data' names an axis that is not mapped"):
     jax.jit(tx.update).trace(params, tx.init(params), params)  # tracing only: nothing is compiled
+
+
+# --- which leaves were not finite: the same record on every device ---------------------------
+
+# Three leaves, each split over all 8 devices of the FSDP mesh (a 2 x 2 block per device).
+NAMED_SPEC = P("data", "model")
+NAMED_NAMES = ["dec/bias", "dec/kernel", "enc/kernel"]  # leaf order
+
+# Steps in a row: a value placed in one device's block of a leaf (name: (device, value)),
+# and the leaves every device must then name.
+NAMED_STEPS = [
+  ({"dec/kernel": (BAD_DEVICE, np.inf)}, {"dec/kernel": "inf"}),
+  (
+    {"dec/kernel": (BAD_DEVICE, -np.inf), "enc/kernel": (NAN_DEVICE, np.nan)},
+    {"dec/kernel": "inf", "enc/kernel": "nan"},
+  ),
+  ({"enc/kernel": (NAN_DEVICE, np.nan)}, {"enc/kernel": "nan"}),
+]
+
+
+def _named_params():
+  ones = lambda: np.ones((8, 4), np.float32)
+  return {"dec": {"bias": ones(), "kernel": ones()}, "enc": {"kernel": ones()}}
+
+
+def _named_grads(mesh, bad):
+  """Gradients of ones where, for each ``name: (device, value)`` of ``bad``, the first entry
+  of that device's block of leaf ``name`` is ``value``: no other device's block of it."""
+  sharding = NamedSharding(mesh, NAMED_SPEC)
+  grads = {}
+  for name, g in zip(NAMED_NAMES, jax.tree.leaves(_named_params())):
+    if name in bad:
+      device, value = bad[name]
+      idx = sharding.devices_indices_map(g.shape)[mesh.devices.flat[device]]
+      g[tuple(sl.start or 0 for sl in idx)] = value
+    grads[name] = jax.device_put(g, sharding)
+  for name, (device, _) in bad.items():
+    shards = grads[name].addressable_shards
+    owners = [s.device for s in shards if not np.isfinite(np.asarray(s.data)).all()]
+    assert owners == [mesh.devices.flat[device]], name
+  return {
+    "dec": {"bias": grads["dec/bias"], "kernel": grads["dec/kernel"]},
+    "enc": {"kernel": grads["enc/kernel"]},
+  }
+
+
+def _each_device_names(leaves, nan):
+  """The names each device's copy of the record (``[8, W]`` words) decodes to."""
+  return [
+    optax_dls.nonfinite_leaves({"nonfinite_leaves": w, "nonfinite_nan": n}, NAMED_NAMES)
+    for w, n in zip(np.asarray(leaves), np.asarray(nan))
+  ]
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_every_device_names_the_leaf_of_one_device_s_shard(check_vma, lowering):
+  shape, names, _ = LAYOUTS["fsdp"]
+  mesh = jax.make_mesh(shape, names)
+  tx = _tx(lowering=lowering, axis_name=names)
+  pspecs = jax.tree.map(lambda _: NAMED_SPEC, _named_params())
+  params = _put(_named_params(), mesh, pspecs)
+  sspecs = _state_specs(tx, tx.init(params), pspecs)
+  state = _put(tx.init(params), mesh, sspecs)
+
+  def update(grads, state, params):
+    _, state = tx.update(grads, state, params)
+    r = state.nonfinite
+    # Each device's own copy, one row per device.
+    mine = [x[None] for x in (r.leaves, r.nan, r.step)]
+    return state, [pcast_varying(x, names) for x in mine] if check_vma else mine
+
+  step = jax.jit(
+    jax.shard_map(
+      update,
+      mesh=mesh,
+      in_specs=(pspecs, sspecs, pspecs),
+      out_specs=(sspecs, [P(names)] * 3),
+      check_vma=check_vma,
+    )
+  )
+  for i, (bad, expected) in enumerate(NAMED_STEPS, start=1):
+    state, (leaves, nan, steps) = step(_named_grads(mesh, bad), state, params)
+    assert leaves.shape == (8, 1)
+    assert _each_device_names(leaves, nan) == [expected] * 8, i
+    np.testing.assert_array_equal(np.asarray(steps), [i] * 8)
+    assert optax_dls.nonfinite_leaves(state, params) == expected
+    assert int(optax_dls.metrics(state)["nonfinite_step"]) == i
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_jit_every_device_names_the_leaf_of_one_device_s_shard(axis_type, lowering):
+  shape, names, _ = LAYOUTS["fsdp"]
+  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+  tx = _tx(lowering=lowering)
+  pspecs = jax.tree.map(lambda _: NAMED_SPEC, _named_params())
+  params = _put(_named_params(), mesh, pspecs)
+  state = _put(tx.init(params), mesh, _state_specs(tx, tx.init(params), pspecs))
+  update = jax.jit(tx.update)
+  for i, (bad, expected) in enumerate(NAMED_STEPS, start=1):
+    _, state = update(_named_grads(mesh, bad), state, params)
+    record = state.nonfinite
+    assert record.leaves.sharding.is_fully_replicated and record.nan.sharding.is_fully_replicated
+    copies = [
+      [np.asarray(s.data) for s in x.addressable_shards] for x in (record.leaves, record.nan)
+    ]
+    assert len(copies[0]) == 8
+    assert _each_device_names(*copies) == [expected] * 8, i
+    assert {int(s.data) for s in record.step.addressable_shards} == {i}
+    assert optax_dls.nonfinite_leaves(state, params) == expected
