@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _access, _localisation, _optional, _tail
+from optax_dls import _access, _localisation, _optional, _tail, _validation
 
 __all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
 
@@ -164,7 +164,8 @@ class MetricsWriter:
 
   Args:
     logdir: folder to write into (created if missing).
-    every: int >= 1, log the steps with ``step % every == 0``. Default 1.
+    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the
+      steps with ``step % every == 0``. Default 1.
     tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``).
       Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
@@ -195,13 +196,10 @@ class MetricsWriter:
     params: Any = None,
   ) -> None:
     path = _check_path("logdir", logdir)
-    if isinstance(every, bool) or not isinstance(every, numbers.Integral):
-      raise TypeError(f"every must be an int, got {every!r}.")
-    if every < 1:
-      raise ValueError(f"every must be >= 1, got every={every!r}.")
-    for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl)):
-      if not isinstance(flag, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {flag!r} of type {type(flag).__name__}.")
+    every = _validation.integer("every", every)
+    _validation.check(every >= 1, "every", every, "value >= 1")
+    tensorboard = _validation.boolean("tensorboard", tensorboard)
+    jsonl = _validation.boolean("jsonl", jsonl)
     if run_name is not None and not isinstance(run_name, str):
       raise TypeError(
         f"run_name must be a str or None, got {run_name!r} of type {type(run_name).__name__}."
@@ -209,7 +207,7 @@ class MetricsWriter:
     if not (tensorboard or jsonl):
       raise ValueError("MetricsWriter needs tensorboard=True or jsonl=True, got both False.")
     self.logdir: str = path
-    self.every = int(every)
+    self.every = every
     self.run_name = run_name
     self._names: list[str] | None = _param_names(params)
     self._last_nonfinite: int | None = None  # nonfinite_step of the last row written
