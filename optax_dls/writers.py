@@ -386,12 +386,7 @@ def read_jsonl(
     TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_line``
       is neither callable nor None.
   """
-  path = _check_path("path", path)
-  report = _tail.reporter("on_bad_line", on_bad_line)
-  chunk = _tail.JsonlTail(path).read(final=True)
-  for line, why in chunk.bad:
-    report(line, why)
-  return chunk.rows
+  return _read_whole(path, _tail.JsonlTail, "on_bad_line", on_bad_line)
 
 
 def read_tensorboard(
@@ -421,9 +416,33 @@ def read_tensorboard(
     ImportError: ``tensorboard`` is not installed (a
       ``MissingExtraError`` naming the ``monitoring`` extra).
   """
+  return _read_whole(path, _tail.EventsTail, "on_bad_record", on_bad_record)
+
+
+def _read_whole(
+  path: Any,
+  tail: Callable[[str], _tail.JsonlTail | _tail.EventsTail],
+  name: str,
+  on_bad: Callable[[int, str], Any] | None,
+) -> list[dict[str, Any]]:
+  """The rows of the whole file at ``path``, read once by ``tail``, each part it skips
+  handed to ``on_bad``.
+
+  Args:
+    path: ``str`` or ``os.PathLike``, the file.
+    tail: :class:`optax_dls._tail.JsonlTail` or :class:`optax_dls._tail.EventsTail`.
+    name: the callback's argument name, for the error.
+    on_bad: ``on_bad(where, reason)`` (a line number or a byte offset), or None.
+
+  Raises:
+    TypeError: ``path`` not a ``str`` or ``os.PathLike``; ``on_bad`` neither
+      callable nor None (the message names ``name``).
+    OSError: the file cannot be read.
+    ImportError: ``tail`` needs a package that is not installed.
+  """
   path = _check_path("path", path)
-  report = _tail.reporter("on_bad_record", on_bad_record)
-  chunk = _tail.EventsTail(path).read(final=True)
-  for offset, why in chunk.bad:
-    report(offset, why)
+  report = _tail.reporter(name, on_bad)
+  chunk = tail(path).read(final=True)
+  for where, why in chunk.bad:
+    report(where, why)
   return chunk.rows
