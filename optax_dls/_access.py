@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _accumulation, _localisation, _validation
+from optax_dls import _accumulation, _localisation, _numerics, _validation
 from optax_dls._state import LossScaleState
 
 
@@ -319,7 +319,7 @@ def _names_of(params: Any) -> list[str]:
       f"params must be the parameters (a pytree of arrays) or the list of their leaf names "
       f"(strings), got {params!r} of type {type(params).__name__}."
     )
-  return _localisation.leaf_names(params)
+  return leaf_names(params)
 
 
 def _is_names(params: Any) -> bool:
@@ -333,15 +333,23 @@ def leaf_names(params: Any) -> list[str]:
   ``params``, in the order of the record's bits: key paths joined by ``/``
   (``"params/decoder/layers_3/attn/query/kernel"``).
 
+  A leaf is named where it has a bit in the record: where it is floating or
+  complex, by the same test that picks the leaves the finite check reads.
+
   Args:
-    params: a pytree of arrays or ``jax.ShapeDtypeStruct``.
+    params: a pytree of arrays or ``jax.ShapeDtypeStruct``; ``None`` leaves and
+      leaves that are not floating point (integer, bool) have no bit and no name.
+
+  Returns:
+    A list of ``"a/b/c"`` key-path names (``str``), one per floating leaf.
 
   Example:
     >>> import jax.numpy as jnp, optax_dls
     >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
     ['dense/bias', 'dense/kernel']
   """
-  return _localisation.leaf_names(params)
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  return [_localisation.path_name(path) for path, x in leaves if _numerics.is_float(x)]
 
 
 def reset_scale(opt_state: Any, value: Any) -> Any:

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from optax_dls import _logs, _report, _summary, _tail
@@ -59,35 +59,59 @@ def _fields(entry: dict[str, Any], rows: _logs.Rows) -> dict[str, str]:
   }
 
 
+def _block_run(head: str, f: dict[str, str], entry: dict[str, Any]) -> list[str]:
+  """One run in the terminal view: its head line, then indented lines."""
+  lines = [head, f"  {f['skips']}, {f['recent']}"]
+  if f["last"]:
+    lines.append(f"  last non-finite {f['last']}")
+  lines.extend(f"  ! {d['symptom']}" for d in entry["diagnosis"])
+  return lines
+
+
+def _line_run(head: str, f: dict[str, str], entry: dict[str, Any]) -> list[str]:
+  """One run in the file or pipe view: one line of parts joined by ``" | "``."""
+  parts = [head, f["skips"], f["recent"]]
+  parts += [f"last non-finite {f['last']}"] if f["last"] else []
+  parts += [f"! {f['diagnoses']}"] if f["diagnoses"] else []
+  return [" | ".join(parts)]
+
+
+def _status(
+  report: dict[str, Any],
+  runs: dict[str, _logs.Rows],
+  waiting: list[str],
+  gap: str,
+  one_run: Callable[[str, dict[str, str], dict[str, Any]], list[str]],
+) -> list[str]:
+  """The status of every run, each as ``one_run`` writes it, then the runs still waiting.
+
+  Args:
+    report: run name -> its entry of :func:`optax_dls._report.build`.
+    runs: run name -> its rows.
+    waiting: the names of the runs without rows yet (those in ``report`` are left out).
+    gap: the space between the words of a run's head line (``"  "`` or ``" "``).
+    one_run: ``(head line, the run's :func:`_fields`, its entry) -> lines``.
+  """
+  lines = []
+  for name, entry in report.items():
+    f = _fields(entry, runs[name])
+    lines.extend(one_run(f"run {name}{gap}step {f['step']}{gap}loss scale {f['scale']}", f, entry))
+  lines.extend(f"run {name}{gap}waiting (no rows yet)" for name in waiting if name not in report)
+  return lines
+
+
 def status_block(
   report: dict[str, Any], runs: dict[str, _logs.Rows], waiting: list[str]
 ) -> list[str]:
   """The status of every run as a few lines each (the terminal view)."""
-  lines = []
-  for name, entry in report.items():
-    f = _fields(entry, runs[name])
-    lines.append(f"run {name}  step {f['step']}  loss scale {f['scale']}")
-    lines.append(f"  {f['skips']}, {f['recent']}")
-    if f["last"]:
-      lines.append(f"  last non-finite {f['last']}")
-    lines.extend(f"  ! {d['symptom']}" for d in entry["diagnosis"])
-  lines.extend(f"run {name}  waiting (no rows yet)" for name in waiting if name not in report)
-  return lines
+  return _status(report, runs, waiting, "  ", _block_run)
 
 
 def status_lines(
   report: dict[str, Any], runs: dict[str, _logs.Rows], waiting: list[str]
 ) -> list[str]:
   """The status of every run, one line each (the view written to a file or a pipe)."""
-  lines = []
-  for name, entry in report.items():
-    f = _fields(entry, runs[name])
-    parts = [f"run {name} step {f['step']} loss scale {f['scale']}", f["skips"], f["recent"]]
-    parts += [f"last non-finite {f['last']}"] if f["last"] else []
-    parts += [f"! {f['diagnoses']}"] if f["diagnoses"] else []
-    lines.append(" | ".join(parts))
-  lines.extend(f"run {name} waiting (no rows yet)" for name in waiting if name not in report)
-  return lines
+  return _status(report, runs, waiting, " ", _line_run)
 
 
 class Follower:

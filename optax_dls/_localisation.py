@@ -55,34 +55,6 @@ def path_name(path: Sequence[Any]) -> str:
   return "/".join(_key_text(k) for k in path)
 
 
-def _is_float(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    dtype = jnp.result_type(x) if x is not None else None
-  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
-
-
-def leaf_names(tree: Any) -> list[str]:
-  """The names of the floating leaves of ``tree`` (parameters, gradients or their shapes),
-  in the order of the bits of the non-finite record.
-
-  Args:
-    tree: a pytree of arrays or ``jax.ShapeDtypeStruct``; ``None`` leaves and
-      leaves that are not floating point (integer, bool) have no bit and no name.
-
-  Returns:
-    A list of ``"a/b/c"`` key-path names, one per floating leaf.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from optax_dls import _localisation
-    >>> _localisation.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
-    ['dense/bias', 'dense/kernel']
-  """
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  return [path_name(path) for path, x in leaves if _is_float(x)]
-
-
 def decode(leaves: Any, nan: Any, names: Sequence[str]) -> dict[str, str]:
   """``{name: "inf" | "nan"}`` for each leaf whose bit is set in ``leaves`` (host side).
 

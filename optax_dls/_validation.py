@@ -23,11 +23,27 @@ def _concrete(name: str, value: Any) -> Any:
   return value
 
 
+def _number(name: str, value: Any, kind: type, what: str) -> Any:
+  """``value`` (a 0-d array as its Python number) if it is a ``kind`` and not a bool.
+
+  Args:
+    name: the argument's name, for the messages.
+    value: the value given.
+    kind: ``numbers.Real`` or ``numbers.Integral``.
+    what: ``kind`` in words (``"a real number"``), for the message.
+
+  Raises:
+    TypeError: a traced value, a bool, or a value that is not a ``kind``.
+  """
+  value = _concrete(name, value)
+  if isinstance(value, bool) or not isinstance(value, kind):
+    raise TypeError(f"{name} must be {what}, got {value!r} of type {type(value).__name__}.")
+  return value
+
+
 def real(name: str, value: Any) -> float:
   """Returns ``value`` as a float; TypeError for non-numbers, traced values and bools."""
-  value = _concrete(name, value)
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}.")
+  value = _number(name, value, numbers.Real, "a real number")
   try:
     value = float(value)
   except OverflowError:
@@ -70,10 +86,7 @@ def float32(name: str, value: float, ok: Callable[[float], bool], rule: str) -> 
 
 def integer(name: str, value: Any) -> int:
   """Returns ``value`` as an int; TypeError for non-integers, traced values and bools."""
-  value = _concrete(name, value)
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}.")
-  return int(value)
+  return int(_number(name, value, numbers.Integral, "an integer"))
 
 
 def check(ok: bool, name: str, value: Any, rule: str) -> None:

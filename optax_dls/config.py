@@ -264,9 +264,123 @@ def _reject(keys: Any, allowed: frozenset[str], kind: str) -> None:
       )
 
 
-def from_config(  # noqa: C901 (one check per configuration key, in order)
-  config: Any, inner: optax.GradientTransformation | None = None
+def _check_values(section: Mapping[str, Any]) -> None:
+  """Refuses a number written as a string and a host-side (alerts) key.
+
+  Args:
+    section: the ``loss_scale`` section, its keys ``str``.
+
+  Raises:
+    TypeError: a number key whose value is a ``str`` (with the YAML hint).
+    ValueError: an ``alerts`` or ``alert_after`` key.
+  """
+  for key, value in section.items():
+    if key in _NUMBER_KEYS and isinstance(value, str):
+      raise TypeError(
+        f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
+        "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000."
+      )
+  for key in sorted(_HOST_KEYS & set(section)):
+    raise ValueError(
+      f"loss-scale configuration key {key!r}: alerts are raised on the host from "
+      "optax_dls.metrics by optax_dls.SkipAlerts(alert_after=...), not configured "
+      "in the transformation; remove the key."
+    )
+
+
+def _policy(section: dict[str, Any]) -> Any:
+  """The policy the section's ``kind`` names, built from the keys of that kind.
+
+  Pops ``kind``, ``preset``, ``scale`` and the policy keys from ``section``;
+  the wrapper keys stay in it.
+
+  Args:
+    section: the ``loss_scale`` section, its keys ``str`` (changed in place).
+
+  Returns:
+    The :class:`~optax_dls.LossScalePolicy` (before any fallback).
+
+  Raises:
+    ValueError: an unknown kind, a key that the kind does not take, an
+      unknown preset, ``kind='static'`` without ``scale``, a value out of range.
+    TypeError: a value of the wrong type.
+  """
+  kind = section.pop("kind", "dynamic")
+  if kind not in _KINDS:
+    raise ValueError(f"loss_scale kind must be one of {_KINDS}, got kind={kind!r}.")
+  if kind == "dynamic":
+    _reject(section, _POLICY_KEYS | {"preset"} | _WRAPPER_KEYS, kind)
+    kwargs = preset(section.pop("preset")) if "preset" in section else {}
+    kwargs.update({k: section.pop(k) for k in list(section) if k in _POLICY_KEYS})
+    return _policies.dynamic_policy(**kwargs)
+  if kind == "static":
+    _reject(section, frozenset({"scale"} | _WRAPPER_KEYS) - {"fallback_scale"}, kind)
+    if "scale" not in section:
+      raise ValueError("loss_scale kind='static' needs a 'scale' key.")
+    return _policies.static_policy(section.pop("scale"))
+  _reject(section, frozenset({"axis_name", "skip_lowering", "underflow_stats"}), kind)
+  return _policies.noop_policy()
+
+
+def _with_fallback(policy: Any, section: dict[str, Any]) -> Any:
+  """``policy`` wrapped in :func:`~optax_dls.fp32_fallback` when the section asks for it.
+
+  Pops the ``fallback_*`` keys from ``section``.
+
+  Args:
+    policy: the :class:`~optax_dls.LossScalePolicy` to wrap.
+    section: the ``loss_scale`` section, its keys ``str`` (changed in place).
+
+  Returns:
+    The wrapped policy when ``fallback_after`` is set (not None), else ``policy``.
+
+  Raises:
+    ValueError: ``fallback_steps`` or ``fallback_scale`` without
+      ``fallback_after``, or a value out of range.
+    TypeError: a value of the wrong type.
+  """
+  fallback = {
+    k.removeprefix("fallback_"): section.pop(k)
+    for k in sorted(section)
+    if k.startswith("fallback_")
+  }
+  if fallback.get("after") is not None:
+    return _policies.fp32_fallback(policy, **fallback)
+  if set(fallback) - {"after"}:
+    raise ValueError(
+      f"loss-scale configuration keys {sorted('fallback_' + k for k in fallback)} "
+      "need fallback_after (the consecutive skips that start the float32 fallback)."
+    )
+  return policy
+
+
+def _transformation(
+  section: dict[str, Any], policy: Any, inner: optax.GradientTransformation
 ) -> Any:
+  """``inner`` loss-scaled by ``policy``, with the wrapper keys left in ``section``.
+
+  Args:
+    section: the wrapper keys (``axis_name``, ``skip_lowering``,
+      ``underflow_stats``) left after :func:`_policy` and :func:`_with_fallback`.
+    policy: the :class:`~optax_dls.LossScalePolicy`.
+    inner: the optax transformation to wrap.
+
+  Returns:
+    The loss-scaled transformation (:func:`~optax_dls.loss_scaled`).
+
+  Raises:
+    TypeError: ``underflow_stats`` neither a ``bool`` nor None, or a value of
+      the wrong type for :func:`~optax_dls.loss_scaled`.
+  """
+  stats = section.pop("underflow_stats", False)
+  if not isinstance(stats, (bool, type(None))):
+    raise TypeError(f"underflow_stats in a configuration must be a bool, got {stats!r}.")
+  if stats:
+    inner = optax.chain(_underflow.underflow_stats(), _accumulation.check_inner(inner))
+  return _transform.loss_scaled(inner, policy, **section)
+
+
+def from_config(config: Any, inner: optax.GradientTransformation | None = None) -> Any:
   """Builds loss scaling from a configuration mapping or YAML file.
 
   The mapping (or its ``loss_scale`` section, when it has one; the other
@@ -301,46 +415,8 @@ def from_config(  # noqa: C901 (one check per configuration key, in order)
       reads as a string gets a hint to write ``1.0e4``).
   """
   section = _section(config)
-  for key, value in section.items():
-    if key in _NUMBER_KEYS and isinstance(value, str):
-      raise TypeError(
-        f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
-        "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000."
-      )
-  for key in sorted(_HOST_KEYS & set(section)):
-    raise ValueError(
-      f"loss-scale configuration key {key!r}: alerts are raised on the host from "
-      "optax_dls.metrics by optax_dls.SkipAlerts(alert_after=...), not configured "
-      "in the transformation; remove the key."
-    )
-  kind = section.pop("kind", "dynamic")
-  if kind not in _KINDS:
-    raise ValueError(f"loss_scale kind must be one of {_KINDS}, got kind={kind!r}.")
-  if kind == "dynamic":
-    _reject(section, _POLICY_KEYS | {"preset"} | _WRAPPER_KEYS, kind)
-    kwargs = preset(section.pop("preset")) if "preset" in section else {}
-    kwargs.update({k: section.pop(k) for k in list(section) if k in _POLICY_KEYS})
-    policy = _policies.dynamic_policy(**kwargs)
-  elif kind == "static":
-    _reject(section, frozenset({"scale"} | _WRAPPER_KEYS) - {"fallback_scale"}, kind)
-    if "scale" not in section:
-      raise ValueError("loss_scale kind='static' needs a 'scale' key.")
-    policy = _policies.static_policy(section.pop("scale"))
-  else:
-    _reject(section, frozenset({"axis_name", "skip_lowering", "underflow_stats"}), kind)
-    policy = _policies.noop_policy()
-  fallback = {
-    k.removeprefix("fallback_"): section.pop(k)
-    for k in sorted(section)
-    if k.startswith("fallback_")
-  }
-  if fallback.get("after") is not None:
-    policy = _policies.fp32_fallback(policy, **fallback)
-  elif set(fallback) - {"after"}:
-    raise ValueError(
-      f"loss-scale configuration keys {sorted('fallback_' + k for k in fallback)} "
-      "need fallback_after (the consecutive skips that start the float32 fallback)."
-    )
+  _check_values(section)
+  policy = _with_fallback(_policy(section), section)
   if inner is None:
     for key in sorted(section):
       raise ValueError(
@@ -348,9 +424,4 @@ def from_config(  # noqa: C901 (one check per configuration key, in order)
         "inner= to from_config to get a transformation, or remove it to get a policy."
       )
     return policy
-  stats = section.pop("underflow_stats", False)
-  if not isinstance(stats, (bool, type(None))):
-    raise TypeError(f"underflow_stats in a configuration must be a bool, got {stats!r}.")
-  if stats:
-    inner = optax.chain(_underflow.underflow_stats(), _accumulation.check_inner(inner))
-  return _transform.loss_scaled(inner, policy, **section)
+  return _transformation(section, policy, inner)

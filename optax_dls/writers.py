@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _access, _localisation, _optional, _tail
+from optax_dls import _access, _localisation, _optional, _tail, _validation
 
 __all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
 
@@ -164,7 +164,8 @@ class MetricsWriter:
 
   Args:
     logdir: folder to write into (created if missing).
-    every: int >= 1, log the steps with ``step % every == 0``. Default 1.
+    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the
+      steps with ``step % every == 0``. Default 1.
     tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``).
       Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
@@ -195,13 +196,10 @@ class MetricsWriter:
     params: Any = None,
   ) -> None:
     path = _check_path("logdir", logdir)
-    if isinstance(every, bool) or not isinstance(every, numbers.Integral):
-      raise TypeError(f"every must be an int, got {every!r}.")
-    if every < 1:
-      raise ValueError(f"every must be >= 1, got every={every!r}.")
-    for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl)):
-      if not isinstance(flag, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {flag!r} of type {type(flag).__name__}.")
+    every = _validation.integer("every", every)
+    _validation.check(every >= 1, "every", every, "value >= 1")
+    tensorboard = _validation.boolean("tensorboard", tensorboard)
+    jsonl = _validation.boolean("jsonl", jsonl)
     if run_name is not None and not isinstance(run_name, str):
       raise TypeError(
         f"run_name must be a str or None, got {run_name!r} of type {type(run_name).__name__}."
@@ -209,7 +207,7 @@ class MetricsWriter:
     if not (tensorboard or jsonl):
       raise ValueError("MetricsWriter needs tensorboard=True or jsonl=True, got both False.")
     self.logdir: str = path
-    self.every = int(every)
+    self.every = every
     self.run_name = run_name
     self._names: list[str] | None = _param_names(params)
     self._last_nonfinite: int | None = None  # nonfinite_step of the last row written
@@ -388,12 +386,7 @@ def read_jsonl(
     TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_line``
       is neither callable nor None.
   """
-  path = _check_path("path", path)
-  report = _tail.reporter("on_bad_line", on_bad_line)
-  chunk = _tail.JsonlTail(path).read(final=True)
-  for line, why in chunk.bad:
-    report(line, why)
-  return chunk.rows
+  return _read_whole(path, _tail.JsonlTail, "on_bad_line", on_bad_line)
 
 
 def read_tensorboard(
@@ -423,9 +416,33 @@ def read_tensorboard(
     ImportError: ``tensorboard`` is not installed (a
       ``MissingExtraError`` naming the ``monitoring`` extra).
   """
+  return _read_whole(path, _tail.EventsTail, "on_bad_record", on_bad_record)
+
+
+def _read_whole(
+  path: Any,
+  tail: Callable[[str], _tail.JsonlTail | _tail.EventsTail],
+  name: str,
+  on_bad: Callable[[int, str], Any] | None,
+) -> list[dict[str, Any]]:
+  """The rows of the whole file at ``path``, read once by ``tail``, each part it skips
+  handed to ``on_bad``.
+
+  Args:
+    path: ``str`` or ``os.PathLike``, the file.
+    tail: :class:`optax_dls._tail.JsonlTail` or :class:`optax_dls._tail.EventsTail`.
+    name: the callback's argument name, for the error.
+    on_bad: ``on_bad(where, reason)`` (a line number or a byte offset), or None.
+
+  Raises:
+    TypeError: ``path`` not a ``str`` or ``os.PathLike``; ``on_bad`` neither
+      callable nor None (the message names ``name``).
+    OSError: the file cannot be read.
+    ImportError: ``tail`` needs a package that is not installed.
+  """
   path = _check_path("path", path)
-  report = _tail.reporter("on_bad_record", on_bad_record)
-  chunk = _tail.EventsTail(path).read(final=True)
-  for offset, why in chunk.bad:
-    report(offset, why)
+  report = _tail.reporter(name, on_bad)
+  chunk = tail(path).read(final=True)
+  for where, why in chunk.bad:
+    report(where, why)
   return chunk.rows

@@ -307,3 +307,37 @@ def test_reset_scale_clamps_a_traced_value_and_restarts_growth():
   assert float(reset(state, jnp.float32(0.25)).loss_scale) == 1.0
   new = reset(state, jnp.float32(64.0))
   assert float(new.loss_scale) == 64.0 and int(new.policy_state.growth_tracker) == 0
+
+
+def test_reset_scale_on_an_ensemble_stacked_by_vmap():
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=4.0, growth_interval=3, max_scale=2.0**16
+  )
+  members = {"w": jnp.ones((3, 3), jnp.float32)}  # 3 members, each with a "w" of shape (3,)
+  state = jax.vmap(tx.init)(members)
+  _, state = jax.vmap(lambda g, s, p: tx.update(g, s, p))(members, state, members)
+  np.testing.assert_array_equal(state.policy_state.growth_tracker, [1, 1, 1])
+
+  def check(new, scales):
+    np.testing.assert_array_equal(new.loss_scale, np.asarray(scales, np.float32))
+    np.testing.assert_array_equal(new.policy_state.growth_tracker, [0, 0, 0])
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new), strict=True):
+      assert a.dtype == b.dtype and a.shape == b.shape
+
+  # One value sets every member; one per member sets each.
+  check(optax_dls.reset_scale(state, 2.0**10), [2.0**10] * 3)
+  check(optax_dls.reset_scale(state, np.array([8.0, 16.0, 32.0])), [8.0, 16.0, 32.0])
+  check(optax_dls.reset_scale(state, jnp.array([8.0, 16.0, 32.0])), [8.0, 16.0, 32.0])
+  # Traced, per member: each clamped into the policy's range.
+  reset = jax.jit(optax_dls.reset_scale)
+  check(reset(state, jnp.array([8.0, 16.0, 2.0**30])), [8.0, 16.0, 2.0**16])
+
+  # A value of another shape than the members' (3,) is refused, naming the argument.
+  for bad in (np.ones(2), np.ones((3, 1)), jnp.ones((1, 3))):
+    with pytest.raises(ValueError, match=r"value must be .* shape \(3,\), got shape"):
+      optax_dls.reset_scale(state, bad)
+  with pytest.raises(ValueError, match=r"value must be .* shape \(3,\), got a traced value"):
+    reset(state, jnp.ones(2))
+  # A static per-member value is checked member by member.
+  with pytest.raises(ValueError, match="value must satisfy"):
+    optax_dls.reset_scale(state, np.array([8.0, 2.0**20, 4.0]))
