@@ -391,7 +391,7 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   """
   state = find_state(opt_state)
   shape = jnp.shape(state.loss_scale)
-  if jnp.ndim(value) and not isinstance(value, jax.core.Tracer):
+  if np.ndim(value) and not isinstance(value, jax.core.Tracer):
     values = np.asarray(value)
     if values.shape != shape:
       raise ValueError(

@@ -1,6 +1,7 @@
 """Finding and reading the loss-scale state inside any optimizer state; all_finite."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -328,6 +329,9 @@ def test_reset_scale_on_an_ensemble_stacked_by_vmap():
   check(optax_dls.reset_scale(state, 2.0**10), [2.0**10] * 3)
   check(optax_dls.reset_scale(state, np.array([8.0, 16.0, 32.0])), [8.0, 16.0, 32.0])
   check(optax_dls.reset_scale(state, jnp.array([8.0, 16.0, 32.0])), [8.0, 16.0, 32.0])
+  with warnings.catch_warnings():  # a list, as NumPy reads it, without a JAX deprecation
+    warnings.simplefilter("error")
+    check(optax_dls.reset_scale(state, [8.0, 16.0, 32.0]), [8.0, 16.0, 32.0])
   # Traced, per member: each clamped into the policy's range.
   reset = jax.jit(optax_dls.reset_scale)
   check(reset(state, jnp.array([8.0, 16.0, 2.0**30])), [8.0, 16.0, 2.0**16])
