@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -164,24 +165,34 @@ def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
   return out
 
 
+def _per_dtype(values: list[jax.Array], fn: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
+  """``[len(values)]``: ``fn(dtype, stacked)`` of the scalars of each dtype, stacked, back in
+  the order of ``values``: a few operations, whatever their number."""
+  by_dtype: dict[Any, list[int]] = {}
+  for i, v in enumerate(values):
+    by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
+  order: list[int] = []
+  parts = []
+  for dtype, idx in by_dtype.items():
+    parts.append(fn(dtype, jnp.stack([values[i] for i in idx])))
+    order += idx
+  joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  return joined if order == sorted(order) else joined[np.argsort(np.asarray(order))]
+
+
 def _codes_by_dtype(values: list[jax.Array], k: jax.Array | None = None) -> jax.Array:
   """int32 ``[len(values)]``: 2 where a scalar is NaN, 1 where it is infinite, 0 otherwise,
   each told in its own dtype (a finite float64 value past the float32 range is finite),
   after unscaling by ``k`` (a float32 ``()`` >= 1) in that dtype if given. The scalars of
-  one dtype are stacked and classified together: a few operations, whatever their number."""
+  one dtype are stacked and classified together."""
   if not values:
     return jnp.zeros([0], jnp.int32)
-  by_dtype: dict[Any, list[int]] = {}
-  for i, v in enumerate(values):
-    by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
-  order, parts = [], []
-  for idx in by_dtype.values():
-    v = jnp.stack([values[i] for i in idx])
+
+  def codes(dtype: Any, v: jax.Array) -> jax.Array:
     v = v if k is None else unscale(v, k)
-    parts.append(jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32))
-    order += idx
-  joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-  return joined if order == sorted(order) else joined[np.argsort(np.asarray(order))]
+    return jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32)
+
+  return _per_dtype(values, codes)
 
 
 # Each entry times _TINY[compute dtype], squared: far from overflow for every finite
@@ -251,19 +262,14 @@ def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
 
 def _stacked_float32(values: list[jax.Array], factor: dict | None = None) -> jax.Array:
   """float32 ``[n]`` of scalars of several dtypes, each stacked with its dtype and converted
-  (times ``factor[dtype]``, if given) in a few operations, whatever their number."""
-  by_dtype: dict[Any, list[int]] = {}
-  for i, v in enumerate(values):
-    by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
-  order, parts = [], []
-  for dtype, idx in by_dtype.items():
-    v = jnp.stack([values[i] for i in idx])
+  (times ``factor[dtype]``, if given)."""
+
+  def converted(dtype: Any, v: jax.Array) -> jax.Array:
     if factor is not None and factor[dtype] != 1.0:
       v = v * jnp.asarray(factor[dtype], dtype)
-    parts.append(v.astype(jnp.float32))
-    order += idx
-  joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-  return joined if order == sorted(order) else joined[np.argsort(np.asarray(order))]
+    return v.astype(jnp.float32)
+
+  return _per_dtype(values, converted)
 
 
 def tiny_norm(
