@@ -20,7 +20,9 @@ one of them is selected where that primitive returns it. Effects (a debug
 callback, say) are bound in their order. Outputs that are literals, constants,
 inputs passed through, or repeated are selected at the end instead. If binding
 any equation fails, the whole inner update runs as traced and every state
-value is selected at the end: the same values, with the copy.
+value is selected at the end: the same values, with the copy. An update with
+effects is evaluated abstractly first, so that an effect bound before the
+equation that fails does not run a second time in the fallback.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def selected_at_definition(
   )
   old = jax.tree.leaves(inner_state)
   args = jax.tree.leaves((grads, inner_state, params))
+  n_out = len(jax.tree.leaves(out_shape))
   try:
-    out, new = _evaluate(closed, finite, old, args, len(jax.tree.leaves(out_shape)))
+    if closed.effects:  # bound once abstractly first: a failure runs no effect twice
+      jax.make_jaxpr(lambda f, o, a: _evaluate(closed, f, o, a, n_out))(finite, old, args)
+    out, new = _evaluate(closed, finite, old, args, n_out)
   except Exception:  # noqa: BLE001 (a construct the interpreter cannot bind: select at the end)
     out_tree, state_tree = apply(grads, inner_state, params)
     out, new = jax.tree.leaves(out_tree), jax.tree.leaves(state_tree)
