@@ -11,28 +11,19 @@ from __future__ import annotations
 import jax
 import optax
 import pytest
+from _xla import XLA_DEFAULTS
 
 from optax_dls._multi_device import pcast_varying  # noqa: F401 (the tests' spelling of it)
 from optax_dls._versions import parse
 
 JAX = parse(jax.__version__)
 
-# XLA's own defaults for the options tests/conftest.py turns down: a test about the
-# compiled program itself (its copies, its scratch memory, or that two programs give
-# the same bits) compiles with these, as a user's program is compiled.
-XLA_DEFAULTS = {
-  "xla_backend_optimization_level": 3,
-  "xla_cpu_use_fusion_emitters": True,
-  "xla_cpu_parallel_codegen_split_count": 32,
-}
+OPTAX = parse(optax.__version__)
 
 
 def jit_xla_defaults(fun, **kwargs):
   """``jax.jit(fun, **kwargs)`` compiled with :data:`XLA_DEFAULTS`."""
   return jax.jit(fun, compiler_options=XLA_DEFAULTS, **kwargs)
-
-
-OPTAX = parse(optax.__version__)
 
 
 def requires_jax(version: str, reason: str):
