@@ -8,7 +8,7 @@ what it adds is packing those bits and keeping the last record in the state. Thi
 without it (packing replaced by zeros, the record never updated: a build of the library
 without the feature), on 8 and on 200 leaves, in paired rounds; and the compile seconds
 of each (lowering and compiling; each variant compiled in its own fresh process, so no
-cache is shared). Prints one JSON object. Usage::
+cache is shared; the median of 3). Prints one JSON object. Usage::
 
     python benchmarks/localisation_cost.py [--steps 60] [--rounds 20] [--params 8000000]
 """
@@ -84,8 +84,10 @@ def main(argv=None) -> dict:
       "auto_update_finite",
       "import localisation_cost; localisation_cost._without_record()",
     )
-    compile_with = step_overhead.fresh_compile_seconds(kind, args.params, name)
-    compile_without = step_overhead.fresh_compile_seconds(kind, args.params, name, without)
+    seconds = step_overhead.median_fresh_compile(
+      {"with": (kind, args.params, name, ""), "without": (kind, args.params, name, without)}
+    )
+    compile_with, compile_without = seconds["with"], seconds["without"]
     rows["update"].update(
       compile_with_s=compile_with,
       compile_without_s=compile_without,

@@ -262,7 +262,7 @@ def fresh_compile_seconds(kind: str, total: int, name: str, prelude: str = "") -
   kernels it compiled for earlier variants of the same process and reuses them, so the
   ``compile_s`` of every variant but the first understates what a restart pays.
   ``prelude``: Python statements run first in that process (after ``benchmarks/`` is on
-  ``sys.path``)."""
+  ``sys.path``). One process: see :func:`median_fresh_compile` for repeated ones."""
   here = __file__.rsplit("/", 1)[0]
   code = (
     f"import sys, time, jax; sys.path.insert(0, {here!r}); {prelude + '; ' if prelude else ''}"
@@ -277,10 +277,23 @@ def fresh_compile_seconds(kind: str, total: int, name: str, prelude: str = "") -
   return float(out.stdout.split()[-1])
 
 
+def median_fresh_compile(jobs: dict, repeats: int = 3) -> dict:
+  """``{key: median seconds}`` of :func:`fresh_compile_seconds` for each ``key: (kind,
+  total, name, prelude)`` of ``jobs``, each run ``repeats`` times, the jobs interleaved
+  (so that drift in the machine's load hits each alike)."""
+  times: dict = {key: [] for key in jobs}
+  for _ in range(repeats):
+    for key, job in jobs.items():
+      times[key].append(fresh_compile_seconds(*job))
+  return {key: statistics.median(t) for key, t in times.items()}
+
+
 def add_fresh_compile(rows: dict, kind: str, total: int) -> None:
-  """Each row's ``compile_fresh_s`` and its ratio to bare Adam's."""
+  """Each row's ``compile_fresh_s`` (median of 3 new processes) and its ratio to bare
+  Adam's."""
+  seconds = median_fresh_compile({name: (kind, total, name, "") for name in rows})
   for name, r in rows.items():
-    r["compile_fresh_s"] = fresh_compile_seconds(kind, total, name)
+    r["compile_fresh_s"] = seconds[name]
   if "bare_adam" in rows:
     for r in rows.values():
       r["compile_fresh_ratio_to_bare_adam"] = (
@@ -317,7 +330,7 @@ def main(argv=None) -> dict:
   ap.add_argument(
     "--fresh-compile",
     action="store_true",
-    help="also time each variant's compilation in a new process (compile_fresh_s)",
+    help="also time each variant's compilation in new processes (compile_fresh_s, median of 3)",
   )
   args = ap.parse_args(argv)
   out = {
