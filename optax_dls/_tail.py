@@ -164,9 +164,19 @@ def _event_loader() -> Any:
   )
 
 
-def _scalars(payload: bytes) -> tuple[int, dict[str, float]] | None:
-  """``(step, {tag: value})`` of the scalars of one serialised ``Event``, or None when it is
-  not an ``Event``. Scalars are ``simple_value`` or a one-element numeric tensor."""
+LEAVES_TAG = "nonfinite_leaves"  # the text summary naming a non-finite step's leaves
+_TEXT_SUFFIX = "/text_summary"  # appended by tensorboardX's add_text
+
+
+def _values(payload: bytes) -> tuple[int, dict[str, Any]] | None:
+  """``(step, {tag: value})`` of one serialised ``Event``, or None when it is not an ``Event``.
+
+  Values are the scalars (``simple_value`` or a one-element numeric tensor)
+  and the leaf record: a text summary tagged ``nonfinite_leaves`` (or
+  ``.../nonfinite_leaves``) holding a JSON object ``{leaf name: "inf" |
+  "nan"}``, read back as that dict under the tag without tensorboardX's
+  ``/text_summary`` suffix. Other summaries are ignored.
+  """
   from google.protobuf.message import DecodeError
   from tensorboard.compat.proto import event_pb2
   from tensorboard.util import tensor_util
@@ -175,7 +185,7 @@ def _scalars(payload: bytes) -> tuple[int, dict[str, float]] | None:
     event = event_pb2.Event.FromString(payload)
   except DecodeError:
     return None
-  values = {}
+  values: dict[str, Any] = {}
   for v in event.summary.value:
     if v.HasField("simple_value"):
       values[v.tag] = float(v.simple_value)
@@ -186,7 +196,24 @@ def _scalars(payload: bytes) -> tuple[int, dict[str, float]] | None:
         continue
       if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
         values[v.tag] = float(arr.reshape(-1)[0])
+      elif arr.size == 1 and arr.dtype == object:
+        tag = v.tag.removesuffix(_TEXT_SUFFIX)
+        leaves = _leaf_record(arr.reshape(-1)[0]) if tag.endswith(LEAVES_TAG) else None
+        if leaves is not None:
+          values[tag] = leaves
   return int(event.step), values
+
+
+def _leaf_record(text: Any) -> dict[str, str] | None:
+  """``{leaf name: "inf" | "nan"}`` from the bytes of a leaf record, or None when they hold
+  something else."""
+  try:
+    record = json.loads(text)
+  except (TypeError, ValueError):
+    return None
+  if not isinstance(record, dict) or not all(v in ("inf", "nan") for v in record.values()):
+    return None
+  return record
 
 
 class EventsTail:
@@ -214,7 +241,8 @@ class EventsTail:
     self._reported: int | None = None
 
   def read(self, final: bool = False) -> Chunk:
-    """The scalars of the records completed since the last read, one row per step.
+    """The scalars and leaf records of the records completed since the last read, one row per
+    step.
 
     Args:
       final: bool, report unread bytes at the end of the file at once. Default False.
@@ -231,7 +259,7 @@ class EventsTail:
       bad = []
       offset = self._pos.offset
       for payload in self._loader.Load():
-        parsed = _scalars(payload)
+        parsed = _values(payload)
         if parsed is None:
           bad.append((offset, "not an Event protobuf"))
         elif parsed[1]:

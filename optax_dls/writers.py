@@ -160,7 +160,9 @@ class MetricsWriter:
   ``k`` steps records the last non-finite step before each logged row only.
   ``nonfinite_step`` and ``nonfinite_loss`` are written on every row as
   scalars; TensorBoard also gets ``nonfinite_leaf_count``, the number of
-  non-finite leaves of that step.
+  non-finite leaves of that step, on every row, and the names, where the JSON
+  row has them, as a text summary tagged ``nonfinite_leaves`` (the same JSON
+  object; :func:`read_tensorboard` reads it back as a dict).
 
   Args:
     logdir: folder to write into (created if missing).
@@ -316,6 +318,8 @@ class MetricsWriter:
         scalar = _tensorboard_value(value) if key not in ("step", _LEAVES) else None
         if scalar is not None:
           self._tb.add_scalar(key, scalar, step)
+      if _LEAVES in row:  # the names, as a text summary that read_tensorboard reads back
+        self._tb.add_text(_tail.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
 
   def flush(self) -> None:
     """Flushes the TensorBoard events (the JSON lines are written unbuffered).
@@ -399,10 +403,13 @@ def read_tensorboard(
   both CRC-32C sums of every record; no TensorFlow needed. Scalars written as
   ``simple_value`` (tensorboardX, ``torch.utils.tensorboard``) or as a
   one-element numeric tensor (TensorBoard's and TensorFlow's own writers) are
-  read; other summaries are ignored. A record that is not an ``Event`` costs
-  that record only. A corrupt record stops the loader: the scalars before it
-  are returned, those after it are lost, and ``on_bad_record`` is called once
-  with its offset; so is a last record cut short by the end of the file.
+  read, and so are the names of the non-finite leaves that
+  :class:`MetricsWriter` writes as a text summary (``"nonfinite_leaves":
+  {name: "inf" | "nan"}``, as in its JSON rows); other summaries are ignored.
+  A record that is not an ``Event`` costs that record only. A corrupt record
+  stops the loader: the scalars before it are returned, those after it are
+  lost, and ``on_bad_record`` is called once with its offset; so is a last
+  record cut short by the end of the file.
 
   Args:
     path: the event file.

@@ -85,8 +85,8 @@ def test_text_output_and_tensorboard_only_folder(trained, capsys, tmp_path):
   text = capsys.readouterr().out
   assert "run tiny" in text and "longest streak 3" in text
   assert "non-finite steps by parameter (the 4 the logs record):\n    w  4 of 4 (inf)" in text
-  # The same run read back from its TensorBoard events only: the same summary, but for the
-  # leaf names, which only the JSON lines hold.
+  # The same run read back from its TensorBoard events only: the same summary, leaf names
+  # included (a text summary beside the scalars).
   tb_dir = tmp_path / "tb"
   tb_dir.mkdir()
   for name in os.listdir(out):
@@ -97,8 +97,11 @@ def test_text_output_and_tensorboard_only_folder(trained, capsys, tmp_path):
   named = from_jsonl["nonfinite"]
   assert named["steps_seen"] == named["steps_with_leaves"] == 4
   assert named["by_parameter"] == [{"name": "w", "steps": 4, "inf": 4, "nan": 0}]
-  unnamed = {**named, "steps_with_leaves": 0, "by_parameter": [], "last": None}
-  assert from_tb == {**from_jsonl, "nonfinite": unnamed}
+  assert from_tb == from_jsonl
+  assert cli.main(["inspect", str(tb_dir)]) == 0
+  assert "non-finite steps by parameter (the 4 the logs record):\n    w  4 of 4 (inf)" in (
+    capsys.readouterr().out
+  )
 
 
 def test_folder_without_logs_exits_2(tmp_path, capsys):
@@ -932,7 +935,9 @@ def test_a_non_finite_loss_is_found_in_tensorboard_logs_too(tmp_path, capsys):
   assert [d["symptom"][:40] for d in report["diagnosis"]] == [
     "non-finite loss: the loss itself was not"
   ]
-  assert report["summary"]["nonfinite"]["steps_with_leaves"] == 0  # the names are in JSONL only
+  where = report["summary"]["nonfinite"]
+  assert where["steps_with_leaves"] == 1
+  assert where["last"] == {"step": 50, "leaves": {NAMES[QUERY]: "nan"}, "loss": True}
 
 
 def test_the_advice_tells_nan_from_inf_and_names_the_parameters(tmp_path, capsys):

@@ -350,6 +350,35 @@ def test_event_files_of_each_writer_are_read(tmp_path, source):
   assert writers.read_tensorboard(event_file) == rows
 
 
+def test_leaf_records_are_read_from_text_summaries_and_other_text_is_ignored(tmp_path):
+  from tensorboard.compat.proto import event_pb2, summary_pb2
+  from tensorboard.plugins.text import metadata
+  from tensorboard.summary.writer.event_file_writer import EventFileWriter
+  from tensorboard.util import tensor_util
+
+  def text(tag, value):  # as tf.summary.text writes it: a 0-d string tensor
+    return summary_pb2.Summary.Value(
+      tag=tag,
+      metadata=metadata.create_summary_metadata(display_name=tag, description=""),
+      tensor=tensor_util.make_tensor_proto(np.array(value.encode(), dtype=object)),
+    )
+
+  writer = EventFileWriter(str(tmp_path))
+  for step, values in enumerate(
+    [
+      [text("train/nonfinite_leaves", '{"a/w": "nan", "b": "inf"}')],
+      [text("nonfinite_leaves", "not json"), text("notes", '{"a/w": "nan"}')],
+      [text("nonfinite_leaves", '{"a/w": "big"}'), text("nonfinite_leaves/x", '["a"]')],
+    ]
+  ):
+    writer.add_event(event_pb2.Event(step=step, summary=summary_pb2.Summary(value=values)))
+  writer.close()
+  (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
+  assert writers.read_tensorboard(event_file) == [
+    {"step": 0, "train/nonfinite_leaves": {"a/w": "nan", "b": "inf"}}
+  ]
+
+
 def test_reader_callbacks_must_be_callable(tmp_path):
   path = _event_file(tmp_path, steps=1)
   with pytest.raises(TypeError, match="on_bad_record"):
@@ -435,7 +464,9 @@ def test_non_finite_leaves_are_written_by_name_once_per_non_finite_step(tmp_path
   assert [r["nonfinite_leaf_count"] for r in tb] == [0, 2, 2, 1]
   assert [r["nonfinite_loss"] for r in tb] == [0, 0, 0, 1]
   assert tb[3]["overflows/decoder"] == 2 and tb[1]["nonfinite_step"] == 2
-  assert not any("nonfinite_leaves" in r or "nonfinite_nan" in r for r in tb)
+  # The names travel as a text summary, read back as the JSON rows hold them.
+  assert [r.get("nonfinite_leaves") for r in tb] == [r.get("nonfinite_leaves") for r in rows]
+  assert not any("nonfinite_nan" in r for r in tb)
 
 
 def test_the_first_row_of_a_writer_names_the_last_non_finite_step(tmp_path):
