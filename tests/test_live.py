@@ -185,6 +185,20 @@ def test_tensorboard_event_files_are_followed_as_they_grow(tmp_path):
   }
 
 
+def test_a_run_logged_to_tensorboard_only_shows_the_last_non_finite_leaves(tmp_path):
+  with writers.MetricsWriter(tmp_path / "tb", jsonl=False, params=["decoder/kernel", "embed"]) as w:
+    for step in range(5):
+      over = step == 3
+      w.log(step, {
+        "loss_scale": np.float32(2.0**12), "skipped": over, "skip_count": int(over),
+        "num_steps": step + 1, "nonfinite_step": np.int32(4 if step >= 3 else 0),
+        "nonfinite_loss": False, "nonfinite_leaves": np.array([2 if step >= 3 else 0], np.uint32),
+        "nonfinite_nan": np.array([2 if step >= 3 else 0], np.uint32),
+      })  # fmt: skip
+  (line,), warnings = _live.Follower(str(tmp_path)).refresh(block=False)
+  assert warnings == [] and "last non-finite step 3: embed (nan)" in line, line
+
+
 def test_the_terminal_view_is_redrawn_in_place(tmp_path):
   class Terminal(io.StringIO):
     def isatty(self):
