@@ -161,8 +161,11 @@ def _merge_steps(rows: Rows) -> Rows:
   return [by_step[s] for s in sorted(by_step)]
 
 
-def _same_float32(a: Any, b: Any) -> bool:
-  """Whether ``a`` and ``b`` are numbers equal in float32 (as TensorBoard stores them)."""
+def _same_value(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` are numbers equal in float32 (as TensorBoard stores them), or
+  the same leaf record (``{name: "inf" | "nan"}``, a dict in both logs)."""
+  if isinstance(a, dict) or isinstance(b, dict):
+    return a == b
   if not all(isinstance(x, (int, float)) for x in (a, b)):
     return False
   with np.errstate(over="ignore"):
@@ -183,7 +186,7 @@ def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
       return False
     for key, value in row.items():
       if _is_metric(key) and key in other:
-        if not _same_float32(value, other[key]):
+        if not _same_value(value, other[key]):
           return False
         compared += 1
   return compared > 0
@@ -288,7 +291,8 @@ def load_runs(run_dir: str | os.PathLike) -> dict[str, Rows]:
   TensorBoard event files. A run is named by the rows' ``run`` key (a
   string), else by its folder. A run read from event files whose every
   step a run read from JSON lines holds with the same metrics (float32 as
-  TensorBoard keeps them) is that run's TensorBoard copy, and left out.
+  TensorBoard keeps them, and the same named non-finite leaves) is that run's
+  TensorBoard copy, and left out.
   Rows without loss-scale keys (validation rows) are dropped when a run has
   others; rows of one step are merged, the later values winning. Bad lines,
   corrupt records, malformed rows and unreadable files are skipped with a

@@ -755,6 +755,21 @@ def test_the_tensorboard_copy_of_a_run_logged_as_json_lines_is_read_once(tmp_pat
   assert set(_inspect_json(tmp_path, capsys)) == {"a", "tb/other"}
 
 
+def test_the_tensorboard_copy_of_a_run_with_named_non_finite_leaves_is_read_once(tmp_path, capsys):
+  # Both copies hold the leaf record (a dict): it is compared as such, not as a number.
+  _, rows = _localised(120, SPIKES, ceiling=2.0**30, init=2.0**10, growth_interval=10**6)
+  with (
+    writers.MetricsWriter(tmp_path, run_name="a", tensorboard=False, params=NAMES) as js,
+    writers.MetricsWriter(tmp_path / "tb" / "a", jsonl=False, params=NAMES) as tb,
+  ):
+    for step, row in enumerate(rows):
+      js.log(step, row)
+      tb.log(step, row)
+  report = _inspect_json(tmp_path, capsys)
+  assert set(report) == {"a"}
+  assert report["a"]["summary"]["nonfinite"]["steps_with_leaves"] == 7
+
+
 def test_a_rise_of_the_zero_share_from_30_to_45_percent_is_lost_gradients(tmp_path, capsys):
   # A rise of 15 points; before, the late share also had to be twice the early one.
   rows = [_healthy(i) | {"underflow/zero_frac": 0.30 if i < 100 else 0.45} for i in range(200)]
