@@ -198,7 +198,8 @@ def _values(payload: bytes) -> tuple[int, dict[str, Any]] | None:
         values[v.tag] = float(arr.reshape(-1)[0])
       elif arr.size == 1 and arr.dtype == object:
         tag = v.tag.removesuffix(_TEXT_SUFFIX)
-        leaves = _leaf_record(arr.reshape(-1)[0]) if tag.endswith(LEAVES_TAG) else None
+        named = tag == LEAVES_TAG or tag.endswith("/" + LEAVES_TAG)
+        leaves = _leaf_record(arr.reshape(-1)[0]) if named else None
         if leaves is not None:
           values[tag] = leaves
   return int(event.step), values

@@ -369,6 +369,7 @@ def test_leaf_records_are_read_from_text_summaries_and_other_text_is_ignored(tmp
       [text("train/nonfinite_leaves", '{"a/w": "nan", "b": "inf"}')],
       [text("nonfinite_leaves", "not json"), text("notes", '{"a/w": "nan"}')],
       [text("nonfinite_leaves", '{"a/w": "big"}'), text("nonfinite_leaves/x", '["a"]')],
+      [text("my_nonfinite_leaves", '{"a/w": "nan"}')],
     ]
   ):
     writer.add_event(event_pb2.Event(step=step, summary=summary_pb2.Summary(value=values)))
