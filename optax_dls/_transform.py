@@ -109,10 +109,10 @@ class LossScaler:
     """The check of ``update`` on the (scaled) ``grads``; when they (or ``loss``) are
     not finite, ``state`` with the policy's move for that overflow (the scale to
     recompute at) and the record of where it came from. Nothing else changes."""
-    check, finite = self._check(grads, state, loss)
+    check, loss_bad, finite = self._check(grads, state, loss)
     new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
     keep = lambda old, new: jnp.where(finite, old, new)
-    record = self._record(grads, state, check, finite, loss)
+    record = self._record(grads, state, check, finite, loss_bad)
     moved = with_scale(
       state, keep(state.loss_scale, new_scale), jax.tree.map(keep, state.policy_state, policy_state)
     )
@@ -121,7 +121,7 @@ class LossScaler:
   def _step(
     self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
   ) -> tuple[Any, LossScaleState]:
-    check, finite = self._check(grads, state, loss)
+    check, loss_bad, finite = self._check(grads, state, loss)
     # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 
@@ -133,26 +133,34 @@ class LossScaler:
     select = self.lowering.select
     result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, params)
     new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
-    record = self._record(grads, state, check, finite, loss)
+    record = self._record(grads, state, check, finite, loss_bad)
     new = advance(state, finite, check.grad_norm, record, new_scale, policy_state, inner_state)
     return result, new
 
-  def _check(self, grads: Any, state: Any, loss: Any) -> tuple[_numerics.Check, jax.Array]:
-    """The lowering's check of the scaled gradients, and the step's finite flag (false
-    too for a loss that is not finite)."""
+  def _check(
+    self, grads: Any, state: Any, loss: Any
+  ) -> tuple[_numerics.Check, jax.Array, jax.Array]:
+    """The lowering's check of the scaled gradients, whether the loss was not finite (handed
+    over as ``loss=``, or recorded for this step by :func:`value_and_grad`), and the step's
+    finite flag (false for either)."""
     _check_state(state)
     loss = checked_loss(loss)
     leaves = _numerics.float_leaves(grads) + ([] if loss is None else [loss])
     _multi_device.check_axis_coverage(leaves, state.loss_scale, self.axis_name)
     check = self.lowering.check(grads, state.loss_scale, self.axis_name)
-    return check, check.finite & ~_loss_not_finite(loss, self.axis_name)
+    loss_bad = _loss_not_finite(loss, self.axis_name) | _pending_loss(state)
+    return check, loss_bad, check.finite & ~loss_bad
 
   def _record(
-    self, grads: Any, state: LossScaleState, check: _numerics.Check, finite: jax.Array, loss: Any
+    self,
+    grads: Any,
+    state: LossScaleState,
+    check: _numerics.Check,
+    finite: jax.Array,
+    loss_bad: jax.Array,
   ) -> _localisation.NonFiniteRecord:
     masks = {} if self.labels is None else _localisation.group_masks(self._leaf_labels(grads))
     step = optax.safe_increment(state.num_steps)
-    loss_bad = _loss_not_finite(loss, self.axis_name)
     return _localisation.recorded(
       state.nonfinite, finite, step, check.leaves, check.nan, loss_bad, masks
     )
@@ -416,13 +424,20 @@ def checked_loss(loss: Any) -> jax.Array | None:
 
 
 def _loss_not_finite(loss: Any, axis_name: Any) -> jax.Array:
-  """bool ``()``: whether ``loss`` (None: not given) has an entry that is not finite,
-  reduced over ``axis_name``."""
-  value = checked_loss(loss)
-  if value is None:
+  """bool ``()``: whether ``loss`` (an array, or None: not given) has an entry that is not
+  finite, reduced over ``axis_name``."""
+  if loss is None:
     return jnp.zeros([], jnp.bool_)
-  bad = jnp.any(~jnp.isfinite(value)).astype(jnp.int32)
+  bad = jnp.any(~jnp.isfinite(loss)).astype(jnp.int32)
   return _multi_device.pmax(bad, axis_name) > 0
+
+
+def _pending_loss(state: LossScaleState) -> jax.Array:
+  """bool ``()``: whether the record says the loss of the step about to run was not finite
+  (left by :func:`value_and_grad`, which checks the loss before ``update`` sees the
+  gradients): that step is skipped as if the loss had been handed to ``update``."""
+  record = state.nonfinite
+  return record.loss & (record.step == optax.safe_increment(state.num_steps))
 
 
 def _check_state(state: Any) -> None:

@@ -1,5 +1,7 @@
 """value_and_grad: an overflowing step is recomputed inside the same jitted step, no batch lost."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -521,3 +523,29 @@ def test_under_shard_map_a_non_finite_loss_on_one_device_stops_every_device():
   x = jnp.full((8, 3), 2.0).at[5].set(jnp.nan)  # every device overflows; device 5's loss is NaN
   tries, scales = f(x, state)
   assert np.asarray(tries).tolist() == [0] * 8 and np.asarray(scales).tolist() == [2.0**15] * 8
+
+
+def _with_data_term(loss_fn):
+  """``loss_fn`` plus a term of the batch alone (no parameter in it): ``-inf`` for a batch
+  holding a 0, so that the loss is not finite while every gradient is."""
+  return lambda params, x, bad: loss_fn(params, x) + jnp.log(bad)
+
+
+def test_a_non_finite_loss_with_finite_gradients_skips_the_next_update(lowering):
+  """value_and_grad records the loss as the cause; the next update skips and backs off once,
+  even though the gradients it is handed are finite, and metrics count the skip."""
+  tx = _tx(lowering)
+  grad_fn = jax.jit(optax_dls.value_and_grad(_with_data_term(LOSS16), tx, max_tries=3))
+  (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL, jnp.float32(0.0))
+  assert np.isneginf(loss) and optax_dls.all_finite(grads)
+  for step in (jax.jit(tx.update), jax.jit(functools.partial(optax_dls.apply_step, tx))):
+    _, after = step(grads, state, PARAMS)
+    m = optax_dls.metrics(after)
+    assert bool(m["skipped"]) and int(m["skip_count"]) == 1 and bool(m["nonfinite_loss"])
+    assert float(m["loss_scale"]) == 2.0**14 and int(m["nonfinite_step"]) == 1
+  updates, after = jax.jit(tx.update)(grads, state, PARAMS)
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))  # nothing applied
+  # The next step, with a finite loss, is not skipped for the earlier record.
+  (loss, grads), after = grad_fn(after, PARAMS, SMALL, jnp.float32(1.0))
+  _, after = jax.jit(tx.update)(grads, after, PARAMS)
+  assert bool(after.last_step_finite) and int(optax_dls.metrics(after)["skip_count"]) == 1
