@@ -375,8 +375,9 @@ def _transformation(
   stats = section.pop("underflow_stats", False)
   if not isinstance(stats, (bool, type(None))):
     raise TypeError(f"underflow_stats in a configuration must be a bool, got {stats!r}.")
-  if stats:
-    inner = optax.chain(_underflow.underflow_stats(), _accumulation.check_inner(inner))
+  if stats:  # the same axes as the transformation, as one would chain it by hand
+    counts = _underflow.underflow_stats(axis_name=section.get("axis_name"))
+    inner = optax.chain(counts, _accumulation.check_inner(inner))
   return _transform.loss_scaled(inner, policy, **section)
 
 
@@ -394,7 +395,13 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
     policy in :func:`~optax_dls.fp32_fallback` (``after``, ``steps``, ``scale``);
   * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of
     :func:`~optax_dls.loss_scaled`, and ``underflow_stats`` (a bool: chain
-    :func:`~optax_dls.underflow_stats` first inside).
+    :func:`~optax_dls.underflow_stats` first inside, with the same ``axis_name``).
+
+  Each key builds exactly what the same argument does by hand: the result
+  equals ``loss_scaled(inner, policy, axis_name=..., skip_lowering=...)``
+  with ``policy`` from :func:`~optax_dls.dynamic_policy`,
+  :func:`~optax_dls.static_policy` or :func:`~optax_dls.noop_policy`
+  (wrapped in :func:`~optax_dls.fp32_fallback` for the ``fallback_*`` keys).
 
   Args:
     config: a mapping, or a ``str`` / ``os.PathLike`` path to a YAML file.
