@@ -352,31 +352,40 @@ def leaf_names(params: Any) -> list[str]:
   return [_localisation.path_name(path) for path, x in leaves if _numerics.is_float(x)]
 
 
-def reset_scale(opt_state: Any, value: Any) -> Any:
+def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
   The policy state restarts its growth count (each node of it that defines
   ``after_scale_reset()``, as the built-in policies' states do); every other
-  field, the inner state included, is kept. The scale stays within the
-  policy's ``[min_scale, max_scale]`` (``LossScaleState.min_scale`` /
-  ``max_scale``): a static ``value`` outside it raises; a traced one is
-  clamped into it (a traced NaN makes the next step skip and restart from
-  the policy's initial scale). A state stacked by ``jax.vmap(tx.init)`` (an
-  ensemble) takes one ``value`` for every member, or one per member (an
-  array of the stacked shape).
+  field, the inner state included, is kept. The state holds no scale range
+  (that belongs to the transformation): with ``tx``, the loss-scaled
+  transformation the state is for (by default a flax ``TrainState``'s own
+  ``tx``), a static ``value`` outside its policy's
+  ``[min_scale, max_scale]`` raises and a traced one is clamped into it;
+  without ``tx`` the value is only checked to be a valid scale, and the next
+  update of the transformation keeps the scale it leaves within its range
+  (the loss of that step is scaled by ``value`` and unscaled by it too). A
+  traced NaN makes the next step skip and restart from the policy's initial
+  scale. A state stacked by ``jax.vmap(tx.init)`` (an ensemble) takes one
+  ``value`` for every member, or one per member (an array of the stacked
+  shape).
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
     value: the new loss scale: a real number, or a float array (traced or not)
-      of shape ``()`` or of the state's ``loss_scale`` shape, in the policy's
-      range.
+      of shape ``()`` or of the state's ``loss_scale`` shape, in
+      ``[2**-126, 2**126]`` (and in ``tx``'s range when given).
+    tx: optional, the loss-scaled transformation (what :func:`loss_scaled`,
+      :func:`dynamic_loss_scale`, ... return) whose range ``value`` is checked
+      against. Default None.
 
   Raises:
-    ValueError: a static ``value`` that is NaN, not finite, not > 0, or
-      outside ``[min_scale, max_scale]`` (checked when ``opt_state`` is not
-      traced; outside ``[2**-126, 2**126]`` always); a ``value`` of another
-      shape; none or more than one loss-scale state in ``opt_state``.
-    TypeError: ``value`` not a real number.
+    ValueError: a static ``value`` that is NaN, not finite, not > 0, outside
+      ``[2**-126, 2**126]``, or outside ``tx``'s ``[min_scale, max_scale]``;
+      a ``value`` of another shape; none or more than one loss-scale state in
+      ``opt_state``.
+    TypeError: ``value`` not a real number; ``tx`` not a loss-scaled
+      transformation.
 
   Returns:
     A new ``opt_state`` of the same structure and dtypes (each leaf in the
@@ -390,6 +399,7 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
     Array(4096., dtype=float32)
   """
   state = find_state(opt_state)
+  low, high = scale_range(opt_state, tx)
   shape = jnp.shape(state.loss_scale)
   if np.ndim(value) and not isinstance(value, jax.core.Tracer):
     values = np.asarray(value)
@@ -399,7 +409,7 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
         f"{values.shape}."
       )
     for v in values.reshape(-1):
-      _check_scale_value(state, v)
+      _validation.scale("value", v, low, high)
   elif isinstance(value, jax.core.Tracer):
     if value.shape not in ((), shape):
       raise ValueError(
@@ -407,8 +417,8 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
         f"{value!r} of shape {value.shape}."
       )
   else:
-    value = _check_scale_value(state, value)
-  scale = jnp.clip(jnp.asarray(value, jnp.float32), state.min_scale, state.max_scale)
+    value = _validation.scale("value", value, low, high)
+  scale = jnp.clip(jnp.asarray(value, jnp.float32), np.float32(low), np.float32(high))
   scale = jnp.broadcast_to(scale, shape)
   restarts = lambda n: hasattr(n, "after_scale_reset")
   policy_state = jax.tree.map(
@@ -417,14 +427,21 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   return replace_state(opt_state, state._replace(loss_scale=scale, policy_state=policy_state))
 
 
-def _check_scale_value(state: LossScaleState, value: Any) -> float:
-  """``value`` checked as a scale, and against every member's range when the state is concrete."""
-  value = _validation.scale("value", value)
-  if not isinstance(state.min_scale, jax.core.Tracer):
-    low = float(np.max(np.asarray(state.min_scale)))
-    high = float(np.min(np.asarray(state.max_scale)))
-    _validation.scale("value", value, low, high)
-  return value
+def scale_range(opt_state: Any, tx: Any = None) -> tuple[float, float]:
+  """``[min_scale, max_scale]`` of ``tx``'s policy (by default the ``tx`` of ``opt_state``
+  when it is a flax ``TrainState`` of a loss-scaled transformation); every valid scale
+  without one."""
+  if tx is None:
+    tx = getattr(opt_state, "tx", None)
+    if getattr(tx, "scaler", None) is None:
+      return _validation.SCALE_MIN, _validation.SCALE_MAX
+  scaler = getattr(tx, "scaler", None)
+  if scaler is None:
+    raise TypeError(
+      f"tx must be the loss-scaled transformation the state is for (optax_dls.loss_scaled, "
+      f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
+    )
+  return scaler.scale_range
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:

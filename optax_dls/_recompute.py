@@ -20,7 +20,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from optax_dls import _access, _calls, _multi_device, _numerics, _recompute_stats, _validation
 from optax_dls._localisation import NonFiniteRecord
-from optax_dls._state import LossScaleState
+from optax_dls._state import LossScaleState, settled_scale
 from optax_dls._transform import LossScaledTransformation
 
 # A pass: the state to compute at -> ``(value, grads)``, cast to the types every pass returns.
@@ -59,6 +59,7 @@ class Plan(NamedTuple):
   has_aux: bool
   axis_name: _multi_device.AxisName  # the gradients averaged over it in every pass
   pin: bool  # whether the gradients leave a retry branch (and are pinned to row-major)
+  passthrough: bool = False  # S = 1 by construction: the loss is not multiplied
 
 
 def checked(
@@ -108,6 +109,7 @@ def make_plan(
     has_aux=has_aux,
     axis_name=_multi_device.check_axis_name(axis_name),
     pin=bool(max_tries) or fp32 is not None,
+    passthrough=passthrough,
   )
 
 
@@ -244,6 +246,8 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   """One recomputing call of ``plan`` on ``fun(*args, **kwargs)``, at the scale in ``opt_state``."""
   _calls.check_reach(plan.argnums, args, "opt_state")
   state = _loss_scale_state(opt_state, args)
+  if plan.passthrough:  # the gradients are not scaled: the state says S = 1, as update makes it
+    state = settled_scale(state)
   fp16, fp32 = _passes(plan, state, args, kwargs)
   light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
   last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop

@@ -19,16 +19,19 @@ class LossScaleState(NamedTuple):
   Every field except ``nonfinite``, ``policy_state`` and ``inner_state`` is a
   0-d JAX array with the dtype given below, so the state flattens, jits,
   scans, shards (replicated) and checkpoints like any optax state.
-  Hyperparameters are not stored here: they are static and closed over by the
-  transformation, except the policy's scale range, which
-  :func:`optax_dls.reset_scale` checks against.
+  The state holds only what was learned (the scale, the counters, the
+  record, the policy's and the inner optimizer's states), never how the
+  transformation was built: its policy, scale range and kind are static and
+  closed over by the transformation, which applies them at every update. A
+  state restored into another transformation (dynamic, static, no-op, other
+  settings) therefore trains under that transformation's rule from its first
+  update (see the checkpoints guide).
 
   Attributes:
-    loss_scale: float32 ``()``. The scale S to multiply the *next* loss by,
-      kept within ``[min_scale, max_scale]`` (a NaN from a misbehaving policy
-      stays NaN until the next step skips and restarts at the initial scale).
-    min_scale: float32 ``()``. The policy's lowest scale.
-    max_scale: float32 ``()``. The policy's highest scale.
+    loss_scale: float32 ``()``. The scale S to multiply the *next* loss by;
+      each update leaves it within its policy's ``[min_scale, max_scale]``
+      (1 under a no-op policy; a NaN from a misbehaving policy stays NaN until
+      the next step skips and restarts at the initial scale).
     num_steps: int32 ``()``. Number of ``update`` calls so far, skipped steps
       included. Saturates at ``2**31 - 1`` instead of wrapping.
     num_skipped: int32 ``()``. Number of skipped (non-finite) steps so far.
@@ -55,8 +58,6 @@ class LossScaleState(NamedTuple):
   """
 
   loss_scale: jax.Array
-  min_scale: jax.Array
-  max_scale: jax.Array
   num_steps: jax.Array
   num_skipped: jax.Array
   consecutive_skips: jax.Array
@@ -69,7 +70,6 @@ class LossScaleState(NamedTuple):
 
 def init_state(
   loss_scale: Any,
-  scale_range: tuple[float, float],
   policy_state: Any,
   inner_state: Any,
   nonfinite: NonFiniteRecord,
@@ -80,8 +80,6 @@ def init_state(
   """
   return LossScaleState(
     loss_scale=jnp.array(loss_scale, jnp.float32),
-    min_scale=jnp.array(scale_range[0], jnp.float32),
-    max_scale=jnp.array(scale_range[1], jnp.float32),
     num_steps=jnp.zeros([], jnp.int32),
     num_skipped=jnp.zeros([], jnp.int32),
     consecutive_skips=jnp.zeros([], jnp.int32),
@@ -154,12 +152,24 @@ def _types_of(tree: Any) -> list[Any]:
   return [(getattr(x, "dtype", None), _types.weak(x)) for x in jax.tree.leaves(tree)]
 
 
-def with_scale(state: LossScaleState, loss_scale: jax.Array, policy_state: Any) -> LossScaleState:
-  """``state`` with a new scale (kept within ``[min_scale, max_scale]``) and policy state."""
+def with_scale(
+  state: LossScaleState,
+  loss_scale: jax.Array,
+  policy_state: Any,
+  scale_range: tuple[float, float],
+) -> LossScaleState:
+  """``state`` with a new scale (kept within ``scale_range``, the transformation's
+  ``[min_scale, max_scale]``) and policy state."""
+  low, high = (np.float32(x) for x in scale_range)
   return state._replace(
-    loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), state.min_scale, state.max_scale),
+    loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), low, high),
     policy_state=policy_state,
   )
+
+
+def settled_scale(state: LossScaleState) -> LossScaleState:
+  """``state`` with the scale 1 of a passthrough transformation (``no_loss_scale``)."""
+  return state._replace(loss_scale=jnp.ones_like(state.loss_scale))
 
 
 def advance(
@@ -170,11 +180,12 @@ def advance(
   loss_scale: jax.Array,
   policy_state: Any,
   inner_state: Any,
+  scale_range: tuple[float, float],
 ) -> LossScaleState:
-  """The state after one update: the new scale (kept in range), policy and inner
+  """The state after one update: the new scale (kept in ``scale_range``), policy and inner
   states, the record of where a non-finite step came from, and the step counters
   moved by whether the step was ``finite``."""
-  return with_scale(state, loss_scale, policy_state)._replace(
+  return with_scale(state, loss_scale, policy_state, scale_range)._replace(
     num_steps=optax.safe_increment(state.num_steps),
     num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
     consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),

@@ -29,7 +29,14 @@ from optax_dls import (
   _policies,
   _types,
 )
-from optax_dls._state import LossScaleState, advance, init_state, settled_inner_init, with_scale
+from optax_dls._state import (
+  LossScaleState,
+  advance,
+  init_state,
+  settled_inner_init,
+  settled_scale,
+  with_scale,
+)
 
 
 class _Output(NamedTuple):
@@ -77,6 +84,7 @@ class LossScaler:
     self.inner, self.policy, self.axis_name = inner, policy, axis_name
     self.lowering, self.labels = lowering, labels
     self.init_scale = policy.init()[0]
+    self.scale_range = (policy.min_scale, policy.max_scale)
 
   def init(self, params: Any) -> LossScaleState:
     """The state before the first step (see :func:`loss_scaled`)."""
@@ -84,8 +92,7 @@ class LossScaler:
     leaves = len(_numerics.float_leaves(params))
     names = [] if self.labels is None else self._leaf_labels(params)
     record = _localisation.init_record(leaves, names)
-    scale_range = (self.policy.min_scale, self.policy.max_scale)
-    return init_state(scale, scale_range, policy_state, self._inner_init(params), record)
+    return init_state(scale, policy_state, self._inner_init(params), record)
 
   def _inner_init(self, params: Any) -> Any:
     return settled_inner_init(self.inner, params)
@@ -114,7 +121,10 @@ class LossScaler:
     keep = lambda old, new: jnp.where(finite, old, new)
     record = self._record(grads, state, check, finite, loss_bad)
     moved = with_scale(
-      state, keep(state.loss_scale, new_scale), jax.tree.map(keep, state.policy_state, policy_state)
+      state,
+      keep(state.loss_scale, new_scale),
+      jax.tree.map(keep, state.policy_state, policy_state),
+      self.scale_range,
     )
     return finite, moved._replace(nonfinite=record)
 
@@ -134,7 +144,9 @@ class LossScaler:
     result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, params)
     new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
     record = self._record(grads, state, check, finite, loss_bad)
-    new = advance(state, finite, check.grad_norm, record, new_scale, policy_state, inner_state)
+    new = advance(
+      state, finite, check.grad_norm, record, new_scale, policy_state, inner_state, self.scale_range
+    )
     return result, new
 
   def _check(
@@ -185,7 +197,9 @@ class PassthroughScaler(LossScaler):
   """The transformation of a ``passthrough`` policy (S = 1 by construction): gradients go
   to ``inner`` unchanged, nothing is checked or skipped, and the inner state is exactly
   what ``inner`` makes it (so the result is the bare ``inner``'s bit for bit); the state
-  keeps the loss-scaled layout. ``grad_norm`` is measured only when asked for."""
+  keeps the loss-scaled layout, its scale 1 after every update (a state restored from
+  another transformation is settled to 1 by ``checkpoint.restore``, or by its first
+  update). ``grad_norm`` is measured only when asked for."""
 
   passthrough = True
 
@@ -200,7 +214,8 @@ class PassthroughScaler(LossScaler):
     self, grads: Any, state: Any, *, loss: Any = None
   ) -> tuple[jax.Array, LossScaleState]:
     _check_state(state)
-    return jnp.ones([], jnp.bool_), state  # nothing is checked: no overflow to back off from
+    # Nothing is checked: no overflow to back off from. The scale is 1, as after any update.
+    return jnp.ones([], jnp.bool_), settled_scale(state)
 
   def _step(
     self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
@@ -211,8 +226,9 @@ class PassthroughScaler(LossScaler):
       norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
     updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     finite = jnp.ones([], jnp.bool_)
+    one = jnp.ones([], jnp.float32)
     new = advance(
-      state, finite, norm, state.nonfinite, state.loss_scale, state.policy_state, inner_state
+      state, finite, norm, state.nonfinite, one, state.policy_state, inner_state, self.scale_range
     )
     return output.out(params, updates), new
 

@@ -9,18 +9,22 @@ A public submodule: ``optax_dls.checkpoint.restore`` and
 from __future__ import annotations
 
 import numbers
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from optax_dls import _optional, _tree_paths
+from optax_dls import _access, _optional, _tree_paths, _validation
 from optax_dls._state import LossScaleState
 
 __all__ = ["into_loss_scaled", "restore"]
 
 _FIELDS_KEYS = ("loss_scale", "inner_state")
+# Fields a LossScaleState held before it kept only what was learned: dropped on restore.
+_RETIRED_FIELDS = ("min_scale", "max_scale")
 _DYNAMIC_SCALE_KEYS = ("scale", "fin_steps")  # a flax DynamicScale, as checkpoints store it
 
 
@@ -133,59 +137,172 @@ def _check_step(manager: Any, step: Any) -> int:
   return int(step)
 
 
-def restore(manager: Any, target: Any, step: int | None = None) -> Any:
-  """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax.
+def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = None) -> Any:
+  """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax, and
+  settles its loss scale for the transformation it will train under.
 
   The checkpoint must have been saved with
   ``manager.save(step, args=orbax.checkpoint.args.StandardSave(tree))``. The
   result has ``target``'s tree structure (``LossScaleState`` and optax
   NamedTuples included), dtypes, shapes and shardings: pass concrete arrays
   (e.g. a fresh ``tx.init(params)``) or ``jax.ShapeDtypeStruct`` leaves with a
-  ``sharding``. Nothing runs on the restored state, so the loss scale, growth
-  tracker and every counter are exactly those saved.
+  ``sharding``. Nothing runs on the restored state: the growth tracker and
+  every counter are exactly those saved.
+
+  The state holds only what was learned; the transformation it is restored
+  into supplies its configuration. With ``tx`` (by default the ``tx`` of a flax
+  ``TrainState`` target), the restored scale is settled for it at once, and a
+  warning says in one line what changed: under a passthrough transformation
+  (:func:`~optax_dls.no_loss_scale`) S becomes 1, so the loss is multiplied by
+  1 and the updates are the bare optimizer's; under any other the scale is
+  kept when it lies in the policy's ``[min_scale, max_scale]`` and moved to
+  the nearest bound when it does not (a lowered ``max_scale`` applies at once;
+  a dynamic scale restored from a no-op or static state starts from the
+  scale that state had, since that is the last scale the run trained at).
+  Without ``tx`` the scale is restored as saved and the first update keeps it
+  within the transformation's range (that update unscales by the saved S,
+  which the loss was scaled by); under ``no_loss_scale`` pass ``tx``, or call
+  ``optax_dls.reset_scale(state, 1.0)``, since that transformation does not
+  unscale.
+
+  A checkpoint written by an earlier version, whose ``LossScaleState`` also
+  held its policy's ``min_scale`` and ``max_scale``, restores into the
+  current layout: those two fields are dropped (the transformation supplies
+  them).
 
   Args:
-    manager: an ``orbax.checkpoint.CheckpointManager``.
+    manager: an ``orbax.checkpoint.CheckpointManager``, or the checkpoint
+      directory (``str`` or ``os.PathLike``) one was saved to.
     target: a pytree of arrays or ``jax.ShapeDtypeStruct`` with the expected
       layout.
     step: int, the step to restore; default ``None`` is the latest one.
+    tx: optional, the loss-scaled transformation the restored state will be
+      updated by (what :func:`~optax_dls.dynamic_loss_scale`,
+      :func:`~optax_dls.no_loss_scale`, ... return). Default None: the
+      ``tx`` of a flax ``TrainState`` target, if any.
 
   Returns:
     The restored pytree.
 
   Raises:
-    TypeError: ``manager`` is not an ``orbax.checkpoint.CheckpointManager``,
-      ``target`` is not a non-empty pytree of arrays, numbers or
-      ``jax.ShapeDtypeStruct``, or ``step`` is neither an int nor None.
+    TypeError: ``manager`` is neither an ``orbax.checkpoint.CheckpointManager``
+      nor a path, ``target`` is not a non-empty pytree of arrays, numbers or
+      ``jax.ShapeDtypeStruct``, ``step`` is neither an int nor None, or
+      ``tx`` is not a loss-scaled transformation.
     ValueError: ``step`` < 0; or the saved tree structure differs from
       ``target``'s: the message says where a loss-scale state is expected and
       found, and how to restore a checkpoint saved with or without loss
       scaling. Other Orbax errors pass through unchanged.
     FileNotFoundError: no checkpoint at ``step`` (the message lists the saved
-      steps), or ``step`` is None and the manager has no checkpoint.
+      steps), or ``step`` is None and the manager has no checkpoint; a
+      directory that does not exist.
+
+  Example:
+    A run saved under ``dynamic_loss_scale``, resumed in bfloat16 without loss
+    scaling::
+
+      tx = optax_dls.no_loss_scale(optax.adamw(3e-4))
+      target = {'params': params, 'opt_state': tx.init(params)}
+      state = optax_dls.checkpoint.restore(directory, target, tx=tx)  # S: 32768 -> 1
   """
   ocp = _optional.require("orbax.checkpoint", "optax_dls.checkpoint.restore")  # only needed here
 
-  if not isinstance(manager, ocp.CheckpointManager):
-    raise TypeError(
-      f"manager must be an orbax.checkpoint.CheckpointManager, got {manager!r} of type "
-      f"{type(manager).__name__}."
-    )
+  manager = _manager(ocp, manager)
   _check_target(target)
+  tx = _target_tx(target, tx)
   step = _check_step(manager, step)
 
   def abstract(x: Any) -> Any:
     return x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x)
 
   try:
-    return manager.restore(step, args=ocp.args.StandardRestore(jax.tree.map(abstract, target)))
+    restored = manager.restore(step, args=ocp.args.StandardRestore(jax.tree.map(abstract, target)))
   except ValueError as err:
     saved = manager.item_metadata(step).tree
-    if not _tree_paths.difference(
-      _tree_paths.stored_leaves(saved), _tree_paths.live_leaves(target)
-    ).blocks():
+    diff = _tree_paths.difference(_tree_paths.stored_leaves(saved), _tree_paths.live_leaves(target))
+    if not diff.blocks():
       raise  # not a difference of layout: Orbax's own error
-    raise ValueError(_explain(saved, target, step, manager.directory) + f"\nOrbax: {err}") from err
+    if _only_retired(diff, _tree_paths.stored_leaves(saved)):
+      restored = _placed(manager.restore(step, args=ocp.args.StandardRestore()), target)
+    else:
+      msg = _explain(saved, target, step, manager.directory) + f"\nOrbax: {err}"
+      raise ValueError(msg) from err
+  return restored if tx is None else settled(restored, tx)
+
+
+def _manager(ocp: Any, manager: Any) -> Any:
+  """``manager`` itself, or a ``CheckpointManager`` over the directory it names."""
+  if isinstance(manager, ocp.CheckpointManager):
+    return manager
+  if not isinstance(manager, (str, os.PathLike)):
+    raise TypeError(
+      f"manager must be an orbax.checkpoint.CheckpointManager or a checkpoint directory (a "
+      f"str or os.PathLike), got {manager!r} of type {type(manager).__name__}."
+    )
+  directory = os.path.abspath(os.fspath(manager))
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint directory {directory!r} (manager={manager!r}).")
+  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+def _target_tx(target: Any, tx: Any) -> Any:
+  """``tx``, or the ``tx`` of a flax ``TrainState`` target; TypeError for one that is not
+  loss-scaled."""
+  if tx is None:
+    tx = getattr(target, "tx", None)
+    return tx if getattr(tx, "scaler", None) is not None else None
+  if getattr(tx, "scaler", None) is None:
+    raise TypeError(
+      f"tx must be the loss-scaled transformation the restored state is for "
+      f"(optax_dls.dynamic_loss_scale, no_loss_scale, ...), got {tx!r}."
+    )
+  return tx
+
+
+def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, Any]) -> bool:
+  """Whether ``diff`` is only the fields an earlier layout of a loss-scale state held."""
+  return (
+    bool(diff.only_stored)
+    and not (diff.only_target or diff.shapes)
+    and all(
+      p[-1] in _RETIRED_FIELDS and (*p[:-1], "loss_scale") in stored for p in diff.only_stored
+    )
+  )
+
+
+def _placed(restored: Any, target: Any) -> Any:
+  """``target`` with each leaf taken from ``restored`` (a tree as Orbax stores it) at the
+  same path, converted to the target leaf's dtype and sharding."""
+  leaves, treedef = jax.tree.flatten(target)
+  stored = _tree_paths.stored_leaves(restored)
+  paths = list(_tree_paths.live_leaves(target))
+  return jax.tree.unflatten(treedef, [_like(x, stored[p]) for p, x in zip(paths, leaves)])
+
+
+def settled(restored: Any, tx: Any) -> Any:
+  """``restored`` with its loss scale settled for ``tx`` (see :func:`restore`), a warning
+  naming the change when there is one."""
+  state = _access.find_state(restored)
+  low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
+  scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
+  new = np.clip(scale, np.float32(low), np.float32(high))
+  if np.array_equal(new, scale, equal_nan=True):
+    return restored
+  why = (
+    "no_loss_scale: S = 1"
+    if tx.scaler.passthrough
+    else f"kept within the transformation's [min_scale, max_scale] = "
+    f"[{_validation.scale_text(low)}, {_validation.scale_text(high)}]"
+  )
+  warnings.warn(
+    f"optax_dls.checkpoint.restore: loss scale {_scales(scale)} -> {_scales(new)} ({why}).",
+    stacklevel=3,
+  )
+  return _access.replace_state(restored, state._replace(loss_scale=jax.numpy.asarray(new)))
+
+
+def _scales(values: np.ndarray) -> str:
+  return ", ".join(_validation.scale_text(float(v)) for v in values.reshape(-1))
 
 
 def into_loss_scaled(restored: Any, target: Any) -> Any:

@@ -450,8 +450,10 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
   Args:
     dynamic_scale: a flax ``DynamicScale``, or the dict flax's and Orbax's
       checkpoints restore it as, ``{'scale': ..., 'fin_steps': ...}``: a
-      scale in the policy's ``[min_scale, max_scale]`` and a whole number of
-      steps >= 0 (static values).
+      scale in the policy's ``[min_scale, max_scale]`` when ``opt_state`` is
+      a ``TrainState`` (whose ``tx`` says it), else in ``[2**-126, 2**126]``
+      (the next update keeps it within the policy's range), and a whole
+      number of steps >= 0 (static values).
     opt_state: an optimizer state (or a ``TrainState``) holding exactly one
       :class:`optax_dls.LossScaleState`.
 
@@ -462,8 +464,8 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
   Raises:
     TypeError: ``dynamic_scale`` has no ``scale`` and ``fin_steps``, or they
       are not static numbers.
-    ValueError: the scale is not finite and > 0 or lies outside the policy's
-      range, ``fin_steps`` < 0, or ``opt_state`` holds none or several
+    ValueError: the scale is not finite and > 0 or lies outside that range,
+      ``fin_steps`` < 0, or ``opt_state`` holds none or several
       loss-scale states.
 
   Example:
@@ -477,7 +479,7 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
   """
   scale, fin_steps = _dynamic_scale_fields(dynamic_scale)
   lss = _access.find_state(opt_state)
-  _validation.scale("dynamic_scale.scale", scale, float(lss.min_scale), float(lss.max_scale))
+  _validation.scale("dynamic_scale.scale", scale, *_access.scale_range(opt_state))
   fin_steps = _validation.count("dynamic_scale.fin_steps", fin_steps, low=0)
   tracker = lambda n: (
     n._replace(growth_tracker=jnp.asarray(fin_steps, jnp.int32))

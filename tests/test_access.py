@@ -1,5 +1,6 @@
 """Finding and reading the loss-scale state inside any optimizer state; all_finite."""
 
+import functools
 import math
 import warnings
 
@@ -291,9 +292,25 @@ def test_feature_states_report_their_keys_and_are_unambiguous_in_a_chain():
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, 0.0, -1.0, 0.5, 2.0**20])
 def test_reset_scale_refuses_a_static_value_outside_the_policy_range(bad):
-  state = optax_dls.dynamic_loss_scale(optax.sgd(1.0), max_scale=2.0**16).init(P)
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), max_scale=2.0**16)
   with pytest.raises(ValueError, match="value"):
-    optax_dls.reset_scale(state, bad)
+    optax_dls.reset_scale(tx.init(P), bad, tx=tx)
+
+
+def test_reset_scale_without_tx_checks_a_valid_scale_and_the_next_update_keeps_the_range():
+  """The state holds no range: without tx any valid scale is taken, the step after it
+  unscales by it, and that update leaves the scale within the transformation's range."""
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), max_scale=2.0**16)
+  state = optax_dls.reset_scale(tx.init(P), 2.0**20)
+  assert float(state.loss_scale) == 2.0**20
+  updates, state = tx.update({"w": jnp.full(3, 2.0**20)}, state)
+  np.testing.assert_array_equal(updates["w"], -np.ones(3, np.float32))  # unscaled by 2**20
+  assert float(state.loss_scale) == 2.0**16
+  for bad in (math.nan, math.inf, 0.0, -1.0, 2.0**127):
+    with pytest.raises(ValueError, match="value"):
+      optax_dls.reset_scale(state, bad)
+  with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
+    optax_dls.reset_scale(state, 2.0, tx=optax.sgd(1.0))
 
 
 def test_reset_scale_clamps_a_traced_value_and_restarts_growth():
@@ -303,7 +320,7 @@ def test_reset_scale_clamps_a_traced_value_and_restarts_growth():
   state = tx.init(P)
   _, state = tx.update({"w": jnp.ones(3)}, state)
   assert int(state.policy_state.growth_tracker) == 1
-  reset = jax.jit(optax_dls.reset_scale)
+  reset = jax.jit(functools.partial(optax_dls.reset_scale, tx=tx))
   assert float(reset(state, jnp.float32(2.0**30)).loss_scale) == 2.0**16
   assert float(reset(state, jnp.float32(0.25)).loss_scale) == 1.0
   new = reset(state, jnp.float32(64.0))
@@ -333,7 +350,7 @@ def test_reset_scale_on_an_ensemble_stacked_by_vmap():
     warnings.simplefilter("error")
     check(optax_dls.reset_scale(state, [8.0, 16.0, 32.0]), [8.0, 16.0, 32.0])
   # Traced, per member: each clamped into the policy's range.
-  reset = jax.jit(optax_dls.reset_scale)
+  reset = jax.jit(functools.partial(optax_dls.reset_scale, tx=tx))
   check(reset(state, jnp.array([8.0, 16.0, 2.0**30])), [8.0, 16.0, 2.0**16])
 
   # A value of another shape than the members' (3,) is refused, naming the argument.
@@ -344,4 +361,4 @@ def test_reset_scale_on_an_ensemble_stacked_by_vmap():
     reset(state, jnp.ones(2))
   # A static per-member value is checked member by member.
   with pytest.raises(ValueError, match="value must satisfy"):
-    optax_dls.reset_scale(state, np.array([8.0, 2.0**20, 4.0]))
+    optax_dls.reset_scale(state, np.array([8.0, 2.0**20, 4.0]), tx=tx)

@@ -122,11 +122,17 @@ def test_layout_mismatch_says_what_to_do(manager):
   _assert_same(optax_dls.find_state(migrated).inner_state, plain)
 
 
-@pytest.mark.parametrize("bad", [None, "/tmp/checkpoints", {"step": 1}])
-def test_manager_must_be_an_orbax_checkpoint_manager(bad):
+@pytest.mark.parametrize("bad", [None, 3, {"step": 1}])
+def test_manager_must_be_an_orbax_checkpoint_manager_or_a_directory(bad):
   w = jnp.ones(3)
   with pytest.raises(TypeError, match="manager must be an orbax.checkpoint.CheckpointManager"):
     optax_dls.checkpoint.restore(bad, {"params": w, "opt_state": _tx().init(w)})
+
+
+def test_a_directory_that_does_not_exist_is_named(tmp_path):
+  w = jnp.ones(3)
+  with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    optax_dls.checkpoint.restore(tmp_path / "none", {"params": w, "opt_state": _tx().init(w)})
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,6 @@ def test_reset_scale_stays_in_each_scaler_s_range():
     ),
   ]:
     state = tx.init(params)
-    assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, ok))) == ok
+    assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, ok, tx=tx))) == ok
     with pytest.raises(ValueError, match="value"):
-      optax_dls.reset_scale(state, bad)
+      optax_dls.reset_scale(state, bad, tx=tx)

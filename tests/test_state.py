@@ -9,6 +9,7 @@ import optax_dls
 from optax_dls import _state
 
 INT32_MAX = np.iinfo(np.int32).max
+RANGE = (1.0, 2.0**10)  # the transformation's [min_scale, max_scale]: not in the state
 
 
 def _state0():
@@ -23,8 +24,6 @@ def test_every_field_has_its_fixed_dtype_and_its_own_buffer():
   dtypes = {f: getattr(s, f).dtype for f in own}
   assert dtypes == {
     "loss_scale": jnp.float32,
-    "min_scale": jnp.float32,
-    "max_scale": jnp.float32,
     "num_steps": jnp.int32,
     "num_skipped": jnp.int32,
     "consecutive_skips": jnp.int32,
@@ -34,9 +33,7 @@ def test_every_field_has_its_fixed_dtype_and_its_own_buffer():
   record = s.nonfinite  # the last non-finite step's record: none yet
   assert int(record.step) == 0 and record.leaves.dtype == record.nan.dtype == jnp.uint32
   assert record.leaves.shape == (1,) and not bool(record.loss) and record.overflows == {}
-  assert (
-    float(s.min_scale) == 1.0 and float(s.max_scale) == 2.0**10 and np.isnan(float(s.grad_norm))
-  )
+  assert np.isnan(float(s.grad_norm))
   leaves = jax.tree.leaves(s)
   assert len({x.unsafe_buffer_pointer() for x in leaves}) == len(leaves)  # donatable
 
@@ -49,7 +46,14 @@ def test_advance_keeps_the_scale_in_range_and_saturates_the_counters():
   )
   f = jnp.bool_(False)
   new = _state.advance(
-    s, f, jnp.float32(np.inf), s.nonfinite, jnp.float32(2.0**20), s.policy_state, s.inner_state
+    s,
+    f,
+    jnp.float32(np.inf),
+    s.nonfinite,
+    jnp.float32(2.0**20),
+    s.policy_state,
+    s.inner_state,
+    RANGE,
   )
   assert float(new.loss_scale) == 2.0**10  # clamped to max_scale
   assert int(new.num_steps) == int(new.num_skipped) == int(new.consecutive_skips) == INT32_MAX
@@ -61,6 +65,7 @@ def test_advance_keeps_the_scale_in_range_and_saturates_the_counters():
     jnp.float32(0.25),
     s.policy_state,
     s.inner_state,
+    RANGE,
   )
   assert (
     float(new.loss_scale) == 1.0 and int(new.consecutive_skips) == 0 and bool(new.last_step_finite)
@@ -71,7 +76,7 @@ def test_advance_keeps_the_scale_in_range_and_saturates_the_counters():
 def test_with_scale_changes_only_the_scale_and_the_policy_state():
   s = _state0()
   new = _state.with_scale(
-    s, jnp.float32(64.0), s.policy_state._replace(growth_tracker=jnp.int32(3))
+    s, jnp.float32(64.0), s.policy_state._replace(growth_tracker=jnp.int32(3)), RANGE
   )
   assert float(new.loss_scale) == 64.0 and int(new.policy_state.growth_tracker) == 3
   assert new._replace(loss_scale=s.loss_scale, policy_state=s.policy_state) == s

@@ -1,0 +1,176 @@
+"""A checkpoint restored into another transformation trains under that one's rule.
+
+The state holds what was learned (the scale, the counters, the record); the transformation
+it is restored into supplies its configuration: under ``no_loss_scale`` the loss is
+multiplied by 1 and the updates are the bare optimizer's, a lowered ``max_scale`` applies at
+once, a raised one lets the scale grow, a dynamic transformation restored from a no-op or a
+static state starts from the scale that state had. Checkpoints of the earlier layout (whose
+state also held ``min_scale`` and ``max_scale``) still restore.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import optax_dls
+
+PARAMS = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
+
+
+def _loss(params, x):
+  return jnp.sum(jnp.square(params["w"] * x))
+
+
+def _save(directory, tree):
+  with ocp.CheckpointManager(directory) as manager:
+    manager.save(0, args=ocp.args.StandardSave(tree))
+    manager.wait_until_finished()
+
+
+def _trained(tx, steps=3):
+  """``tx``'s state after a few quick-start steps."""
+  params, state = PARAMS, tx.init(PARAMS)
+  for i in range(steps):
+    params, state = _quick_start_step(tx, params, state, jnp.float32(i + 1))
+  return params, state
+
+
+def _quick_start_step(tx, params, state, x):
+  """The quick start's loop: the loss times scale_loss, then update and apply."""
+  grads = jax.grad(lambda p: optax_dls.scale_loss(_loss(p, x), state))(params)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def _restore(directory, into, params, **kwargs):
+  target = {"params": params, "opt_state": into.init(params)}
+  return optax_dls.checkpoint.restore(directory, target, **kwargs)
+
+
+def test_a_dynamic_checkpoint_under_no_loss_scale_trains_as_the_bare_optimizer(tmp_path):
+  params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1)))
+  assert float(state.loss_scale) == 2.0**15
+  _save(tmp_path, {"params": params, "opt_state": state})
+  tx = optax_dls.no_loss_scale(optax.sgd(0.1))
+  with pytest.warns(UserWarning, match=r"loss scale 2\*\*15 -> 1.0 \(no_loss_scale: S = 1\)"):
+    restored = _restore(tmp_path, tx, params, tx=tx)
+  state = restored["opt_state"]
+  assert float(optax_dls.loss_scale(state)) == 1.0
+  new, _ = _quick_start_step(tx, params, state, jnp.float32(2.0))
+  sgd = optax.sgd(0.1)
+  bare_updates, _ = sgd.update(jax.grad(_loss)(params, 2.0), sgd.init(params), params)
+  bare = optax.apply_updates(params, bare_updates)
+  np.testing.assert_array_equal(new["w"], bare["w"])
+
+
+def test_without_tx_the_first_no_loss_scale_update_sets_the_scale_to_one(tmp_path):
+  params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1)))
+  _save(tmp_path, {"params": params, "opt_state": state})
+  tx = optax_dls.no_loss_scale(optax.sgd(0.1))
+  restored = _restore(tmp_path, tx, params)  # nothing settled: the docs say to pass tx
+  assert float(restored["opt_state"].loss_scale) == 2.0**15
+  _, state = tx.update(jax.tree.map(jnp.zeros_like, params), restored["opt_state"], params)
+  assert float(state.loss_scale) == 1.0
+
+
+def test_a_no_loss_scale_checkpoint_under_dynamic_scaling_adapts_from_its_scale(tmp_path):
+  """The no-op state's S = 1 lies in the dynamic range: the scale starts there and grows;
+  the range [1, 1] of the no-op transformation does not come back with it."""
+  params, state = _trained(optax_dls.no_loss_scale(optax.sgd(0.1)))
+  _save(tmp_path, {"params": params, "opt_state": state})
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=1)
+  state = _restore(tmp_path, tx, params, tx=tx)["opt_state"]
+  assert float(state.loss_scale) == 1.0
+  for i in range(3):
+    params, state = _quick_start_step(tx, params, state, jnp.float32(1.0))
+    assert float(state.loss_scale) == 2.0 ** (i + 1)
+  reset = optax_dls.reset_scale(state, 2.0**15, tx=tx)  # the earlier layout refused this
+  assert float(reset.loss_scale) == 2.0**15
+
+
+def test_a_lowered_max_scale_applies_at_once_and_a_raised_one_lets_the_scale_grow(tmp_path):
+  params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1), max_scale=2.0**15))
+  _save(tmp_path, {"params": params, "opt_state": state})
+  lowered = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, max_scale=2.0**10)
+  with pytest.warns(UserWarning, match=r"2\*\*15 -> 1024.0 \(kept within .* \[1.0, 1024.0\]\)"):
+    state = _restore(tmp_path, lowered, params, tx=lowered)["opt_state"]
+  assert float(state.loss_scale) == 2.0**10
+  # Without tx, the first update keeps the scale within the new range.
+  raw = _restore(tmp_path, lowered, params)["opt_state"]
+  _, raw = _quick_start_step(lowered, params, raw, jnp.float32(1.0))
+  assert float(raw.loss_scale) == 2.0**10
+  raised = optax_dls.dynamic_loss_scale(optax.sgd(0.1), max_scale=2.0**20, growth_interval=1)
+  state = _restore(tmp_path, raised, params, tx=raised)["opt_state"]
+  _, state = _quick_start_step(raised, params, state, jnp.float32(1.0))
+  assert float(state.loss_scale) == 2.0**16
+
+
+def test_a_static_checkpoint_under_dynamic_scaling_starts_from_the_static_scale(tmp_path):
+  params, state = _trained(optax_dls.static_loss_scale(optax.sgd(0.1), 2.0**12))
+  _save(tmp_path, {"params": params, "opt_state": state})
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=1)
+  state = _restore(tmp_path, tx, params, tx=tx)["opt_state"]
+  _, state = _quick_start_step(tx, params, state, jnp.float32(1.0))
+  assert float(state.loss_scale) == 2.0**13
+  below = optax_dls.dynamic_loss_scale(optax.sgd(0.1), min_scale=2.0**14, init_scale=2.0**15)
+  with pytest.warns(UserWarning, match=r"2\*\*12 -> 2\*\*14"):
+    state = _restore(tmp_path, below, params, tx=below)["opt_state"]
+  assert float(state.loss_scale) == 2.0**14
+
+
+def test_the_tx_of_a_train_state_target_settles_the_scale(tmp_path):
+  from flax.training import train_state
+
+  params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1)))
+  _save(tmp_path, {"params": params, "opt_state": state})
+  tx = optax_dls.no_loss_scale(optax.sgd(0.1))
+  target = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    saved = {"params": params, "opt_state": state}
+    with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
+      optax_dls.checkpoint.restore(manager, {"params": params, "opt_state": state}, tx=tx.update)
+    restored = manager.restore(0, args=ocp.args.StandardRestore(saved))
+  fresh = target.replace(opt_state=restored["opt_state"])
+  assert float(optax_dls.loss_scale(optax_dls.checkpoint.settled(fresh, tx))) == 1.0
+
+
+class _EarlierState(NamedTuple):
+  """The loss-scale state as the earlier layout saved it: with its policy's range."""
+
+  loss_scale: Any
+  min_scale: Any
+  max_scale: Any
+  num_steps: Any
+  num_skipped: Any
+  consecutive_skips: Any
+  last_step_finite: Any
+  grad_norm: Any
+  nonfinite: Any
+  policy_state: Any
+  inner_state: Any
+
+
+def _earlier(state, low, high):
+  fields = state._asdict()
+  return _EarlierState(min_scale=jnp.float32(low), max_scale=jnp.float32(high), **fields)
+
+
+def test_a_checkpoint_of_the_earlier_layout_restores_and_trains_on_unchanged(tmp_path):
+  tx = optax_dls.dynamic_loss_scale(optax.adam(0.01), init_scale=2.0**10, growth_interval=2)
+  params, state = _trained(tx, steps=3)
+  _save(tmp_path, {"params": params, "opt_state": _earlier(state, 1.0, 2.0**24)})
+  restored = _restore(tmp_path, tx, params, tx=tx)
+  for a, b in zip(
+    jax.tree.leaves(restored), jax.tree.leaves({"params": params, "opt_state": state})
+  ):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+  one = _quick_start_step(tx, params, state, jnp.float32(1.0))
+  two = _quick_start_step(tx, restored["params"], restored["opt_state"], jnp.float32(1.0))
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+    np.testing.assert_array_equal(a, b)
