@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _accumulation, _localisation, _numerics, _validation
+from optax_dls import _accumulation, _labels, _localisation, _validation
 from optax_dls._state import LossScaleState
 
 
@@ -275,8 +275,12 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     where it held only infinities; empty before any non-finite step.
 
   Raises:
-    ValueError: ``opt_state`` holds none or several loss-scale states, or the
-      number of leaves of ``params`` differs from the state's.
+    ValueError: ``opt_state`` holds none or several loss-scale states; the
+      floating leaves of ``params`` are not those the state was built for
+      (their number, or, given a state rather than the dict of
+      :func:`metrics`, their names, which the state keeps a checksum of); or
+      the state is stacked (``jax.vmap(tx.init)``, an ensemble): name one
+      member's leaves, ``jax.tree.map(lambda x: x[i], opt_state)``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -287,13 +291,28 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     >>> optax_dls.nonfinite_leaves(state, params)
     {'dense/kernel': 'nan'}
   """
+  digest = None
   if isinstance(opt_state, dict) and "nonfinite_leaves" in opt_state:
     words, nan = opt_state["nonfinite_leaves"], opt_state["nonfinite_nan"]
   else:
     record = find_state(opt_state).nonfinite
-    words, nan = record.leaves, record.nan
+    words, nan, digest = record.leaves, record.nan, record.names_digest
   names = _names_of(params)
   words, nan = np.asarray(jax.device_get(words)), np.asarray(jax.device_get(nan))
+  if words.ndim != 1:
+    raise ValueError(
+      f"opt_state is stacked: its record of non-finite leaves has the shape {words.shape} "
+      f"(one row per member, as jax.vmap(tx.init) makes it), and names are given one member "
+      f"at a time: nonfinite_leaves(jax.tree.map(lambda x: x[i], opt_state), params) for "
+      f"member i of {words.shape[0]}."
+    )
+  if digest is not None and int(np.asarray(jax.device_get(digest))) != _localisation.digest(names):
+    raise ValueError(
+      f"params is not the tree the state was built for: its {len(names)} floating leaves "
+      f"({_some(names)}) do not match the names the state keeps a checksum of (a leaf added, "
+      "removed, renamed or reordered): pass the parameters given to tx.init, or their "
+      "leaf_names."
+    )
   set_bits = np.flatnonzero(_localisation.unpack(words | nan, words.shape[-1] * 32))
   if _localisation.num_words(len(names)) != words.shape[-1] or (
     set_bits.size and set_bits[-1] >= len(names)
@@ -304,6 +323,11 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
       " is recorded): pass the parameters the state was built for."
     )
   return _localisation.decode(words, nan, names)
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+  more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+  return ", ".join(names[:shown]) + more
 
 
 def _names_of(params: Any) -> list[str]:
@@ -335,6 +359,9 @@ def leaf_names(params: Any) -> list[str]:
 
   A leaf is named where it has a bit in the record: where it is floating or
   complex, by the same test that picks the leaves the finite check reads.
+  Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
+  ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
+  would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.
 
   Args:
     params: a pytree of arrays or ``jax.ShapeDtypeStruct``; ``None`` leaves and
@@ -348,8 +375,7 @@ def leaf_names(params: Any) -> list[str]:
     >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
     ['dense/bias', 'dense/kernel']
   """
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  return [_localisation.path_name(path) for path, x in leaves if _numerics.is_float(x)]
+  return _labels.leaf_names(params)
 
 
 def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:

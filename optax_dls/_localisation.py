@@ -11,6 +11,7 @@ from the parameters' key paths; nothing of them enters the compiled step.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -44,15 +45,38 @@ def unpack(words: Any, num_leaves: int) -> np.ndarray:
 
 
 def _key_text(key: Any) -> str:
+  """One key of a path as text, a ``/`` or ``\\`` in it escaped by a ``\\``, so that a key
+  ``'a/b'`` and the two keys ``'a'``, ``'b'`` give different names."""
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key).strip(".[]'\"")
+      text = str(getattr(key, attr))
+      break
+  else:
+    text = str(key).strip(".[]'\"")
+  return text.replace("\\", "\\\\").replace("/", "\\/")
 
 
 def path_name(path: Sequence[Any]) -> str:
-  """A key path as ``"params/decoder/layers_3/attn/query/kernel"``."""
+  """A key path as ``"params/decoder/layers_3/attn/query/kernel"`` (a ``/`` inside a key
+  written ``\\/``)."""
   return "/".join(_key_text(k) for k in path)
+
+
+def unique(names: Sequence[str]) -> list[str]:
+  """``names`` with every repeat of an earlier name suffixed ``#k``, ``k`` its leaf index
+  (two keys of one node that read alike, such as ``1`` and ``'1'``, stay apart)."""
+  seen: set[str] = set()
+  out = []
+  for k, name in enumerate(names):
+    out.append(name if name not in seen else f"{name}#{k}")
+    seen.add(out[-1])
+  return out
+
+
+def digest(names: Sequence[str]) -> np.uint32:
+  """uint32: a checksum (CRC-32) of the leaf names in order, and so of their number: the
+  record keeps it to tell the parameters it was built for from others."""
+  return np.uint32(zlib.crc32("\0".join(names).encode("utf-8")) & 0xFFFFFFFF)
 
 
 def decode(leaves: Any, nan: Any, names: Sequence[str]) -> dict[str, str]:
@@ -86,6 +110,9 @@ class NonFiniteRecord(NamedTuple):
     overflows: dict of int32 ``()``, one per parameter-group label: the
       non-finite steps so far in which some leaf of that group was not finite
       (empty without labels). Saturating.
+    names_digest: uint32 ``()``: a checksum of the names of the parameter
+      leaves the state was built for (:func:`digest`), so that naming the bits
+      with another tree is refused. Set by ``init``, never changed.
   """
 
   step: jax.Array
@@ -93,10 +120,13 @@ class NonFiniteRecord(NamedTuple):
   nan: jax.Array
   loss: jax.Array
   overflows: dict[str, jax.Array]
+  names_digest: jax.Array
 
 
-def init_record(num_leaves: int, labels: Sequence[str] = ()) -> NonFiniteRecord:
-  """The record before the first step: nothing recorded, every count 0."""
+def init_record(names: Sequence[str], labels: Sequence[str] = ()) -> NonFiniteRecord:
+  """The record before the first step for the floating leaves named ``names``: nothing
+  recorded, every count 0."""
+  num_leaves = len(names)
   clear = jnp.zeros([num_words(num_leaves)], jnp.uint32)
   zero = jnp.zeros([], jnp.int32)
   return NonFiniteRecord(
@@ -105,6 +135,7 @@ def init_record(num_leaves: int, labels: Sequence[str] = ()) -> NonFiniteRecord:
     nan=jnp.zeros_like(clear),
     loss=jnp.zeros([], jnp.bool_),
     overflows={label: jnp.zeros([], jnp.int32) for label in sorted(set(labels))},
+    names_digest=jnp.asarray(digest(names), jnp.uint32),
   )
 
 
@@ -151,4 +182,5 @@ def recorded(
     nan=keep(record.nan, nan),
     loss=keep(record.loss, loss),
     overflows=overflows,
+    names_digest=record.names_digest,
   )

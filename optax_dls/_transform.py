@@ -89,9 +89,9 @@ class LossScaler:
   def init(self, params: Any) -> LossScaleState:
     """The state before the first step (see :func:`loss_scaled`)."""
     scale, policy_state = self.policy.init()
-    leaves = len(_numerics.float_leaves(params))
-    names = [] if self.labels is None else self._leaf_labels(params)
-    record = _localisation.init_record(leaves, names)
+    names = _labels.leaf_names(params)
+    labels = [] if self.labels is None else self._leaf_labels(params)
+    record = _localisation.init_record(names, labels)
     return init_state(scale, policy_state, self._inner_init(params), record)
 
   def _inner_init(self, params: Any) -> Any:

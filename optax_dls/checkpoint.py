@@ -25,6 +25,8 @@ __all__ = ["into_loss_scaled", "restore"]
 _FIELDS_KEYS = ("loss_scale", "inner_state")
 # Fields a LossScaleState held before it kept only what was learned: dropped on restore.
 _RETIRED_FIELDS = ("min_scale", "max_scale")
+# Fields an earlier layout lacked: the target's value (made by tx.init for these parameters).
+_NEW_FIELDS = (("nonfinite", "names_digest"),)
 _DYNAMIC_SCALE_KEYS = ("scale", "fin_steps")  # a flax DynamicScale, as checkpoints store it
 
 
@@ -166,9 +168,9 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
   unscale.
 
   A checkpoint written by an earlier version, whose ``LossScaleState`` also
-  held its policy's ``min_scale`` and ``max_scale``, restores into the
-  current layout: those two fields are dropped (the transformation supplies
-  them).
+  held its policy's ``min_scale`` and ``max_scale`` and whose record had no
+  ``names_digest``, restores into the current layout: those two fields are
+  dropped (the transformation supplies them) and the digest is the target's.
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``, or the checkpoint
@@ -260,23 +262,27 @@ def _target_tx(target: Any, tx: Any) -> Any:
 
 
 def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, Any]) -> bool:
-  """Whether ``diff`` is only the fields an earlier layout of a loss-scale state held."""
-  return (
-    bool(diff.only_stored)
-    and not (diff.only_target or diff.shapes)
-    and all(
-      p[-1] in _RETIRED_FIELDS and (*p[:-1], "loss_scale") in stored for p in diff.only_stored
-    )
+  """Whether ``diff`` is only the fields an earlier layout of a loss-scale state held or
+  lacked."""
+  retired = all(
+    p[-1] in _RETIRED_FIELDS and (*p[:-1], "loss_scale") in stored for p in diff.only_stored
   )
+  new = all(
+    any(p[-len(f) :] == f and (*p[: -len(f)], "loss_scale") in stored for f in _NEW_FIELDS)
+    for p in diff.only_target
+  )
+  return bool(diff.only_stored or diff.only_target) and retired and new and not diff.shapes
 
 
 def _placed(restored: Any, target: Any) -> Any:
   """``target`` with each leaf taken from ``restored`` (a tree as Orbax stores it) at the
-  same path, converted to the target leaf's dtype and sharding."""
+  same path, converted to the target leaf's dtype and sharding; the target's own where the
+  checkpoint has none (:data:`_NEW_FIELDS`)."""
   leaves, treedef = jax.tree.flatten(target)
   stored = _tree_paths.stored_leaves(restored)
   paths = list(_tree_paths.live_leaves(target))
-  return jax.tree.unflatten(treedef, [_like(x, stored[p]) for p, x in zip(paths, leaves)])
+  values = [_like(x, stored[p]) if p in stored else x for p, x in zip(paths, leaves)]
+  return jax.tree.unflatten(treedef, values)
 
 
 def settled(restored: Any, tx: Any) -> Any:

@@ -155,8 +155,20 @@ class _EarlierState(NamedTuple):
   inner_state: Any
 
 
+class _EarlierRecord(NamedTuple):
+  """The non-finite record as the earlier layout saved it: without the names' digest."""
+
+  step: Any
+  leaves: Any
+  nan: Any
+  loss: Any
+  overflows: Any
+
+
 def _earlier(state, low, high):
   fields = state._asdict()
+  record = {k: v for k, v in state.nonfinite._asdict().items() if k != "names_digest"}
+  fields["nonfinite"] = _EarlierRecord(**record)
   return _EarlierState(min_scale=jnp.float32(low), max_scale=jnp.float32(high), **fields)
 
 

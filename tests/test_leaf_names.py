@@ -1,0 +1,69 @@
+"""Names are never silently wrong: the params tree is checked against the state, names are
+unique for every tree, and a stacked (vmapped) state is named one member at a time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+INF = jnp.inf
+
+
+def _overflowed(params, bad):
+  """The state after one step whose gradient leaves named in ``bad`` hold an inf."""
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  grads = {k: jnp.full_like(v, INF) if k in bad else jnp.ones_like(v) for k, v in params.items()}
+  _, state = tx.update(grads, tx.init(params), params)
+  return tx, state
+
+
+def test_a_params_tree_of_another_layout_is_refused_not_misnamed():
+  params = {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(2)}
+  _, state = _overflowed(params, {"c"})
+  assert optax_dls.nonfinite_leaves(state, params) == {"c": "inf"}
+  for other in (
+    {"a": jnp.ones(2), "b": jnp.ones(2), "z": jnp.ones(2)},  # renamed, same count
+    {"a": jnp.ones(2), "b": jnp.ones(2)},  # a leaf fewer
+    {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(2), "d": jnp.ones(2)},  # one more
+  ):
+    with pytest.raises(ValueError, match="params is not the tree the state was built for"):
+      optax_dls.nonfinite_leaves(state, other)
+  with pytest.raises(ValueError, match="not the tree the state was built for"):
+    optax_dls.nonfinite_leaves(state, ["a", "b", "x"])
+  assert optax_dls.nonfinite_leaves(state, optax_dls.leaf_names(params)) == {"c": "inf"}
+
+
+def test_a_slash_inside_a_key_does_not_merge_two_leaves():
+  params = {"a/b": jnp.ones(2), "a": {"b": jnp.ones(3)}}
+  names = optax_dls.leaf_names(params)
+  assert len(set(names)) == 2 and "a/b" in names and "a\\/b" in names
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  grads = {"a/b": jnp.full(2, INF), "a": {"b": jnp.full(3, jnp.nan)}}
+  _, state = tx.update(grads, tx.init(params), params)
+  assert optax_dls.nonfinite_leaves(state, params) == {"a/b": "nan", "a\\/b": "inf"}
+
+
+def test_names_that_would_repeat_are_made_unique():
+  from optax_dls import _localisation
+
+  assert _localisation.unique(["x", "y", "x", "x"]) == ["x", "y", "x#2", "x#3"]
+
+
+def test_a_stacked_state_is_named_one_member_at_a_time():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  members = {"w": jnp.ones((3, 2)), "v": jnp.ones((3, 2))}
+  state = jax.vmap(tx.init)(members)
+  grads = {"w": jnp.ones((3, 2)).at[1].set(INF), "v": jnp.ones((3, 2))}
+  _, state = jax.vmap(tx.update)(grads, state, members)
+  with pytest.raises(ValueError, match=r"opt_state is stacked.*x\[i\].*member i of 3"):
+    optax_dls.nonfinite_leaves(state, members)
+  one = {"w": jnp.ones(2), "v": jnp.ones(2)}
+  member = lambda i: jax.tree.map(lambda x: x[i], state)
+  named = [optax_dls.nonfinite_leaves(member(i), one) for i in range(3)]
+  assert named == [{}, {"w": "inf"}, {}]
+  with pytest.raises(ValueError, match="opt_state is stacked"):
+    optax_dls.nonfinite_leaves(optax_dls.metrics(state), one)
+  np.testing.assert_array_equal(state.nonfinite.names_digest, [state.nonfinite.names_digest[0]] * 3)
