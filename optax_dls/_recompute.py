@@ -248,7 +248,7 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   state = _loss_scale_state(opt_state, args)
   if plan.passthrough:  # the gradients are not scaled: the state says S = 1, as update makes it
     state = settled_scale(state)
-  fp16, fp32 = _passes(plan, state, args, kwargs)
+  fp16, fp32, rebuild = _passes(plan, state, args, kwargs)
   light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
   last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop
   if plan.max_tries:  # the loop only after an overflow: on XLA's CPU a loop slows what is around it
@@ -259,7 +259,7 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
     nonfinite=last.record, inner_state=_recompute_stats.record(state.inner_state, last.tries)
   )
   value, grads = last.out
-  return Outcome(value, grads, last.finite, _access.replace_state(opt_state, at))
+  return Outcome(rebuild(value), grads, last.finite, _access.replace_state(opt_state, at))
 
 
 def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
@@ -305,13 +305,19 @@ def _grads_of(
 
 def _passes(
   plan: Plan, state: LossScaleState, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Pass, Pass | None]:
+) -> tuple[Pass, Pass | None, Callable[[Any], Any]]:
   """The float16 and float32 passes on ``args``, each returning ``(value, grads)`` of the
-  types both have in common (the first's alone without ``fp32_fun``)."""
+  types both have in common (the first's alone without ``fp32_fun``), ``value`` holding only
+  the array leaves of ``fun``'s output; and the function that puts its other leaves (a
+  string or a Python number in ``aux``, as ``jax.value_and_grad`` passes them) back."""
+  statics: list[Callable[[Any], Any]] = []  # from the first trace: the same in every pass
 
   def raw(grads_of: Callable[..., Any]) -> Pass:
     def run(at: LossScaleState) -> tuple[Any, Any]:
-      grads, out = grads_of(at.loss_scale, *args, **kwargs)
+      grads, full = grads_of(at.loss_scale, *args, **kwargs)
+      out, rebuild = _calls.split_arrays(full)
+      if not statics:
+        statics.append(rebuild)
       if plan.axis_name is not None:
         grads = lax.pmean(grads, plan.axis_name)
       return out, (_row_major(grads) if plan.pin else grads)
@@ -324,14 +330,14 @@ def _passes(
     fp32 = raw(plan.fp32)
     types = _calls.promoted(types, jax.eval_shape(fp32, state), ("fun", "fp32_fun"))
   typed = lambda p: lambda at: _calls.cast(p(at), types)
-  return typed(fp16), (None if plan.fp32 is None else typed(fp32))
+  return typed(fp16), (None if plan.fp32 is None else typed(fp32)), statics[0]
 
 
 def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Try:
   """``one_pass`` at ``at``, checked as ``tx.update`` checks it; the state to go on from."""
   out = one_pass(at)
   value, grads = out
-  loss = value[0] if plan.has_aux else value
+  loss = value[0]  # the first array leaf of fun's output: the loss, with or without aux
   finite, loss_finite, backed_off = _check(plan, grads, at, loss)
   # A non-finite loss is no overflow of the gradients: the next pass runs at the same state.
   after = jax.tree.map(functools.partial(jnp.where, loss_finite), backed_off, at)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dls import _numerics, _validation
+from optax_dls import _calls, _numerics, _validation
 
 __all__ = ["group_scaled", "group_unscale", "scale_gradient"]
 
@@ -111,8 +111,14 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   optimizer, so that an overflow inside the group is caught by the same
   all-finite check and the step is skipped.
 
+  Only the floating-point array leaves of ``inputs`` (positional and keyword)
+  and of the outputs are touched; every other leaf (a Python flag or string,
+  an integer array, ``None``, an object) passes through as it is, so the
+  wrapped callable accepts and returns whatever ``fn`` does, under ``jit``
+  with static arguments too.
+
   Args:
-    fn: callable ``fn(params, *inputs) -> outputs`` (pytrees).
+    fn: callable ``fn(params, *inputs, **kwargs) -> outputs`` (pytrees).
     factor: float in [2**-126, 2**126], static; a power of two is exact.
 
   Returns:
@@ -127,10 +133,22 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   inverse = _factor(1.0 / factor)
 
   @functools.wraps(fn)
-  def wrapped(params: Any, *inputs: Any) -> Any:
-    return _scale_gradient(fn(params, *_scale_gradient(inputs, inverse)), factor)
+  def wrapped(params: Any, *inputs: Any, **kwargs: Any) -> Any:
+    inputs, kwargs = _floats_scaled((inputs, kwargs), inverse)
+    return _floats_scaled(fn(params, *inputs, **kwargs), factor)
 
   return wrapped
+
+
+def _floats_scaled(tree: Any, factor: float) -> Any:
+  """``tree`` with :func:`scale_gradient` on its floating-point array leaves; the others
+  (Python numbers, strings, integer arrays, objects) as they are."""
+  arrays, rebuild = _calls.split_arrays(tree)
+  floats = [i for i, x in enumerate(arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  scaled = _scale_gradient([arrays[i] for i in floats], factor)
+  for i, x in zip(floats, scaled, strict=True):
+    arrays[i] = x
+  return rebuild(arrays)
 
 
 def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:

@@ -204,3 +204,28 @@ def test_group_unscale_accepts_bools_and_callables(mask):
 def test_scale_gradient_needs_arrays(x):
   with pytest.raises(TypeError, match=r"x must be a pytree of arrays"):
     optax_dls.group_scale.scale_gradient(x, 2.0)
+
+
+def test_group_scaled_keeps_the_calling_convention_of_fn():
+  """Python flags, strings, keywords and non-floating outputs pass through; under jit the
+  flags can be static arguments; the gradients are those of the plain call, scaled."""
+
+  def fn(params, x, mode, *, train=True, labels=None):
+    y = params["w"] * x
+    return (y if train else -y), {"mode": mode, "n": jnp.arange(2), "labels": labels}
+
+  wrapped = optax_dls.group_scale.group_scaled(fn, 4.0)
+  params, x = {"w": jnp.float32(2.0)}, jnp.float32(3.0)
+  out, aux = wrapped(params, x, "eval", train=False, labels=None)
+  assert float(out) == -6.0 and aux["mode"] == "eval" and aux["labels"] is None
+  np.testing.assert_array_equal(aux["n"], np.arange(2))
+
+  def loss(p, x):
+    return wrapped(p, x, "train", train=True)[0]
+
+  grads = jax.grad(loss, argnums=(0, 1))(params, x)
+  assert float(grads[0]["w"]) == 4.0 * 3.0 and float(grads[1]) == 2.0  # x's is not scaled
+  jitted = jax.jit(
+    lambda p, x, mode, train: wrapped(p, x, mode, train=train)[0], static_argnums=(2, 3)
+  )
+  assert float(jitted(params, x, "eval", False)) == -6.0

@@ -549,3 +549,23 @@ def test_a_non_finite_loss_with_finite_gradients_skips_the_next_update(lowering)
   (loss, grads), after = grad_fn(after, PARAMS, SMALL, jnp.float32(1.0))
   _, after = jax.jit(tx.update)(grads, after, PARAMS)
   assert bool(after.last_step_finite) and int(optax_dls.metrics(after)["skip_count"]) == 1
+
+
+def test_aux_of_any_pytree_comes_back_as_jax_value_and_grad_gives_it():
+  """Strings, Python numbers and flags in aux and among the arguments pass through, with
+  retries and the float32 pass too."""
+
+  def loss(params, x, mode="train", *, flag=True):
+    value = LOSS32(params, x)
+    return value, {"mode": mode, "n": 3, "flag": flag, "sum": jnp.sum(x)}
+
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(loss, tx, has_aux=True, max_tries=2, fp32_fun=loss)
+  ((value, aux), grads), _ = grad_fn(tx.init(PARAMS), PARAMS, SMALL, "eval", flag=False)
+  (ref, ref_aux), ref_grads = jax.value_and_grad(loss, has_aux=True)(
+    PARAMS, SMALL, "eval", flag=False
+  )
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / 2.0**15, r, rtol=1e-6), grads, ref_grads)
+  assert aux["mode"] == "eval" and aux["n"] == 3 and aux["flag"] is False
+  np.testing.assert_array_equal(aux["sum"], ref_aux["sum"])
+  np.testing.assert_array_equal(value, ref)
