@@ -81,3 +81,16 @@ __all__ = [
   "underflow_stats",
   "value_and_grad",
 ]
+
+# Public submodules imported on first use, so that importing optax_dls needs neither flax
+# nor the command line's dependencies: ``optax_dls.flax`` works without ``import
+# optax_dls.flax`` (and names the extra to install when flax is missing).
+_ON_USE = ("cli", "flax")
+
+
+def __getattr__(name: str) -> object:
+  if name in _ON_USE:
+    import importlib
+
+    return importlib.import_module(f"optax_dls.{name}")
+  raise AttributeError(f"module 'optax_dls' has no attribute {name!r}")

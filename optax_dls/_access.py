@@ -318,9 +318,10 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     set_bits.size and set_bits[-1] >= len(names)
   ):
     raise ValueError(
-      f"params has {len(names)} floating leaves, which do not fit the state's record of "
-      f"{words.shape[-1]} words of 32 leaves (leaf {int(set_bits[-1]) if set_bits.size else 0}"
-      " is recorded): pass the parameters the state was built for."
+      f"params has {len(names)} floating leaves, which do not fit the record (made for "
+      f"{32 * (words.shape[-1] - 1) + 1} to {32 * words.shape[-1]} leaves; leaf "
+      f"{int(set_bits[-1]) if set_bits.size else 0} is recorded): pass the parameters the "
+      "state was built for."
     )
   return _localisation.decode(words, nan, names)
 
@@ -464,8 +465,8 @@ def scale_range(opt_state: Any, tx: Any = None) -> tuple[float, float]:
   scaler = getattr(tx, "scaler", None)
   if scaler is None:
     raise TypeError(
-      f"tx must be the loss-scaled transformation the state is for (optax_dls.loss_scaled, "
-      f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
+      f"tx must be the loss-scaled transformation the state is for (what "
+      f"optax_dls.dynamic_loss_scale, static_loss_scale or no_loss_scale return), got {tx!r}."
     )
   return scaler.scale_range
 

@@ -9,6 +9,7 @@ nothing here is used.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,16 +105,36 @@ def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: 
   ``check_vma=False``).
   """
   found = tree_varying_axes(grad_leaves)
-  missing = found - varying_axes(state_leaf) - set(axis_names(axis_name))
+  given = axis_names(axis_name)
+  missing = found - varying_axes(state_leaf) - set(given)
   if missing:
+    unmapped = [n for n in given if not _is_mapped(n)]
+    typo = ""
+    if unmapped:
+      guesses = {n: difflib.get_close_matches(n, sorted(missing), n=1) for n in unmapped}
+      typo = (
+        f"{', '.join(repr(n) for n in unmapped)} is not a mapped axis here"
+        + "".join(f" (did you mean {g[0]!r}?)" for g in guesses.values() if g)
+        + ". "
+      )
+    keep = tuple(sorted((set(given) - set(unmapped)) | missing))
     raise ValueError(
       f"axis_name={axis_name!r} does not cover the mapped axes {sorted(missing)} over which "
-      f"the gradients vary (gradient axes found: {sorted(found)}). "
+      f"the gradients vary (gradient axes found: {sorted(found)}). {typo}"
       "Without them each device decides alone whether to skip and the loss-scale state "
-      "stops being replicated. Pass axis_name="
-      f"{tuple(sorted(set(axis_names(axis_name)) | missing))!r} to the loss-scaled "
-      "transformation, or give each device its own state (shard it over those axes)."
+      f"stops being replicated. Pass axis_name={(keep[0] if len(keep) == 1 else keep)!r} to the "
+      "loss-scaled transformation, or give each device its own state (shard it over those "
+      "axes)."
     )
+
+
+def _is_mapped(name: Any) -> bool:
+  """Whether ``name`` is an axis mapped where this is traced (shard_map, pmap, vmap)."""
+  try:
+    lax.axis_size(name) if hasattr(lax, "axis_size") else lax.psum(1, name)
+  except NameError:
+    return False
+  return True
 
 
 def axis_sizes(axis_name: AxisName) -> dict[str, int]:

@@ -93,8 +93,10 @@ def make_plan(
   back_off = tx.back_off if isinstance(tx, LossScaledTransformation) else None
   if back_off is None:
     raise TypeError(
-      f"{tx_name} must be the loss-scaled transformation itself (optax_dls.loss_scaled, "
-      f"dynamic_loss_scale, ...), not a wrapper around it, got {tx!r}."
+      f"{tx_name} must be a loss-scaled transformation, got {tx!r}: wrap the optimizer with "
+      f"optax_dls.dynamic_loss_scale (e.g. dynamic_loss_scale(optax.adam(1e-3)), or "
+      "no_loss_scale for bfloat16); a chain around a loss-scaled transformation is not one "
+      "either: put the chain inside it (dynamic_loss_scale(optax.chain(...)))."
     )
   # S = 1 by construction: the loss is not multiplied by it, nothing overflows, nothing is retried.
   passthrough = tx.passthrough

@@ -124,7 +124,8 @@ def _words(name: str, value: Any) -> np.ndarray:
   arr = np.asarray(value)
   if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1:
     raise ValueError(
-      f"metric {name!r} must be the packed uint32 words of optax_dls.metrics, got an array of "
+      f"metric {name!r} must be the uint32 array optax_dls.metrics returns under that name (one "
+      f"bit per leaf), got an array of "
       f"dtype {arr.dtype} and shape {arr.shape}."
     )
   return arr.astype(np.uint32).reshape(-1)

@@ -722,3 +722,20 @@ def test_from_dynamic_scale_takes_the_stored_dict_and_checks_it():
     dls_flax.from_dynamic_scale({"scale": 0.5, "fin_steps": 0}, state)  # below min_scale 1
   with pytest.raises(ValueError, match="dynamic_scale.fin_steps"):
     dls_flax.from_dynamic_scale({"scale": 2.0, "fin_steps": -1}, state)
+
+
+def test_a_train_state_of_a_plain_optimizer_is_told_to_wrap_it():
+  model, state = _linen_setup()
+  plain = train_state.TrainState.create(
+    apply_fn=model.apply, params=state.params, tx=optax.adam(0.1)
+  )
+  with pytest.raises(TypeError, match=r"wrap the optimizer with optax_dls.dynamic_loss_scale"):
+    _linen_grad_fn(plain, plain.params, plain.apply_fn, X)
+
+
+def test_optax_dls_flax_is_reachable_without_importing_it():
+  code = "import optax_dls; print(optax_dls.flax.value_and_grad.__name__)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "value_and_grad"
+  with pytest.raises(AttributeError, match="module 'optax_dls' has no attribute 'flaxx'"):
+    optax_dls.flaxx  # noqa: B018

@@ -69,6 +69,24 @@ def test_coverage_check_names_the_missing_axis():
   _in_shard_map(probe)
 
 
+def test_a_misspelt_axis_name_is_named_and_left_out_of_the_advice():
+  """A typo ('modle') is not advised back: the advice names only mapped axes, and the
+  message says which given name is not mapped, with the likely one."""
+
+  def probe(x):
+    with pytest.raises(ValueError) as info:
+      _multi_device.check_axis_coverage([x], jnp.zeros([]), ("data", "modle"))
+    message = str(info.value)
+    assert "'modle' is not a mapped axis here (did you mean 'model'?)" in message
+    assert "Pass axis_name=('data', 'model') to" in message
+    assert "modle" not in message.split("Pass axis_name=")[1]
+    with pytest.raises(ValueError, match=r"Pass axis_name='model' to"):
+      _multi_device.check_axis_coverage([x], jnp.zeros([]), "modle")
+    return {}
+
+  _in_shard_map(probe, spec=P(None, "model"))
+
+
 def test_an_axis_that_is_not_mapped_is_a_clear_error():
   with pytest.raises(ValueError, match="not mapped here"):
     jax.jit(lambda x: _multi_device.axis_sizes("data"))(1.0)

@@ -528,11 +528,11 @@ def test_the_record_from_a_real_optimizer_state_is_named(tmp_path):
     ),
     (
       {"nonfinite_leaves": _words([0], 2), "nonfinite_nan": _words([], 2), "nonfinite_step": 1},
-      "3 floating leaves.*2 words",
+      "3 floating leaves.*made for 33 to 64 leaves",
     ),
     (
       {"nonfinite_leaves": np.ones(1), "nonfinite_nan": _words([]), "nonfinite_step": 1},
-      "'nonfinite_leaves' must be the packed uint32 words",
+      "'nonfinite_leaves' must be the uint32 array optax_dls.metrics returns",
     ),
     ({"nonfinite_count": _words([0])}, "'nonfinite_count' must be a scalar"),
   ],
