@@ -60,6 +60,13 @@ _ADVICE = {
     "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
     "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."
   ),
+  "NaN skips": (
+    "A NaN is not an overflow: it comes from an operation without a finite result (0/0, "
+    "log(0), the square root of a negative number, inf - inf) or from bad data, and no loss "
+    "scale cures it. Find the operation with optax_dls.locate or jax_debug_nans on a batch of "
+    "such a step, add an epsilon or compute it in float32, and check the data "
+    "(optax_dls.all_finite(batch))."
+  ),
   "non-finite loss": (
     "A loss that is inf or NaN makes every gradient non-finite whatever the scale: the step is "
     "skipped, and so is every step like it. Check the batches of those steps for inf/NaN inputs "
@@ -308,6 +315,21 @@ def _loss_not_finite(summary: dict[str, Any]) -> _Found:
   return [(symptom, _ADVICE["non-finite loss"])]
 
 
+def _nan_skips(summary: dict[str, Any]) -> _Found:
+  """Skipped steps whose every recorded non-finite gradient held a NaN (no infinity)."""
+  where = summary.get("nonfinite")
+  by = (where or {}).get("by_parameter") or []
+  if not by or any(d["inf"] for d in by) or where["loss_steps"] or summary.get("skips") == 0:
+    return []
+  n = where["steps_with_leaves"]
+  symptom = (
+    f"NaN, not overflow: every one of the {n} non-finite step{'s' * (n > 1)} the logs record "
+    f"held NaN in its gradients ({_names(by)}) and none an infinity: a bug that no loss scale "
+    "cures"
+  )
+  return [(symptom, _ADVICE["NaN skips"])]
+
+
 def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
@@ -321,9 +343,12 @@ def diagnose(
   """
   iv = C.intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
+  nan = _nan_skips(summary)  # then the skips are no overflow, however often they come
+  overflow = [] if nan else _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS, summary)
   return (
     _loss_not_finite(summary)
-    + _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS, summary)
+    + nan
+    + overflow
     + _never_grows(rows, iv, summary)
     + _lost_gradients(rows, summary, zero_floor)
     + _stuck(stuck, summary)

@@ -152,6 +152,7 @@ class _Screen:
   def __init__(self, out: TextIO, err: TextIO, tty: bool, interval: float) -> None:
     self.out, self.err, self.tty, self.interval = out, err, tty, interval
     self.drawn = 0  # lines of the block on screen, to move back over
+    self.written: set[str] = set()  # the last refresh's lines (file or pipe view)
 
   def show(self, lines: list[str], warnings: list[str]) -> None:
     for w in warnings:
@@ -159,8 +160,10 @@ class _Screen:
     if warnings:
       self.err.flush()
       self.drawn = 0  # the warnings stand below the old block: draw the new one below them
-    if not self.tty:
-      self.out.write("".join(f"{time.strftime('%H:%M:%S')} {line}\n" for line in lines))
+    if not self.tty:  # a line only where a run's status changed: a finished run stays quiet
+      new = [line for line in lines if line not in self.written]
+      self.written = set(lines)
+      self.out.write("".join(f"{time.strftime('%H:%M:%S')} {line}\n" for line in new))
       self.out.flush()
       return
     width = shutil.get_terminal_size().columns
@@ -190,7 +193,8 @@ def follow(
       None: until interrupted.
     out: the stream for the status; default ``sys.stdout``. A terminal
       (``isatty()``) gets the block redrawn in place, anything else a line
-      per run per refresh.
+      per run each time that run's status changes (a finished run is not
+      written again).
     err: the stream for warnings; default ``sys.stderr``.
 
   Returns:

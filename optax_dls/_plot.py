@@ -55,7 +55,8 @@ def plot(runs: dict[str, Rows], out: str) -> None:
   for name, rows in runs.items():
     steps, scale = C.column(rows, "step"), C.column(rows, "loss_scale")
     skipped = C.flag(rows, "skipped") > 0
-    (line,) = ax_s.plot(steps, scale, label=name)
+    # The scale holds from one logged step to the next: drawn as steps, not ramps.
+    (line,) = ax_s.step(steps, scale, where="post", label=name)
     ax_s.plot(steps[skipped], scale[skipped], "x", color=line.get_color())
     count = C.skips(rows)
     if np.isfinite(count).any():

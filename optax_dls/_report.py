@@ -67,8 +67,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
       f"{text(summary['scale_median'])} / highest {text(summary['scale_max'])} (logged)"
     )
     lines.append(
-      f"  logged steps {summary['steps_at_min_scale']} at the lowest scale, "
-      f"{summary['steps_at_max_scale']} at the highest"
+      f"  at the lowest scale {_count(summary['steps_at_min_scale'], 'logged step')}, at the "
+      f"highest {_count(summary['steps_at_max_scale'], 'logged step')}"
     )
   if summary["fp32_fallback_steps"]:
     lines.append(f"  fp32 fallback on at {summary['fp32_fallback_steps']} logged steps")
@@ -76,6 +76,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     counts = ", ".join(f"{label} {n}" for label, n in groups.items())
     lines.append(f"  overflows    by parameter group: {counts}")
   return lines + nonfinite_lines(summary)
+
+
+def _count(n: int, what: str) -> str:
+  """``n`` things as a count that cannot be read as a step number: ``"8 logged steps"``."""
+  return f"{n} {what}{'s' * (n != 1)}"
 
 
 _SHOWN = 5  # parameters listed
@@ -97,7 +102,10 @@ def last_nonfinite(summary: dict[str, Any], shown: int = _SHOWN) -> str | None:
   more = f" and {len(leaves) - shown} more" if len(leaves) > shown else ""
   loss = ", the loss not finite" if last["loss"] else ""
   unit = summary["nonfinite"]["numbering"]
-  return f"{unit} {last['step']}{loss}: {', '.join(leaves[:shown]) or 'no leaf'}{more}"
+  at = f"{unit} {last['step']}"
+  if unit == "step" and last["update"] != last["step"]:  # say it as metrics numbers it too
+    at += f" (nonfinite_step {last['update']} in metrics)"
+  return f"{at}{loss}: {', '.join(leaves[:shown]) or 'no leaf'}{more}"
 
 
 def nonfinite_lines(summary: dict[str, Any]) -> list[str]:

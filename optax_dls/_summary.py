@@ -169,7 +169,8 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
     ``nonfinite_step``), those of them recorded with their leaves, per leaf
     name the count of those it was in (``{"name", "steps", "inf", "nan"}``,
     most first), the non-finite steps whose loss itself was not finite, and
-    the last recorded one (``{"step", "leaves", "loss"}``, or None). Steps
+    the last recorded one (``{"step", "update", "leaves", "loss"}``: ``update``
+    the number ``metrics`` gives it as ``nonfinite_step``, or None). Steps
     are logged steps (``numbering`` "step") where ``step - num_steps`` is the
     same at every row, else update numbers counted from 1 (``numbering``
     "update").
@@ -195,7 +196,7 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
     "loss_steps": [u + shift for u in sorted(loss)],
     "last": None
     if last is None
-    else {"step": last + shift, "leaves": records[last], "loss": last in loss},
+    else {"step": last + shift, "update": last, "leaves": records[last], "loss": last in loss},
   }
 
 

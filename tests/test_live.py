@@ -92,7 +92,8 @@ def test_rows_from_a_writer_in_another_process_are_shown_as_they_arrive(tmp_path
     assert proc.wait(timeout=60) == 0
   assert "skips 2 (update ratio 0.8333)" in line
   assert (
-    "last 11 updates: 2 skipped" in line and "last non-finite step 10: decoder/kernel (inf)" in line
+    "last 11 updates: 2 skipped" in line
+    and "last non-finite step 10 (nonfinite_step 11 in metrics): decoder/kernel (inf)" in line
   )
 
 
@@ -196,7 +197,9 @@ def test_a_run_logged_to_tensorboard_only_shows_the_last_non_finite_leaves(tmp_p
         "nonfinite_nan": np.array([2 if step >= 3 else 0], np.uint32),
       })  # fmt: skip
   (line,), warnings = _live.Follower(str(tmp_path)).refresh(block=False)
-  assert warnings == [] and "last non-finite step 3: embed (nan)" in line, line
+  assert (
+    warnings == [] and "last non-finite step 3 (nonfinite_step 4 in metrics): embed (nan)" in line
+  ), line
 
 
 def test_the_terminal_view_is_redrawn_in_place(tmp_path):
@@ -235,11 +238,22 @@ def test_ctrl_c_ends_the_follower_with_exit_status_0(tmp_path, inherited):
   assert "Traceback" not in proc.stderr.read()
 
 
-def test_follow_counts_as_many_refreshes_as_asked_and_writes_a_line_per_run(tmp_path, capsys):
+def test_follow_writes_a_line_per_run_only_when_its_status_changes(tmp_path, capsys):
+  """In a file or a pipe a finished run is written once, not at every refresh; a run that
+  moves on is written again."""
   _rows_file(tmp_path / "a" / writers.JSONL_NAME, range(3), run="a")
   assert cli.main(["inspect", str(tmp_path), "--watch", "0.01", "--max-refreshes", "3"]) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert len(lines) == 3 and all(" run a step 2 loss scale 2^10 | " in line for line in lines)
+  assert len(lines) == 1 and " run a step 2 loss scale 2^10 | " in lines[0]
+  out = io.StringIO()
+  follower = _live.Follower(str(tmp_path))
+  screen = _live._Screen(out, io.StringIO(), False, 0.01)
+  screen.show(*follower.refresh(block=False))
+  screen.show(*follower.refresh(block=False))
+  _rows_file(tmp_path / "a" / writers.JSONL_NAME, range(5), run="a")
+  screen.show(*follower.refresh(block=False))
+  written = out.getvalue().splitlines()
+  assert [" step 2 " in w for w in written] == [True, False] and " step 4 " in written[1]
 
 
 @pytest.mark.parametrize(
