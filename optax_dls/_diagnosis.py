@@ -317,8 +317,8 @@ def _loss_not_finite(summary: dict[str, Any]) -> _Found:
 
 def _nan_skips(summary: dict[str, Any]) -> _Found:
   """Skipped steps whose every recorded non-finite gradient held a NaN (no infinity)."""
-  where = summary.get("nonfinite")
-  by = (where or {}).get("by_parameter") or []
+  where = summary.get("nonfinite") or {}
+  by = where.get("by_parameter") or []
   if not by or any(d["inf"] for d in by) or where["loss_steps"] or summary.get("skips") == 0:
     return []
   n = where["steps_with_leaves"]
