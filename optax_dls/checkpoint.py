@@ -20,7 +20,7 @@ import numpy as np
 from optax_dls import _access, _optional, _tree_paths, _validation
 from optax_dls._state import LossScaleState
 
-__all__ = ["into_loss_scaled", "restore"]
+__all__ = ["into_loss_scaled", "restore", "settled"]
 
 _FIELDS_KEYS = ("loss_scale", "inner_state")
 # Fields a LossScaleState held before it kept only what was learned: dropped on restore.
@@ -254,11 +254,14 @@ def _target_tx(target: Any, tx: Any) -> Any:
     tx = getattr(target, "tx", None)
     return tx if getattr(tx, "scaler", None) is not None else None
   if getattr(tx, "scaler", None) is None:
-    raise TypeError(
-      f"tx must be the loss-scaled transformation the restored state is for "
-      f"(optax_dls.dynamic_loss_scale, no_loss_scale, ...), got {tx!r}."
-    )
+    raise TypeError(_NOT_LOSS_SCALED.format(tx=tx))
   return tx
+
+
+_NOT_LOSS_SCALED = (
+  "tx must be the loss-scaled transformation the restored state is for "
+  "(optax_dls.dynamic_loss_scale, no_loss_scale, ...), got {tx!r}."
+)
 
 
 def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, Any]) -> bool:
@@ -286,8 +289,41 @@ def _placed(restored: Any, target: Any) -> Any:
 
 
 def settled(restored: Any, tx: Any) -> Any:
-  """``restored`` with its loss scale settled for ``tx`` (see :func:`restore`), a warning
-  naming the change when there is one."""
+  """A restored state with its loss scale settled for the transformation ``tx``.
+
+  What :func:`restore` does with ``tx=``, for a state restored another way
+  (flax's ``restore_checkpoint``, Orbax's own ``restore``,
+  ``flax.serialization.from_state_dict``): under a passthrough transformation
+  (:func:`~optax_dls.no_loss_scale`) the scale becomes 1; under any other a
+  scale outside the policy's ``[min_scale, max_scale]`` moves to the nearest
+  bound, and one inside it is kept. A warning (``UserWarning``) says in one
+  line what changed; nothing else in ``restored`` changes.
+
+  Args:
+    restored: a pytree holding exactly one :class:`~optax_dls.LossScaleState`
+      (an optimizer state, ``{'params': ..., 'opt_state': ...}``, a flax
+      ``TrainState``), on the host or the device.
+    tx: the loss-scaled transformation the state will be updated by.
+
+  Returns:
+    ``restored``, of the same structure and dtypes, with the settled scale.
+
+  Raises:
+    TypeError: ``tx`` is not a loss-scaled transformation.
+    ValueError: ``restored`` holds none or several loss-scale states.
+
+  Example:
+    >>> import warnings, jax.numpy as jnp, optax, optax_dls
+    >>> state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.ones(2)})
+    >>> tx = optax_dls.no_loss_scale(optax.sgd(0.1))
+    >>> with warnings.catch_warnings(record=True) as said:
+    ...   warnings.simplefilter("always")
+    ...   state = optax_dls.checkpoint.settled(state, tx)
+    >>> float(optax_dls.loss_scale(state)), str(said[0].message)
+    (1.0, 'optax_dls.checkpoint: loss scale 2**15 -> 1.0 (no_loss_scale: S = 1).')
+  """
+  if getattr(tx, "scaler", None) is None:
+    raise TypeError(_NOT_LOSS_SCALED.format(tx=tx))
   state = _access.find_state(restored)
   low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
   scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
@@ -301,7 +337,7 @@ def settled(restored: Any, tx: Any) -> Any:
     f"[{_validation.scale_text(low)}, {_validation.scale_text(high)}]"
   )
   warnings.warn(
-    f"optax_dls.checkpoint.restore: loss scale {_scales(scale)} -> {_scales(new)} ({why}).",
+    f"optax_dls.checkpoint: loss scale {_scales(scale)} -> {_scales(new)} ({why}).",
     stacklevel=3,
   )
   return _access.replace_state(restored, state._replace(loss_scale=jax.numpy.asarray(new)))

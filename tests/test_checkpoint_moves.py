@@ -186,3 +186,10 @@ def test_a_checkpoint_of_the_earlier_layout_restores_and_trains_on_unchanged(tmp
   two = _quick_start_step(tx, restored["params"], restored["opt_state"], jnp.float32(1.0))
   for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [None, optax.sgd(0.1), "no_loss_scale"])
+def test_settled_names_a_tx_that_is_not_loss_scaled(bad):
+  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
+    optax_dls.checkpoint.settled(state, bad)
