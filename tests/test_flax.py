@@ -209,7 +209,9 @@ def test_value_and_grad_argument_errors():
   with pytest.raises(TypeError, match="axis_name"):
     dls_flax.value_and_grad(_linen_loss, axis_name=3)
   plain = state.replace(opt_state=optax.sgd(0.1).init(state.params), tx=optax.sgd(0.1))
-  with pytest.raises(TypeError, match="state.tx must be a loss-scaled transformation.*wrap the optimizer"):
+  with pytest.raises(
+    TypeError, match="state.tx must be a loss-scaled transformation.*wrap the optimizer"
+  ):
     dls_flax.value_and_grad(_linen_loss)(plain, state.params, state.apply_fn, X)
 
 
@@ -431,7 +433,9 @@ def test_recompute_argument_errors():
     with pytest.raises(TypeError, match="grad_fn takes the flax TrainState or nnx.Optimizer"):
       grad_fn(not_a_state, state.params, state.apply_fn, X, Y)
   chained = state.replace(tx=optax.chain(state.tx), opt_state=(state.opt_state,))
-  with pytest.raises(TypeError, match="state.tx must be a loss-scaled transformation.*wrap the optimizer"):
+  with pytest.raises(
+    TypeError, match="state.tx must be a loss-scaled transformation.*wrap the optimizer"
+  ):
     grad_fn(chained, state.params, state.apply_fn, X, Y)
   grad_fn = dls_flax.value_and_grad(_fit, argnums=4, max_tries=2)
   with pytest.raises(TypeError, match=r"argnums=4 .* grad_fn\(state, \*args\)"):
