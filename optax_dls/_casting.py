@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-T = TypeVar("T")
 
 # jmp's names, in jmp's order: the first is the one ``str(policy)`` writes.
 _NAMES: dict[Any, tuple[str, ...]] = {
@@ -48,7 +46,7 @@ def _is_floating_array(x: Any) -> bool:
   return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def cast_floating(tree: T, dtype: Any) -> T:
+def cast_floating(tree: Any, dtype: Any) -> Any:
   """Casts the floating arrays of ``tree`` to ``dtype``; every other leaf untouched.
 
   The leaves cast are JAX and NumPy arrays whose dtype is floating (float16,
@@ -85,10 +83,10 @@ class CastPolicy:
   (``cast_to_param``, ``cast_to_compute``, ``cast_to_output``,
   ``with_output_dtype``, and ``str`` in jmp's form); the loss scale is the
   optimizer's (:func:`loss_scaled`). Each cast changes only the floating arrays
-  of a pytree (see :func:`cast_floating`): integer and boolean arrays, Python
-  scalars, callables and ``None`` are left alone. Frozen and hashable, so it can
-  be a static argument of ``jax.jit``. Build one from a string with
-  :func:`cast_policy`.
+  of a pytree (JAX and NumPy arrays of a floating dtype, as jmp casts them):
+  integer and boolean arrays, Python and NumPy scalars, callables and ``None``
+  are left alone. Frozen and hashable, so it can be a static argument of
+  ``jax.jit``. Build one from a string with :func:`cast_policy`.
 
   Args:
     param_dtype: the dtype the parameters (master weights) are kept in.
@@ -126,15 +124,15 @@ class CastPolicy:
     object.__setattr__(self, "compute_dtype", compute)
     object.__setattr__(self, "output_dtype", output)
 
-  def cast_to_param(self, tree: T) -> T:
+  def cast_to_param(self, tree: Any) -> Any:
     """``tree`` with its floating arrays cast to ``param_dtype`` (e.g. the gradients)."""
     return cast_floating(tree, self.param_dtype)
 
-  def cast_to_compute(self, tree: T) -> T:
+  def cast_to_compute(self, tree: Any) -> Any:
     """``tree`` with its floating arrays cast to ``compute_dtype`` (parameters, inputs)."""
     return cast_floating(tree, self.compute_dtype)
 
-  def cast_to_output(self, tree: T) -> T:
+  def cast_to_output(self, tree: Any) -> Any:
     """``tree`` with its floating arrays cast to ``output_dtype`` (the model's outputs)."""
     return cast_floating(tree, self.output_dtype)
 
