@@ -169,3 +169,17 @@ def test_full_precision_checks_its_arguments():
     optax_dls.full_precision(3)
   with pytest.raises(ValueError, match="output_dtype must be a floating dtype"):
     optax_dls.full_precision(_rms, output_dtype=jnp.int32)
+
+
+def test_the_migration_guide_forms_of_jmp_module_functions():
+  """docs/guide/migrate_jmp.md: cast_to_full, cast_to_half and half_dtype, through policies."""
+  tree = _tree()
+  for ours, theirs in [
+    (optax_dls.cast_policy("full").cast_to_compute(tree), jmp.cast_to_full(tree)),
+    (optax_dls.cast_policy("half").cast_to_compute(tree), jmp.cast_to_half(tree)),
+  ]:
+    dtypes = lambda t: [getattr(x, "dtype", x) for x in jax.tree_util.tree_leaves(t)]
+    assert dtypes(ours) == dtypes(theirs)
+  assert optax_dls.cast_policy("half").compute_dtype == jnp.dtype(jmp.half_dtype())
+  p = optax_dls.cast_policy("p=f32,c=f16,o=f16").with_output_dtype(jnp.float32)
+  assert str(p) == str(jmp.get_policy("p=f32,c=f16,o=f16").with_output_dtype(jnp.float32))
