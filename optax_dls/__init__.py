@@ -30,6 +30,7 @@ from optax_dls._access import (
   scale_loss,
 )
 from optax_dls._alerts import SkipAlerts
+from optax_dls._casting import CastPolicy, cast_policy, full_precision
 from optax_dls._numerics import all_finite
 from optax_dls._policies import (
   GradStats,
@@ -52,6 +53,7 @@ from optax_dls._underflow import underflow_stats
 __version__ = "0.1.0"
 
 __all__ = [
+  "CastPolicy",
   "GradStats",
   "LossScalePolicy",
   "LossScaleState",
@@ -60,10 +62,12 @@ __all__ = [
   "all_finite",
   "amax_policy",
   "apply_step",
+  "cast_policy",
   "dynamic_loss_scale",
   "dynamic_policy",
   "find_state",
   "fp32_fallback",
+  "full_precision",
   "leaf_names",
   "loss_scale",
   "loss_scaled",
