@@ -266,10 +266,9 @@ class _FlaxSteps:
     """``{step: folder}`` of the flax checkpoints in ``directory`` (empty when none)."""
     found = {}
     for name in os.listdir(directory):
-      number = name[len(cls._PREFIX) :]
-      if name.startswith(cls._PREFIX) and number.isdigit():
-        if os.path.isdir(os.path.join(directory, name)):
-          found[int(number)] = os.path.join(directory, name)
+      number, folder = name[len(cls._PREFIX) :], os.path.join(directory, name)
+      if name.startswith(cls._PREFIX) and number.isdigit() and os.path.isdir(folder):
+        found[int(number)] = folder
     return found
 
   def all_steps(self) -> list[int]:
