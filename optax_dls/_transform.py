@@ -21,6 +21,7 @@ import optax
 
 from optax_dls import (
   _accumulation,
+  _flax_serialization,
   _labels,
   _localisation,
   _lowering,
@@ -88,6 +89,7 @@ class LossScaler:
 
   def init(self, params: Any) -> LossScaleState:
     """The state before the first step (see :func:`loss_scaled`)."""
+    _flax_serialization.register()  # flax's own restore into this state: carried or refused
     scale, policy_state = self.policy.init()
     names = _labels.leaf_names(params)
     labels = [] if self.labels is None else self._leaf_labels(params)

@@ -174,7 +174,9 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``, or the checkpoint
-      directory (``str`` or ``os.PathLike``) one was saved to.
+      directory (``str`` or ``os.PathLike``) one was saved to, or that
+      ``flax.training.checkpoints.save_checkpoint`` saved to (its
+      ``checkpoint_<step>`` folders).
     target: a pytree of arrays or ``jax.ShapeDtypeStruct`` with the expected
       layout.
     step: int, the step to restore; default ``None`` is the latest one.
@@ -244,7 +246,43 @@ def _manager(ocp: Any, manager: Any) -> Any:
   directory = os.path.abspath(os.fspath(manager))
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint directory {directory!r} (manager={manager!r}).")
+  if _FlaxSteps.steps(directory):
+    return _FlaxSteps(ocp, directory)
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+class _FlaxSteps:
+  """The checkpoints ``flax.training.checkpoints.save_checkpoint`` writes to a directory
+  (one ``checkpoint_<step>`` folder per step, each an Orbax PyTree checkpoint), read
+  through the few ``CheckpointManager`` methods :func:`restore` calls."""
+
+  _PREFIX = "checkpoint_"
+
+  def __init__(self, ocp: Any, directory: str) -> None:
+    self.directory, self._ocp = directory, ocp
+
+  @classmethod
+  def steps(cls, directory: str) -> dict[int, str]:
+    """``{step: folder}`` of the flax checkpoints in ``directory`` (empty when none)."""
+    found = {}
+    for name in os.listdir(directory):
+      number, folder = name[len(cls._PREFIX) :], os.path.join(directory, name)
+      if name.startswith(cls._PREFIX) and number.isdigit() and os.path.isdir(folder):
+        found[int(number)] = folder
+    return found
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.steps(self.directory))
+
+  def latest_step(self) -> int | None:
+    return max(self.all_steps(), default=None)
+
+  def item_metadata(self, step: int) -> Any:
+    return self._ocp.StandardCheckpointer().metadata(self.steps(self.directory)[step]).item_metadata
+
+  def restore(self, step: int, args: Any) -> Any:
+    folder = self.steps(self.directory)[step]
+    return self._ocp.StandardCheckpointer().restore(folder, getattr(args, "item", None))
 
 
 def _target_tx(target: Any, tx: Any) -> Any:

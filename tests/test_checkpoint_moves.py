@@ -193,3 +193,39 @@ def test_settled_names_a_tx_that_is_not_loss_scaled(bad):
   state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
   with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
     optax_dls.checkpoint.settled(state, bad)
+
+
+def _flax_states(tx):
+  from flax.training import train_state
+
+  state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+  return state.apply_gradients(grads={"w": jnp.ones(3)})
+
+
+def test_restore_reads_a_directory_flax_save_checkpoint_wrote(tmp_path):
+  from flax.training import checkpoints
+
+  tx = optax_dls.dynamic_loss_scale(optax.adamw(1e-3), init_scale=2.0**10)
+  saved = _flax_states(tx)
+  checkpoints.save_checkpoint(str(tmp_path), saved, step=1)
+  fresh = _flax_states(tx).replace(step=0, opt_state=tx.init(PARAMS))
+  restored = optax_dls.checkpoint.restore(str(tmp_path), fresh)
+  assert int(restored.step) == 1
+  assert jax.tree.all(jax.tree.map(np.array_equal, restored.opt_state, saved.opt_state))
+
+
+def test_a_plain_flax_checkpoint_under_restore_names_the_conversion_and_it_carries(tmp_path):
+  """flax's save_checkpoint of a plain adamw state, restored into a loss-scaled TrainState:
+  restore refuses (never a silent reset of Adam's state) and into_loss_scaled carries it."""
+  from flax.training import checkpoints
+
+  plain = _flax_states(optax.adamw(1e-3))
+  checkpoints.save_checkpoint(str(tmp_path), plain, step=1)
+  tx = optax_dls.dynamic_loss_scale(optax.adamw(1e-3))
+  target = _flax_states(tx).replace(step=0, opt_state=tx.init(PARAMS))
+  with pytest.raises(ValueError, match="into_loss_scaled"):
+    optax_dls.checkpoint.restore(str(tmp_path), target)
+  raw = checkpoints.restore_checkpoint(str(tmp_path), target=None)
+  moved = optax_dls.checkpoint.into_loss_scaled(raw, target)
+  assert int(moved.opt_state.inner_state[0].count) == 1
+  np.testing.assert_array_equal(moved.opt_state.inner_state[0].mu["w"], plain.opt_state[0].mu["w"])
