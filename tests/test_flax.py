@@ -773,3 +773,18 @@ def test_linen_value_and_grad_keeps_the_calling_convention_of_fun():
   value, n, after = step(state, state.apply_fn, "train", True)
   np.testing.assert_allclose(value, ref, rtol=1e-6)
   assert int(n) == 3 and _applied(after.opt_state) == 1
+
+
+def test_nnx_value_and_grad_keeps_the_calling_convention_of_fun():
+  """With an nnx.Optimizer too: a string and a keyword flag reach fun, a string comes back
+  in aux, with retries."""
+  model, optimizer = _nnx_setup()
+
+  def fit(model, x, y, mode, *, double=False):
+    return _nnx_fit(model, x, y) * (2.0 if double else 1.0), {"mode": mode}
+
+  grad_fn = dls_flax.value_and_grad(fit, has_aux=True, max_tries=2)
+  ((loss, aux), _), _ = grad_fn(optimizer, model, X, Y, "eval", double=True)
+  ref = 2.0 * _nnx_fit(_nnx_setup()[0], X, Y)
+  assert aux == {"mode": "eval"}
+  np.testing.assert_allclose(loss, ref, rtol=1e-6)
