@@ -109,13 +109,14 @@ def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: 
   missing = found - varying_axes(state_leaf) - set(given)
   if missing:
     unmapped = [n for n in given if not _is_mapped(n)]
+    mapped = mapped_axes()
     typo = ""
     if unmapped:
       guesses = {n: difflib.get_close_matches(n, sorted(missing), n=1) for n in unmapped}
       typo = (
         f"{', '.join(repr(n) for n in unmapped)} is not a mapped axis here"
         + "".join(f" (did you mean {g[0]!r}?)" for g in guesses.values() if g)
-        + ("" if mapped_axes() is None else f"; the mapped axes here are {mapped_axes()}")
+        + ("" if mapped is None else f"; the mapped axes here are {mapped}")
         + ". "
       )
     keep = tuple(sorted((set(given) - set(unmapped)) | missing))
