@@ -109,12 +109,14 @@ def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: 
   missing = found - varying_axes(state_leaf) - set(given)
   if missing:
     unmapped = [n for n in given if not _is_mapped(n)]
+    mapped = mapped_axes()
     typo = ""
     if unmapped:
       guesses = {n: difflib.get_close_matches(n, sorted(missing), n=1) for n in unmapped}
       typo = (
         f"{', '.join(repr(n) for n in unmapped)} is not a mapped axis here"
         + "".join(f" (did you mean {g[0]!r}?)" for g in guesses.values() if g)
+        + ("" if mapped is None else f"; the mapped axes here are {mapped}")
         + ". "
       )
     keep = tuple(sorted((set(given) - set(unmapped)) | missing))
@@ -145,11 +147,35 @@ def axis_sizes(axis_name: AxisName) -> dict[str, int]:
       for n in axis_names(axis_name)
     }
   except NameError as e:
+    unmapped = [n for n in axis_names(axis_name) if not _is_mapped(n)]
+    mapped = mapped_axes()
+    where = (
+      "no axis is mapped here"
+      if mapped == []
+      else "the mapped axes here are unknown"
+      if mapped is None
+      else f"the mapped axes here are {mapped}"
+    )
+    others = [m for m in mapped or [] if m not in axis_names(axis_name)]
+    guesses = [difflib.get_close_matches(str(n), others, n=1) for n in unmapped]
     raise ValueError(
-      f"axis_name={axis_name!r} names an axis that is not mapped here ({e}). Under jax.jit with "
-      "NamedSharding leave axis_name=None; under pmap / shard_map / vmap pass the names of the "
-      "mapped axes."
+      f"axis_name={axis_name!r}: {', '.join(repr(n) for n in unmapped)} is not a mapped axis "
+      f"({where}"
+      + "".join(f"; did you mean {g[0]!r}?" for g in guesses if g)
+      + "). Under pmap / shard_map / vmap pass the names of mapped axes only; under jax.jit "
+      "with NamedSharding leave axis_name=None."
     ) from e
+
+
+def mapped_axes() -> list[str] | None:
+  """The names of the axes mapped where this is traced (shard_map, pmap, vmap), sorted; None
+  when this JAX does not say."""
+  try:
+    from jax._src import core  # no public API lists the axes in scope
+
+    return sorted(str(n) for n in core.get_axis_env().axis_sizes)
+  except (ImportError, AttributeError):
+    return None
 
 
 def replicas(leaf: Any, sizes: dict[str, int]) -> int:

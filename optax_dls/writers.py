@@ -101,7 +101,7 @@ def _write_all(f: Any, data: bytes) -> None:
     view = view[f.write(view) :]
 
 
-_LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # the record's packed words, never written
+_LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # packed records, never written
 
 
 def _param_names(params: Any) -> list[str] | None:
@@ -250,8 +250,8 @@ class MetricsWriter:
         step.
       metrics: a mapping of scalar values (JAX or NumPy arrays, numbers,
         bools), e.g. :func:`optax_dls.metrics` of the optimizer state, whose
-        ``nonfinite_leaves`` / ``nonfinite_nan`` words are written as the
-        names of the non-finite leaves (see the class docstring).
+        ``nonfinite_leaves`` / ``nonfinite_nan`` records (one bit per leaf)
+        are written as the names of the non-finite leaves (see the class docstring).
       **extra: more scalars to write, e.g. ``loss=loss``.
 
     Returns:
@@ -264,8 +264,8 @@ class MetricsWriter:
       ValueError: the writer is closed, a value is not a scalar (other than
         the two packed records), a metric is named ``"step"`` or ``"run"``
         (reserved columns of every row), ``nonfinite_leaves`` comes without
-        ``nonfinite_nan`` or ``nonfinite_step``, or its words do not fit the
-        names of ``params``.
+        ``nonfinite_nan`` or ``nonfinite_step``, or its bits (one per leaf) do not fit the
+        leaves of ``params``.
     """
     self._check_open()
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
@@ -274,7 +274,7 @@ class MetricsWriter:
     if step % self.every:
       return False
     values = jax.device_get(_checked_values(metrics, extra))
-    record = self._nonfinite(values)  # takes the packed words out of values
+    record = self._nonfinite(values)  # takes the packed records out of values
     row: dict[str, Any] = {"step": step}
     if self.run_name is not None:
       row["run"] = self.run_name

@@ -1018,3 +1018,26 @@ def test_the_plot_draws_the_scale_as_steps_not_ramps(tmp_path, monkeypatch):
   (fig,) = figures
   scale_line = fig.axes[0].lines[0]
   assert scale_line.get_drawstyle() == "steps-post" and scale_line.get_label() == "run"
+
+
+def test_every_optax_dls_name_the_messages_and_docstrings_give_exists():
+  """Advice that names a function the package does not have (optax_dls.locate) sends the
+  user nowhere: every dotted optax_dls name in the package's source resolves."""
+  import importlib
+  import pathlib
+
+  missing = []
+  for path in sorted(pathlib.Path(optax_dls.__file__).parent.rglob("*.py")):
+    for name in sorted(set(re.findall(r"\boptax_dls(?:\.[A-Za-z_]\w*)+", path.read_text()))):
+      obj, parts = optax_dls, name.split(".")
+      for i, part in enumerate(parts[1:], start=2):
+        try:
+          obj = (
+            getattr(obj, part)
+            if hasattr(obj, part)
+            else importlib.import_module(".".join(parts[:i]))
+          )
+        except ImportError:
+          missing.append(f"{path.name}: {name}")
+          break
+  assert not missing

@@ -1,5 +1,6 @@
 """optax_dls.flax: loss-scaled value_and_grad with linen TrainState and nnx.Optimizer."""
 
+import functools
 import importlib.util
 import pathlib
 import subprocess
@@ -743,3 +744,47 @@ def test_optax_dls_flax_is_reachable_without_importing_it():
   assert out.stdout.strip() == "value_and_grad"
   with pytest.raises(AttributeError, match="module 'optax_dls' has no attribute 'flaxx'"):
     optax_dls.flaxx  # noqa: B018
+
+
+def test_linen_value_and_grad_keeps_the_calling_convention_of_fun():
+  """A string and a Python flag among the arguments (positional, keyword, or static under
+  jit) and a string in aux come back as jax.value_and_grad gives them."""
+  _, state = _linen_setup()
+
+  def loss(params, apply_fn, x, mode, *, negate=False):
+    value, pred = _linen_loss(params, apply_fn, x)
+    return (-value if negate else value), {"mode": mode, "n": 3, "pred": pred}
+
+  grad_fn = dls_flax.value_and_grad(loss, has_aux=True)
+  ((value, aux), grads), _ = grad_fn(state, state.params, state.apply_fn, X, "eval", negate=True)
+  (ref, ref_aux), ref_grads = jax.value_and_grad(loss, has_aux=True)(
+    state.params, state.apply_fn, X, "eval", negate=True
+  )
+  assert aux["mode"] == "eval" and aux["n"] == 3
+  np.testing.assert_allclose(value, ref, rtol=1e-6)
+  np.testing.assert_allclose(aux["pred"], ref_aux["pred"], rtol=1e-6)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / S0, r, rtol=1e-3), grads, ref_grads)
+
+  @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+  def step(state, apply_fn, mode, negate):
+    ((value, aux), grads), state = grad_fn(state, state.params, apply_fn, X, mode, negate=negate)
+    return value, aux["n"], state.apply_gradients(grads=grads)
+
+  value, n, after = step(state, state.apply_fn, "train", True)
+  np.testing.assert_allclose(value, ref, rtol=1e-6)
+  assert int(n) == 3 and _applied(after.opt_state) == 1
+
+
+def test_nnx_value_and_grad_keeps_the_calling_convention_of_fun():
+  """With an nnx.Optimizer too: a string and a keyword flag reach fun, a string comes back
+  in aux, with retries."""
+  model, optimizer = _nnx_setup()
+
+  def fit(model, x, y, mode, *, double=False):
+    return _nnx_fit(model, x, y) * (2.0 if double else 1.0), {"mode": mode}
+
+  grad_fn = dls_flax.value_and_grad(fit, has_aux=True, max_tries=2)
+  ((loss, aux), _), _ = grad_fn(optimizer, model, X, Y, "eval", double=True)
+  ref = 2.0 * _nnx_fit(_nnx_setup()[0], X, Y)
+  assert aux == {"mode": "eval"}
+  np.testing.assert_allclose(loss, ref, rtol=1e-6)

@@ -78,6 +78,7 @@ def test_a_misspelt_axis_name_is_named_and_left_out_of_the_advice():
       _multi_device.check_axis_coverage([x], jnp.zeros([]), ("data", "modle"))
     message = str(info.value)
     assert "'modle' is not a mapped axis here (did you mean 'model'?)" in message
+    assert "the mapped axes here are ['data', 'model']" in message
     assert "Pass axis_name=('data', 'model') to" in message
     assert "modle" not in message.split("Pass axis_name=")[1]
     with pytest.raises(ValueError, match=r"Pass axis_name='model' to"):
@@ -88,8 +89,26 @@ def test_a_misspelt_axis_name_is_named_and_left_out_of_the_advice():
 
 
 def test_an_axis_that_is_not_mapped_is_a_clear_error():
-  with pytest.raises(ValueError, match="not mapped here"):
+  with pytest.raises(ValueError, match=r"'data' is not a mapped axis \(no axis is mapped here\)"):
     jax.jit(lambda x: _multi_device.axis_sizes("data"))(1.0)
+
+
+def test_a_misspelt_axis_name_among_mapped_ones_is_named_with_the_mapped_axes():
+  """('data', 'modle') under shard_map: the message names 'modle' as not mapped and lists
+  the mapped axes, rather than advising the typo back."""
+
+  def probe(x):
+    with pytest.raises(ValueError) as info:
+      _multi_device.axis_sizes(("data", "modle"))
+    message = str(info.value)
+    assert (
+      "'modle' is not a mapped axis (the mapped axes here are ['data', 'model']; did you mean "
+      "'model'?)" in message
+    )
+    assert "'data' is not" not in message
+    return {}
+
+  _in_shard_map(probe)
 
 
 def test_psum_and_pmax_are_identities_without_names():

@@ -569,3 +569,21 @@ def test_aux_of_any_pytree_comes_back_as_jax_value_and_grad_gives_it():
   assert aux["mode"] == "eval" and aux["n"] == 3 and aux["flag"] is False
   np.testing.assert_array_equal(aux["sum"], ref_aux["sum"])
   np.testing.assert_array_equal(value, ref)
+
+
+def test_static_arguments_under_jit_pass_through_as_with_jax_value_and_grad():
+  """A Python flag and a string, static under jit (positional and keyword), reach fun as
+  they are; aux holds numbers made from them."""
+
+  def loss(params, x, mode, *, double=False):
+    value = LOSS32(params, x) * (2.0 if double else 1.0)
+    return value, {"chars": len(mode), "double": double}
+
+  tx = _tx()
+  grad_fn = optax_dls.value_and_grad(loss, tx, has_aux=True)
+  jitted = jax.jit(grad_fn, static_argnums=3, static_argnames="double")
+  ((value, aux), grads), _ = jitted(tx.init(PARAMS), PARAMS, SMALL, "eval", double=True)
+  (ref, _), ref_grads = jax.value_and_grad(loss, has_aux=True)(PARAMS, SMALL, "eval", double=True)
+  np.testing.assert_allclose(value, ref, rtol=1e-6)
+  assert int(aux["chars"]) == 4 and bool(aux["double"])
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g / 2.0**15, r, rtol=1e-6), grads, ref_grads)

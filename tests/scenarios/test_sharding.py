@@ -155,7 +155,9 @@ def test_inf_in_one_device_shard_skips_everywhere(layout, axis_type, lowering):
 def test_axis_name_under_plain_jit_is_a_clear_error(lowering):
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name="data", skip_lowering=lowering)
   params = {"w": jnp.ones(3)}
-  with pytest.raises(ValueError, match=r"axis_name='data' names an axis that is not mapped"):
+  with pytest.raises(
+    ValueError, match=r"axis_name='data': 'data' is not a mapped axis \(no axis is mapped here\)"
+  ):
     jax.jit(tx.update).trace(params, tx.init(params), params)  # tracing only: nothing is compiled
 
 
