@@ -59,7 +59,7 @@ class _Spec(NamedTuple):
   argnums: int | tuple[int, ...]
   has_aux: bool
   axis_name: _multi_device.AxisName
-  recomputes: bool  # max_tries given: the scale may move, and the state is handed back changed
+  recomputes: bool  # max_tries given: the scale may move
 
 
 def value_and_grad(
@@ -120,8 +120,11 @@ def value_and_grad(
   ``nnx.Optimizer`` with its ``opt_state`` updated in place. Every try starts
   from the arguments as they were at the call (the same RNG state: the same
   dropout masks), and the module state the call leaves is the one of the try
-  whose gradients are returned. Without ``max_tries`` the returned state is
-  ``state`` itself, unchanged.
+  whose gradients are returned. Without ``max_tries`` the scale does not
+  move: the returned state equals ``state``, except that a loss that was not
+  finite is recorded in it, so that the update skips the step and backs off
+  once (the gradients may be finite: a data term that is ``inf`` for one
+  batch), as with ``max_tries``.
 
   **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` the
   gradients of every pass are averaged over ``axis_name`` with
@@ -234,7 +237,7 @@ def _call(
   loss, (aux, after) = outcome.value
   modules.update(after, outcome.finite)
   value = (loss, aux) if spec.has_aux else loss
-  return (value, outcome.grads), _new_state(state, is_nnx, outcome.opt_state, spec.recomputes)
+  return (value, outcome.grads), _new_state(state, is_nnx, outcome.opt_state)
 
 
 def _is_train_state(x: Any) -> bool:
@@ -261,11 +264,10 @@ def _is_optimizer(state: Any, args: tuple[Any, ...]) -> bool:
   )
 
 
-def _new_state(state: Any, is_nnx: bool, new: Any, recomputes: bool) -> Any:
-  """The state to apply the gradients to: ``state``, with the optimizer state ``new`` when
-  the call may have moved the scale (a new ``TrainState``; an ``nnx.Optimizer`` in place)."""
-  if not recomputes:
-    return state
+def _new_state(state: Any, is_nnx: bool, new: Any) -> Any:
+  """The state to apply the gradients to: ``state`` with the optimizer state ``new`` (a new
+  ``TrainState``; an ``nnx.Optimizer`` in place). Without ``max_tries`` the scale has not
+  moved, but ``new`` may record a loss that was not finite, for the update to skip."""
   if is_nnx:
     _write_in_place(state.opt_state, new)
     return state
