@@ -126,7 +126,7 @@ class LossScaler:
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
-      unscaled = _numerics.unscale(g, inv_scale)
+      unscaled = _numerics.unscale(g, inv_scale, p)
       updates, new_state = self.inner.update(unscaled, inner_state, p, **extra_args)
       return output.out(p, updates), jax.tree.map(_types.as_weak_as, new_state, inner_state)
 
@@ -286,8 +286,12 @@ def loss_scaled(
   Precision Training*):
 
   1. unscale: ``u = grads * (1/S)`` in float32 (float64 for float64 leaves),
-     cast back to each leaf's dtype; integer, bool and ``None`` leaves pass
-     through untouched;
+     cast to each leaf's dtype, or to its parameter's where ``params`` are given
+     and the parameter is a wider real float (a float16 or bfloat16 gradient of a
+     float32 parameter is unscaled into float32, so the updates have the
+     parameter's dtype and nothing the scale saved is flushed again); a gradient
+     as narrow as its parameter, or with ``params=None``, keeps its own dtype;
+     integer, bool and ``None`` leaves pass through untouched;
   2. check: ``finite`` when S is a valid scale (finite, > 0), every
      floating entry of ``u`` is finite (exact) and, when ``loss`` is given,
      the loss is finite too, reduced over ``axis_name``; a non-finite step
