@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _accumulation, _localisation, _numerics, _validation
+from optax_dls import _accumulation, _localisation, _numerics, _tree_paths, _validation
 from optax_dls._state import LossScaleState
 
 
@@ -334,7 +334,11 @@ def leaf_names(params: Any) -> list[str]:
   (``"params/decoder/layers_3/attn/query/kernel"``).
 
   A leaf is named where it has a bit in the record: where it is floating or
-  complex, by the same test that picks the leaves the finite check reads.
+  complex, by the same test that picks the leaves the finite check reads. A
+  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) is named by its own
+  path, without the ``/value`` of its array (``"linear/kernel"``); an Equinox
+  module's leaves by their attribute paths (``"layers/0/weight"``), its
+  functions and other leaves that are not arrays having no name.
 
   Args:
     params: a pytree of arrays or ``jax.ShapeDtypeStruct``; ``None`` leaves and
@@ -348,8 +352,12 @@ def leaf_names(params: Any) -> list[str]:
     >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
     ['dense/bias', 'dense/kernel']
   """
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  return [_localisation.path_name(path) for path, x in leaves if _numerics.is_float(x)]
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_tree_paths.is_variable)
+  return [
+    _localisation.path_name(path)
+    for path, x in leaves
+    if _numerics.is_float(_tree_paths.unboxed(x))
+  ]
 
 
 def reset_scale(opt_state: Any, value: Any) -> Any:

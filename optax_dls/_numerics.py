@@ -14,8 +14,11 @@ from optax_dls import _localisation, _multi_device, _validation
 
 
 def is_float(x: Any) -> bool:
-  """Whether ``x`` is a floating or complex array (None and other leaves are not)."""
-  return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  """Whether ``x`` is a floating or complex array or number (None, strings, functions
+  and other objects are not: an Equinox model's activation functions have no dtype)."""
+  if not (hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))):
+    return False
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
