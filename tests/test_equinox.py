@@ -73,3 +73,19 @@ def test_skipped_step_leaves_the_model_and_names_the_leaf():
 def test_init_of_a_whole_model_names_the_fix():
   with pytest.raises(TypeError, match=r"params\.activation: for an Equinox model pass eqx\.filter"):
     _tx().init(_model())
+
+
+def test_example_trains_in_float16_and_shows_a_skip(capsys, monkeypatch):
+  import importlib.util
+  import pathlib
+  import sys
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "equinox_digits.py"
+  spec = importlib.util.spec_from_file_location("example_equinox_digits", path)
+  module = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, module)
+  spec.loader.exec_module(module)
+  out = module.main(["--steps", "4", "--log-every", "2"])
+  assert out["steps"] == 4 and np.isfinite(out["loss"])
+  assert out["skip_count"] >= 1 and out["loss_scale"] < 2.0**24  # 2**24 overflows fp16 first
+  assert "loss scale" in capsys.readouterr().out
