@@ -9,7 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 
-_NONE = lambda x: x is None  # noqa: E731
+
+def _NONE(x: Any) -> bool:
+  return x is None
 
 
 def held_out(grads: Any, params: Any) -> list[bool] | None:
@@ -22,7 +24,7 @@ def held_out(grads: Any, params: Any) -> list[bool] | None:
   if not any(g is None for g in leaves):
     return None
   try:
-    treedef.flatten_up_to(params)
+    treedef.flatten_up_to(params)  # type: ignore[attr-defined]
   except (ValueError, TypeError):
     return None
   return [g is None for g in leaves]
@@ -31,17 +33,19 @@ def held_out(grads: Any, params: Any) -> list[bool] | None:
 def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
   """``(params with None at the held-out places, the held-out subtrees)``."""
   treedef = jax.tree.structure(grads, is_leaf=_NONE)
-  subs = treedef.flatten_up_to(params)
+  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
   kept = [None if h else s for s, h in zip(subs, held, strict=True)]
-  return treedef.unflatten(kept), [s for s, h in zip(subs, held, strict=True) if h]
+  return jax.tree.unflatten(treedef, kept), [s for s, h in zip(subs, held, strict=True) if h]
 
 
 def merge(grads: Any, kept: Any, held: list[bool], out: list[Any]) -> Any:
   """The inverse of :func:`split`: ``kept`` with the held-out subtrees ``out`` back."""
   treedef = jax.tree.structure(grads, is_leaf=_NONE)
-  subs = treedef.flatten_up_to(kept)
+  subs = treedef.flatten_up_to(kept)  # type: ignore[attr-defined]
   rest = iter(out)
-  return treedef.unflatten([next(rest) if h else s for s, h in zip(subs, held, strict=True)])
+  return jax.tree.unflatten(
+    treedef, [next(rest) if h else s for s, h in zip(subs, held, strict=True)]
+  )
 
 
 def without(grads: Any, tree: Any, held: list[bool]) -> Any:
@@ -76,11 +80,11 @@ def partition(tree: Any) -> tuple[Any, Any]:
   leaves, treedef = jax.tree.flatten(tree)
   arrays = [x if _is_jax_type(x) else None for x in leaves]
   others = [None if _is_jax_type(x) else x for x in leaves]
-  return treedef.unflatten(arrays), treedef.unflatten(others)
+  return jax.tree.unflatten(treedef, arrays), jax.tree.unflatten(treedef, others)
 
 
 def combine(arrays: Any, others: Any) -> Any:
   """The inverse of :func:`partition`."""
   a, treedef = jax.tree.flatten(arrays, is_leaf=_NONE)
   b = jax.tree.leaves(others, is_leaf=_NONE)
-  return treedef.unflatten([y if x is None else x for x, y in zip(a, b, strict=True)])
+  return jax.tree.unflatten(treedef, [y if x is None else x for x, y in zip(a, b, strict=True)])

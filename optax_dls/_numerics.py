@@ -114,7 +114,7 @@ def unscale(tree: Any, inv_scale: jax.Array, params: Any = None) -> Any:
     return (x.astype(ct) * inv_scale.astype(ct)).astype(out)
 
   leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-  return treedef.unflatten([one(x, d) for x, d in zip(leaves, dtypes, strict=True)])
+  return jax.tree.unflatten(treedef, [one(x, d) for x, d in zip(leaves, dtypes, strict=True)])
 
 
 def _param_dtypes(tree: Any, params: Any) -> list[Any]:
@@ -124,7 +124,7 @@ def _param_dtypes(tree: Any, params: Any) -> list[Any]:
   if params is None:
     return [None] * len(leaves)
   try:
-    matched = jax.tree.structure(tree, is_leaf=lambda x: x is None).flatten_up_to(params)
+    matched = jax.tree.structure(tree, is_leaf=lambda x: x is None).flatten_up_to(params)  # type: ignore[attr-defined]
   except (ValueError, TypeError):
     return [None] * len(leaves)
   return [_wider(x, p) for x, p in zip(leaves, matched, strict=True)]

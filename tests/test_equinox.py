@@ -36,7 +36,7 @@ def test_model_with_functions_trains_through_value_and_grad_update_and_apply_ste
     new_model, state = optax_dls.apply_step(tx, grads, state, model)
     return new_model, state, loss, grads, updates
 
-  new_model, state, loss, grads, updates = step(model, state, x)
+  new_model, state, _, grads, updates = step(model, state, x)
   # As eqx.filter_value_and_grad: the functions get None, the arrays the unscaled
   # gradients times the scale.
   _, want = eqx.filter_value_and_grad(_loss)(model, x)
