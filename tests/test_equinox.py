@@ -1,6 +1,8 @@
 """An Equinox model, its activation functions among its leaves, through update,
 apply_step, value_and_grad, init and the leaf names."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +55,7 @@ def test_model_with_functions_trains_through_value_and_grad_update_and_apply_ste
   )
 
 
-def test_skipped_step_leaves_the_model_and_names_the_leaf():
+def test_skipped_step_leaves_the_model_and_names_the_leaf(tmp_path):
   model, tx = _model(), _tx()
   state = tx.init(eqx.filter(model, eqx.is_array))
   grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_array))
@@ -62,6 +64,10 @@ def test_skipped_step_leaves_the_model_and_names_the_leaf():
   assert not bool(state.last_step_finite)
   assert eqx.tree_equal(new_model, model)
   assert optax_dls.nonfinite_leaves(state, model) == {"layers/1/weight": "inf"}
+  with optax_dls.writers.MetricsWriter(tmp_path, tensorboard=False, params=model) as w:
+    w.log(0, optax_dls.metrics(state))
+  row = json.loads((tmp_path / optax_dls.writers.JSONL_NAME).read_text().splitlines()[0])
+  assert row["nonfinite_leaves"] == {"layers/1/weight": "inf"}
   assert optax_dls.leaf_names(model) == [
     "layers/0/weight",
     "layers/0/bias",
