@@ -490,7 +490,9 @@ def apply_step(
     tx: the optax transformation, usually loss-scaled.
     grads: the (scaled) gradients, a pytree matching ``params``.
     opt_state: ``tx``'s state.
-    params: the parameters; required.
+    params: the parameters; required. A parameter whose gradient is ``None``
+      (an Equinox model's functions and other leaves that are not arrays, as
+      ``eqx.filter_grad`` gives them) is returned as it is, on every step.
     **extra_args: forwarded to ``tx.update``.
 
   Returns:
