@@ -359,7 +359,11 @@ def leaf_names(params: Any) -> list[str]:
   (``"params/decoder/layers_3/attn/query/kernel"``).
 
   A leaf is named where it has a bit in the record: where it is floating or
-  complex, by the same test that picks the leaves the finite check reads.
+  complex, by the same test that picks the leaves the finite check reads. A
+  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) is named by its own
+  path, without the ``/value`` of its array (``"linear/kernel"``); an Equinox
+  module's leaves by their attribute paths (``"layers/0/weight"``), its
+  functions and other leaves that are not arrays having no name.
   Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
   ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
   would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.

@@ -14,8 +14,11 @@ from optax_dls import _localisation, _multi_device, _validation
 
 
 def is_float(x: Any) -> bool:
-  """Whether ``x`` is a floating or complex array (None and other leaves are not)."""
-  return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  """Whether ``x`` is a floating or complex array or number (None, strings, functions
+  and other objects are not: an Equinox model's activation functions have no dtype)."""
+  if not (hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))):
+    return False
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
@@ -88,17 +91,54 @@ def exact_all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax
   return _multi_device.psum(bad, axis_name) == 0
 
 
-def unscale(tree: Any, inv_scale: jax.Array) -> Any:
-  """Multiplies each floating leaf by ``inv_scale`` in float32 (or wider) and
-  casts back to the leaf's dtype; other leaves pass through unchanged."""
+def unscale(tree: Any, inv_scale: jax.Array, params: Any = None) -> Any:
+  """Multiplies each floating leaf by ``inv_scale`` in float32 (or wider); other leaves
+  pass through unchanged.
 
-  def one(x: Any) -> Any:
+  The product takes the leaf's own dtype, except where ``params`` has, at the leaf's
+  place, a real floating parameter of a wider dtype than a real floating gradient (a
+  float16 or bfloat16 gradient of a float32 parameter): it then takes the parameter's
+  dtype, so that no value below the gradient dtype's smallest subnormal is flushed to
+  zero again (a float16 gradient of 2**-30, scaled to 2**-15, comes back as 2**-30, not
+  0). Where the parameter is as narrow as its gradient, where ``params`` is None, or
+  where ``params`` does not have the structure of ``tree`` (``None`` gradient leaves
+  match any parameter leaf), the gradient's own dtype is kept.
+  """
+  dtypes = _param_dtypes(tree, params)
+
+  def one(x: Any, dtype: Any) -> Any:
     if not is_float(x):
       return x
-    ct = compute_dtype(x.dtype)
-    return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
+    out = x.dtype if dtype is None else dtype
+    ct = compute_dtype(out)
+    return (x.astype(ct) * inv_scale.astype(ct)).astype(out)
 
-  return jax.tree.map(one, tree)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+  return jax.tree.unflatten(treedef, [one(x, d) for x, d in zip(leaves, dtypes, strict=True)])
+
+
+def _param_dtypes(tree: Any, params: Any) -> list[Any]:
+  """Per leaf of ``tree`` (``None`` leaves included): the dtype its unscaled value takes
+  when wider than its own (see :func:`unscale`), else None."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+  if params is None:
+    return [None] * len(leaves)
+  try:
+    matched = jax.tree.structure(tree, is_leaf=lambda x: x is None).flatten_up_to(params)  # type: ignore[attr-defined]
+  except (ValueError, TypeError):
+    return [None] * len(leaves)
+  return [_wider(x, p) for x, p in zip(leaves, matched, strict=True)]
+
+
+def _wider(grad: Any, param: Any) -> Any:
+  """``param``'s dtype where both are real floating arrays and it is wider, else None."""
+  if not (is_float(grad) and is_float(param)):
+    return None
+  g, p = jnp.dtype(jnp.result_type(grad)), jnp.dtype(jnp.result_type(param))
+  real = jnp.floating
+  if jnp.issubdtype(g, real) and jnp.issubdtype(p, real) and p.itemsize > g.itemsize:
+    return p
+  return None
 
 
 def global_amax(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:

@@ -18,7 +18,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from optax_dls import _access, _calls, _multi_device, _numerics, _recompute_stats, _validation
+from optax_dls import (
+  _access,
+  _calls,
+  _model,
+  _multi_device,
+  _numerics,
+  _recompute_stats,
+  _validation,
+)
 from optax_dls._localisation import NonFiniteRecord
 from optax_dls._state import LossScaleState, settled_scale
 from optax_dls._transform import LossScaledTransformation
@@ -302,7 +310,25 @@ def _grads_of(
     return (loss if passthrough else times), out
 
   nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
-  return jax.grad(scaled, argnums=nums, has_aux=True)
+  grad = jax.grad(scaled, argnums=nums, has_aux=True)
+  which = argnums if isinstance(argnums, tuple) else (argnums,)
+
+  def filtered(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    # Leaves of a differentiated argument that are not arrays (an Equinox model's
+    # functions) are held out of jax.grad, as eqx.filter_value_and_grad does: their
+    # gradients are None.
+    if not any(_model.has_non_arrays(args[i]) for i in which):
+      return grad(scale, *args, **kwargs)
+    parts = {i: _model.partition(args[i]) for i in which}
+
+    def whole(scale: jax.Array, /, *dyn: Any, **kw: Any) -> tuple[Any, Any]:
+      full = [_model.combine(a, parts[i][1]) if i in parts else a for i, a in enumerate(dyn)]
+      return scaled(scale, *full, **kw)
+
+    dyn = [parts[i][0] if i in parts else a for i, a in enumerate(args)]
+    return jax.grad(whole, argnums=nums, has_aux=True)(scale, *dyn, **kwargs)
+
+  return filtered
 
 
 def _passes(

@@ -25,6 +25,7 @@ from optax_dls import (
   _labels,
   _localisation,
   _lowering,
+  _model,
   _multi_device,
   _numerics,
   _policies,
@@ -58,13 +59,23 @@ def _skipped_updates(params: Any, out: Any) -> Any:
   return jax.tree.map(_types.negative_zeros_like, out)
 
 
+def _applied(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates``, leaving a parameter whose update is None as it is."""
+  return jax.tree.map(
+    lambda p, u: p if u is None else optax.apply_updates(p, u),
+    params,
+    updates,
+    is_leaf=lambda x: x is None,
+  )
+
+
 def _skipped_params(params: Any, out: Any) -> Any:
   del out
   return params  # bit for bit
 
 
 UPDATES = _Output(_updates, _skipped_updates)  # tx.update
-PARAMS = _Output(optax.apply_updates, _skipped_params)  # apply_step: updates applied inside
+PARAMS = _Output(_applied, _skipped_params)  # apply_step: updates applied inside
 
 
 class LossScaler:
@@ -89,6 +100,7 @@ class LossScaler:
 
   def init(self, params: Any) -> LossScaleState:
     """The state before the first step (see :func:`loss_scaled`)."""
+    _model.check_init_params(params)
     _flax_serialization.register()  # flax's own restore into this state: carried or refused
     scale, policy_state = self.policy.init()
     names = _labels.leaf_names(params)
@@ -137,13 +149,25 @@ class LossScaler:
     # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 
+    # Parameters whose gradient is None (an Equinox model's functions and other non-array
+    # leaves) stay out of the skip's operands and outputs and pass through untouched.
+    held = _model.held_out(grads, params)
+    kept, static = (params, []) if held is None else _model.split(grads, params, held)
+    whole = (lambda p: p) if held is None else (lambda p: _model.merge(grads, p, held, static))
+
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
-      unscaled = _numerics.unscale(g, inv_scale)
+      p = whole(p)
+      unscaled = _numerics.unscale(g, inv_scale, p)
       updates, new_state = self.inner.update(unscaled, inner_state, p, **extra_args)
-      return output.out(p, updates), jax.tree.map(_types.as_weak_as, new_state, inner_state)
+      out = output.out(p, updates)
+      if held is not None and output is PARAMS:
+        out = _model.without(grads, out, held)
+      return out, jax.tree.map(_types.as_weak_as, new_state, inner_state)
 
     select = self.lowering.select
-    result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, params)
+    result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, kept)
+    if held is not None and output is PARAMS:
+      result = whole(result)
     new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
     record = self._record(grads, state, check, finite, loss_bad)
     new = advance(
@@ -312,8 +336,12 @@ def loss_scaled(
   Precision Training*):
 
   1. unscale: ``u = grads * (1/S)`` in float32 (float64 for float64 leaves),
-     cast back to each leaf's dtype; integer, bool and ``None`` leaves pass
-     through untouched;
+     cast to each leaf's dtype, or to its parameter's where ``params`` are given
+     and the parameter is a wider real float (a float16 or bfloat16 gradient of a
+     float32 parameter is unscaled into float32, so the updates have the
+     parameter's dtype and nothing the scale saved is flushed again); a gradient
+     as narrow as its parameter, or with ``params=None``, keeps its own dtype;
+     integer, bool and ``None`` leaves pass through untouched;
   2. check: ``finite`` when S is a valid scale (finite, > 0), every
      floating entry of ``u`` is finite (exact) and, when ``loss`` is given,
      the loss is finite too, reduced over ``axis_name``; a non-finite step
@@ -495,7 +523,9 @@ def apply_step(
     tx: the optax transformation, usually loss-scaled.
     grads: the (scaled) gradients, a pytree matching ``params``.
     opt_state: ``tx``'s state.
-    params: the parameters; required.
+    params: the parameters; required. A parameter whose gradient is ``None``
+      (an Equinox model's functions and other leaves that are not arrays, as
+      ``eqx.filter_grad`` gives them) is returned as it is, on every step.
     **extra_args: forwarded to ``tx.update``.
 
   Returns:

@@ -123,3 +123,16 @@ def _dtype(leaf: Any) -> Any:
     return None
   dtype = getattr(leaf, "dtype", None)
   return None if dtype is None else np.dtype(dtype)
+
+
+def is_variable(x: Any) -> bool:
+  """Whether ``x`` is a flax nnx ``Variable`` (``nnx.Param`` ...), told without importing
+  flax: its key path ends in ``value``, which names leave out."""
+  return any(
+    c.__name__ == "Variable" and c.__module__.startswith("flax.nnx") for c in type(x).__mro__
+  )
+
+
+def unboxed(x: Any) -> Any:
+  """The array an nnx ``Variable`` holds; any other leaf as it is."""
+  return x.get_value() if is_variable(x) else x

@@ -111,12 +111,19 @@ def _param_names(params: Any) -> list[str] | None:
   if isinstance(params, (list, tuple)) and params and all(isinstance(n, str) for n in params):
     return list(params)
   try:
+    leaves = jax.tree.leaves(params)
+    if leaves and not any(_is_array_like(x) for x in leaves):  # an Equinox model has some
+      raise TypeError("no leaf is an array or a number")
     return _access.leaf_names(params)
   except (TypeError, ValueError) as e:
     raise TypeError(
       "params must be a pytree of arrays or jax.ShapeDtypeStruct (the parameters), or a list "
       f"of leaf names, got {params!r} of type {type(params).__name__}: {e}"
     ) from None
+
+
+def _is_array_like(x: Any) -> bool:
+  return hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
 
 
 def _words(name: str, value: Any) -> np.ndarray:

@@ -169,3 +169,38 @@ def test_both_checks_agree_on_the_flag_and_the_norm(leaves, scale):
   if bool(cond[0]):  # a finite step: both norms are the unscaled norm (inf past float32)
     for norm in (cond[1], fused[1]):
       np.testing.assert_allclose(float(norm), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
+def test_half_gradient_of_a_float32_parameter_is_unscaled_into_float32(half, lowering):
+  # 2**-30 is below float16's smallest subnormal (2**-24): scaled by 2**15 it is 2**-15,
+  # unscaled back into float16 it would be 0.
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**15, skip_lowering=lowering)
+  grads = {"w": jnp.full([3], 2.0**-15, half)}
+  updates, state = _step(tx, grads)
+  assert bool(state.last_step_finite)
+  assert updates["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(updates["w"]), np.full([3], -(2.0**-30), np.float32))
+
+
+def test_unscale_keeps_the_gradient_dtype_for_half_parameters_or_no_parameters(lowering):
+  # Documented choice: where the parameter is as narrow as its gradient, or update gets no
+  # parameters, the unscaled gradient keeps its own dtype (values below its smallest
+  # subnormal are flushed, as they would be in the parameter itself).
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**15, skip_lowering=lowering)
+  grads = {"w": jnp.full([2], 2.0**-15, jnp.float16)}
+  params = {"w": jnp.zeros([2], jnp.float16)}
+  state = tx.init(params)
+  for p in (params, None):
+    updates, _ = jax.jit(tx.update)(grads, state, p)
+    assert updates["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), [0.0, 0.0])
+
+
+def test_unscale_into_the_parameter_dtype_skips_none_and_mismatched_trees():
+  inv = jnp.float32(2.0**-15)
+  grads = {"a": jnp.full([1], 2.0**-15, jnp.float16), "f": None}
+  params = {"a": jnp.zeros([1], jnp.float32), "f": jnp.tanh}
+  out = _numerics.unscale(grads, inv, params)
+  assert out["a"].dtype == jnp.float32 and out["f"] is None
+  assert _numerics.unscale(grads, inv, {"other": 1.0})["a"].dtype == jnp.float16

@@ -1,0 +1,90 @@
+"""Models whose pytree holds leaves that are not arrays (an Equinox module's activation
+functions, Python scalars, strings): the parameters whose gradient is ``None`` are held
+out of the step and passed through untouched, as ``eqx.apply_updates`` does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _NONE(x: Any) -> bool:
+  return x is None
+
+
+def held_out(grads: Any, params: Any) -> list[bool] | None:
+  """Per leaf of ``grads`` (``None`` leaves included): whether it is ``None``, so the
+  parameter subtree at its place is held out of the step; None when nothing is held
+  out or ``params`` does not have the structure of ``grads``."""
+  if params is None:
+    return None
+  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
+  if not any(g is None for g in leaves):
+    return None
+  try:
+    treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+  except (ValueError, TypeError):
+    return None
+  return [g is None for g in leaves]
+
+
+def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
+  """``(params with None at the held-out places, the held-out subtrees)``."""
+  treedef = jax.tree.structure(grads, is_leaf=_NONE)
+  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+  kept = [None if h else s for s, h in zip(subs, held, strict=True)]
+  return jax.tree.unflatten(treedef, kept), [s for s, h in zip(subs, held, strict=True) if h]
+
+
+def merge(grads: Any, kept: Any, held: list[bool], out: list[Any]) -> Any:
+  """The inverse of :func:`split`: ``kept`` with the held-out subtrees ``out`` back."""
+  treedef = jax.tree.structure(grads, is_leaf=_NONE)
+  subs = treedef.flatten_up_to(kept)  # type: ignore[attr-defined]
+  rest = iter(out)
+  return jax.tree.unflatten(
+    treedef, [next(rest) if h else s for s, h in zip(subs, held, strict=True)]
+  )
+
+
+def without(grads: Any, tree: Any, held: list[bool]) -> Any:
+  """``tree`` (of the structure of ``params``) with None at the held-out places."""
+  return split(grads, tree, held)[0]
+
+
+def check_init_params(params: Any) -> None:
+  """TypeError naming the leaf and the fix where ``params`` holds a function or a string
+  (a whole Equinox model): ``init`` takes the arrays alone."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if callable(leaf) or isinstance(leaf, (str, bytes)):
+      raise TypeError(
+        f"init takes the parameters' arrays, got the leaf {leaf!r} of type "
+        f"{type(leaf).__name__} at params{jax.tree_util.keystr(path)}: for an Equinox "
+        "model pass eqx.filter(model, eqx.is_array)."
+      )
+
+
+def _is_jax_type(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def has_non_arrays(tree: Any) -> bool:
+  """Whether a leaf of ``tree`` is neither an array nor a number (a function, a string)."""
+  return not all(_is_jax_type(x) for x in jax.tree.leaves(tree))
+
+
+def partition(tree: Any) -> tuple[Any, Any]:
+  """``(arrays, others)``: ``tree`` twice, with None at the leaves that are not arrays or
+  numbers, and with None at those that are."""
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [x if _is_jax_type(x) else None for x in leaves]
+  others = [None if _is_jax_type(x) else x for x in leaves]
+  return jax.tree.unflatten(treedef, arrays), jax.tree.unflatten(treedef, others)
+
+
+def combine(arrays: Any, others: Any) -> Any:
+  """The inverse of :func:`partition`."""
+  a, treedef = jax.tree.flatten(arrays, is_leaf=_NONE)
+  b = jax.tree.leaves(others, is_leaf=_NONE)
+  return jax.tree.unflatten(treedef, [y if x is None else x for x, y in zip(a, b, strict=True)])

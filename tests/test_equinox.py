@@ -1,0 +1,97 @@
+"""An Equinox model, its activation functions among its leaves, through update,
+apply_step, value_and_grad, init and the leaf names."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+eqx = pytest.importorskip("equinox")
+
+
+def _model():
+  return eqx.nn.MLP(2, 2, 3, 1, key=jax.random.key(0))
+
+
+def _loss(model, x):
+  return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def _tx():
+  return optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**15)
+
+
+def test_model_with_functions_trains_through_value_and_grad_update_and_apply_step():
+  model, tx, x = _model(), _tx(), jnp.ones((4, 2))
+  state = tx.init(eqx.filter(model, eqx.is_array))
+  grad_fn = optax_dls.value_and_grad(_loss, tx)
+
+  @eqx.filter_jit
+  def step(model, state, x):
+    (loss, grads), state = grad_fn(state, model, x)
+    updates, _ = tx.update(grads, state, model)
+    new_model, state = optax_dls.apply_step(tx, grads, state, model)
+    return new_model, state, loss, grads, updates
+
+  new_model, state, _, grads, updates = step(model, state, x)
+  # As eqx.filter_value_and_grad: the functions get None, the arrays the unscaled
+  # gradients times the scale.
+  _, want = eqx.filter_value_and_grad(_loss)(model, x)
+  assert grads.activation is None
+  np.testing.assert_allclose(
+    np.asarray(grads.layers[0].weight), np.asarray(want.layers[0].weight) * 2.0**15, rtol=1e-5
+  )
+  assert bool(state.last_step_finite)
+  assert new_model.activation is model.activation  # passed through
+  assert updates.activation is None
+  expected = eqx.apply_updates(model, updates)
+  np.testing.assert_array_equal(
+    np.asarray(new_model.layers[1].bias), np.asarray(expected.layers[1].bias)
+  )
+
+
+def test_skipped_step_leaves_the_model_and_names_the_leaf(tmp_path):
+  model, tx = _model(), _tx()
+  state = tx.init(eqx.filter(model, eqx.is_array))
+  grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_array))
+  grads = eqx.tree_at(lambda m: m.layers[1].weight, grads, jnp.full((2, 3), jnp.inf))
+  new_model, state = optax_dls.apply_step(tx, grads, state, model)
+  assert not bool(state.last_step_finite)
+  assert eqx.tree_equal(new_model, model)
+  assert optax_dls.nonfinite_leaves(state, model) == {"layers/1/weight": "inf"}
+  with optax_dls.writers.MetricsWriter(tmp_path, tensorboard=False, params=model) as w:
+    w.log(0, optax_dls.metrics(state))
+  row = json.loads((tmp_path / optax_dls.writers.JSONL_NAME).read_text().splitlines()[0])
+  assert row["nonfinite_leaves"] == {"layers/1/weight": "inf"}
+  assert optax_dls.leaf_names(model) == [
+    "layers/0/weight",
+    "layers/0/bias",
+    "layers/1/weight",
+    "layers/1/bias",
+  ]
+
+
+def test_init_of_a_whole_model_names_the_fix():
+  with pytest.raises(TypeError, match=r"params\.activation: for an Equinox model pass eqx\.filter"):
+    _tx().init(_model())
+
+
+def test_example_trains_in_float16_and_shows_a_skip(capsys, monkeypatch):
+  import importlib.util
+  import pathlib
+  import sys
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "equinox_digits.py"
+  spec = importlib.util.spec_from_file_location("example_equinox_digits", path)
+  module = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, module)
+  spec.loader.exec_module(module)
+  out = module.main(["--steps", "4", "--log-every", "2"])
+  assert out["steps"] == 4 and np.isfinite(out["loss"])
+  assert out["skip_count"] >= 1 and out["loss_scale"] < 2.0**24  # 2**24 overflows fp16 first
+  assert "loss scale" in capsys.readouterr().out
