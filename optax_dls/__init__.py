@@ -30,6 +30,7 @@ from optax_dls._access import (
   scale_loss,
 )
 from optax_dls._alerts import SkipAlerts
+from optax_dls._locate import locate
 from optax_dls._numerics import all_finite
 from optax_dls._policies import (
   GradStats,
@@ -65,6 +66,7 @@ __all__ = [
   "find_state",
   "fp32_fallback",
   "leaf_names",
+  "locate",
   "loss_scale",
   "loss_scaled",
   "metrics",
