@@ -4,6 +4,7 @@ headroom of every named scope, printable as a short table and JSON-ready."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,13 @@ class LocateReport:
       rows.append({k: _plain(v) for k, v in row.items()})
     first = None if self.first is None else dataclasses.asdict(self.first)
     return {"scale": float(self.scale), "first": first, "headroom": rows}
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> LocateReport:
+    """The report :meth:`to_dict` gave (read back from a saved ``locate.json``)."""
+    first = data.get("first")
+    rows = [ScopeHeadroom(**row) for row in data.get("headroom", [])]
+    return cls(float(data["scale"]), None if first is None else Operation(**first), rows)
 
   def nearest(self, n: int = 3) -> list[ScopeHeadroom]:
     """The ``n`` scopes closest to overflow."""

@@ -3,6 +3,7 @@ each scope's headroom, for a linen model, an nnx model and a function with named
 
 import inspect
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,21 @@ def test_nnx_scope_is_the_nearest_user_function():
   assert (first.phase, first.primitive, first.kind) == ("forward", "dot_general", "inf")
   assert first.scope.endswith("Net.__call__")
   assert first.source == _line(Net.__call__, "self.lin(")
+
+
+def test_saved_report_is_shown_by_inspect(tmp_path):
+  optax = pytest.importorskip("optax")
+  from optax_dls import cli, writers
+
+  params = {"w": jnp.ones(2, jnp.float32)}
+  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+  report = optax_dls.locate(two_layers, *_two_layer_args(1.0, 64.0), scale=4096.0)
+  with writers.MetricsWriter(tmp_path, tensorboard=False) as writer:
+    writer.log(0, optax_dls.metrics(state))
+    path = writer.write_locate(report, step=7)
+    with pytest.raises(TypeError, match="report"):
+      writer.write_locate({"first": None})
+  assert json.loads(pathlib.Path(path).read_text())["step"] == 7
+  text = cli.inspect(tmp_path)
+  assert "the batch of step 7" in text
+  assert "first inf: backward dot_general (float16) in second" in text
