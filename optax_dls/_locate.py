@@ -2,9 +2,12 @@
 
 ``S * fun(*args)`` and its gradient are traced to two jaxprs, the forward (from
 ``jax.vjp``: the loss and the residuals) and the backward (the pullback applied to
-the cotangent 1), and evaluated equation by equation on the CPU, eagerly
+the cotangent 1), and evaluated equation by equation on the CPU
 (``eqn.primitive.bind``), so the phase of every operation is known by
-construction and the training step is untouched. Nested ``jit``, ``remat`` /
+construction and the training step is untouched. Each jaxpr is evaluated under
+one ``jax.jit`` that returns every operation's inputs and outputs (one compile,
+not one per operation), or, when it holds a ``cond``, eagerly, one operation at a
+time. Nested ``jit``, ``remat`` /
 ``checkpoint``, ``custom_jvp`` / ``custom_vjp`` calls and the taken branch of a
 ``cond`` are entered; a ``scan`` or ``while`` is evaluated whole and, if it makes
 the inf or NaN, reported as the place with a note.
@@ -109,14 +112,14 @@ def locate(
 
   with jax.default_device(cpu):
     closed = jax.make_jaxpr(forward)(args[argnums])
-    leaves = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args[argnums]), "forward", acc)
+    leaves = _run(closed, jax.tree.leaves(args[argnums]), "forward", acc)
 
     def backward(leaves: list[Any]) -> Any:
       loss, pullback = jax.tree.unflatten(tree[0], leaves)
       return pullback(jnp.ones_like(loss))
 
     closed = jax.make_jaxpr(backward)(leaves)
-    _eval(closed.jaxpr, closed.consts, leaves, "backward", acc)
+    _run(closed, leaves, "backward", acc)
   return acc.report(float(scale))
 
 
@@ -155,7 +158,52 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
-def _eval(jaxpr: Any, consts: list[Any], args: list[Any], phase: str, acc: Any) -> list[Any]:
+Record = Callable[[Any, list[Any], list[Any]], None]
+
+
+def _run(closed: Any, args: list[Any], phase: str, acc: Any) -> list[Any]:
+  """Evaluates ``closed`` and records every operation in order. Compiled once, returning
+  every intermediate value, unless it holds a ``cond`` (whose taken branch needs the
+  concrete index): then one operation at a time, eagerly."""
+
+  def now(eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
+    _record(eqn, invals, outvals, phase, acc)
+
+  if _has_cond(closed.jaxpr):
+    return _eval(closed.jaxpr, closed.consts, args, now)
+  eqns: list[Any] = []
+
+  def traced(consts: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
+    eqns.clear()
+    kept: list[Any] = []
+
+    def keep(eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
+      eqns.append(eqn)
+      kept.append((_inexact(invals), _inexact(outvals)))
+
+    return _eval(closed.jaxpr, consts, args, keep), kept
+
+  outs, kept = jax.jit(traced)(list(closed.consts), list(args))
+  for eqn, (invals, outvals) in zip(eqns, kept):
+    now(eqn, invals, outvals)
+  return outs
+
+
+def _inexact(values: list[Any]) -> list[Any]:
+  return [
+    jnp.asarray(v) for v in values if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact)
+  ]
+
+
+def _has_cond(jaxpr: Any) -> bool:
+  for eqn in jaxpr.eqns:
+    body = _body(eqn)
+    if eqn.primitive.name == "cond" or (body is not None and _has_cond(body[0])):
+      return True
+  return False
+
+
+def _eval(jaxpr: Any, consts: list[Any], args: list[Any], record: Record) -> list[Any]:
   env: dict[Any, Any] = {}
 
   def read(v: Any) -> Any:
@@ -169,13 +217,13 @@ def _eval(jaxpr: Any, consts: list[Any], args: list[Any], phase: str, acc: Any) 
     invals = [read(v) for v in eqn.invars]
     body = _body(eqn)
     if body is not None:
-      outvals = _eval(body[0], body[1], invals, phase, acc)
+      outvals = _eval(body[0], body[1], invals, record)
     elif eqn.primitive.name == "cond":
       branch = eqn.params["branches"][int(np.asarray(invals[0]))]
-      outvals = _eval(branch.jaxpr, list(branch.consts), invals[1:], phase, acc)
+      outvals = _eval(branch.jaxpr, list(branch.consts), invals[1:], record)
     else:
       outvals = _bind(eqn, invals)
-      _record(eqn, invals, outvals, phase, acc)
+      record(eqn, invals, outvals)
     for v, val in zip(eqn.outvars, outvals):
       env[v] = val
   return [read(v) for v in jaxpr.outvars]
