@@ -50,8 +50,9 @@ def locate(
 ) -> _headroom.LocateReport:
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
-  Runs outside the training step, on the CPU, one operation at a time (a few seconds
-  for a small model): call it once on the batch of a skipped step.
+  Runs outside the training step, on the CPU, recording every operation's inputs and
+  outputs (a few seconds for a small model; every intermediate value is held in host
+  memory): call it once, on a micro-batch of a skipped step.
 
   Args:
     fun: the loss function, as given to ``jax.grad``; returns a scalar (and an
