@@ -40,7 +40,11 @@ Everything lands in one folder (``--out``; printed at the end): ``metrics.jsonl`
 ``optax-dls inspect``; ``train_lm.png`` and ``summary.json``. The writers are
 given the parameters, so each row of a new non-finite step names the gradient
 leaves that held an inf or a NaN; the summary printed at the end counts, per
-parameter, the skipped steps it was not finite in.
+parameter, the skipped steps it was not finite in. On fp16-dls's first skipped step,
+``optax_dls.locate`` replays its first micro-batch at the scale it ran at (a few
+seconds, once): the summary prints the operation that overflowed and the three
+scopes closest to float16's limit, and ``locate.json`` keeps the report, which
+``optax-dls inspect`` shows.
 """
 
 from __future__ import annotations
@@ -349,6 +353,13 @@ class Progress:
       self.bar.close()
 
 
+def locate_skip(model, args, params, batches, scale):
+  """``optax_dls.locate`` on the first micro-batch of a skipped step, at the scale it ran at:
+  the operation that overflowed and the scopes closest to float16's limit."""
+  n = tokens_per_step(args)
+  return optax_dls.locate(lambda p, b: loss_sum(model, p, b) / n, params, batches[0], scale=scale)
+
+
 def train_run(name, args, params):
   """One run, logged by :func:`run_writers`. Returns (summary row, history of 1-D arrays)."""
   window = args.seq_len + 1
@@ -380,6 +391,8 @@ def train_run(name, args, params):
   t0 = time.perf_counter()
   writers = run_writers(args.out, name, params)
   skips_by_parameter = SkipsByParameter(params)
+  located = None  # fp16-dls: locate's report on the batch of the first skipped step
+  scale = float(optax_dls.loss_scale(opt_state))  # the scale the next step runs at
 
   def log(step, values):
     for w in writers:
@@ -394,10 +407,14 @@ def train_run(name, args, params):
   validate(0)
   progress = Progress(name, args.steps, recomputes=name in RECOMPUTED)
   for step in range(1, args.steps + 1):
-    params, opt_state, m = train_step(
-      params, opt_state, data.gather(args.train, order[step - 1], window)
-    )
+    batches = data.gather(args.train, order[step - 1], window)
+    before = params
+    params, opt_state, m = train_step(params, opt_state, batches)
     m = jax.device_get(m)
+    if name == "fp16-dls" and m["skipped"] and located is None:
+      located = locate_skip(model, args, before, batches, scale)
+      writers[0].write_locate(located, step=step)
+    scale = float(m["loss_scale"])
     log(step, m)
     skips_by_parameter.update(m)
     for k in ("loss", "loss_scale", "skipped", "recomputed_steps"):
@@ -424,6 +441,7 @@ def train_run(name, args, params):
     else None,
     "loss_scale": float(m["loss_scale"]),
     "skips_by_parameter": skips_by_parameter.result(),
+    "located": None if located is None else located.to_dict(),
     "wall_s": time.perf_counter() - t0,
   }
   return row, hist
@@ -462,6 +480,8 @@ def main(argv=None) -> int:
   print("\n" + report.table(results))
   if skips := report.skips_by_parameter(results):
     print("\n" + skips)
+  if located := report.located(results):
+    print("\n" + located)
   cpu = time.process_time()
   print(f"\ntotal wall time {time.perf_counter() - start:.0f} s (process CPU time {cpu:.0f} s)")
   print(f"outputs: {os.path.abspath(args.out)}  (optax-dls inspect {args.out})")

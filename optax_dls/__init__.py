@@ -31,6 +31,7 @@ from optax_dls._access import (
 )
 from optax_dls._alerts import SkipAlerts
 from optax_dls._casting import CastPolicy, cast_policy, full_precision
+from optax_dls._locate import locate
 from optax_dls._numerics import all_finite
 from optax_dls._policies import (
   GradStats,
@@ -69,6 +70,7 @@ __all__ = [
   "fp32_fallback",
   "full_precision",
   "leaf_names",
+  "locate",
   "loss_scale",
   "loss_scaled",
   "metrics",

@@ -33,6 +33,12 @@ class SkipAlerts:
   Call it with the metrics of the steps you look at; with sparse calls an
   episode shorter than the gap between two calls can go unseen.
 
+  When it warns, find the operation that overflowed by replaying that step's
+  batch outside the training step: ``print(optax_dls.locate(loss_fn, params,
+  batch, scale=float(optax_dls.loss_scale(opt_state))))`` names its phase,
+  primitive, ``file:line`` and scope, and the layers closest to float16's
+  limit (see :func:`optax_dls.locate`).
+
   Args:
     alert_after: int in [1, 2**31 - 1], consecutive skips that raise the
       first alert. Default 3.

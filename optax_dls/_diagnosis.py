@@ -63,9 +63,10 @@ _ADVICE = {
   "NaN skips": (
     "A NaN is not an overflow: it comes from an operation without a finite result (0/0, "
     "log(0), the square root of a negative number, inf - inf) or from bad data, and no loss "
-    "scale cures it. optax_dls.nonfinite_leaves(opt_state, params) names the parameters; find "
-    "the operation by running a batch of such a step with jax_debug_nans on, add an epsilon or "
-    "compute it in float32, and check the data (optax_dls.all_finite(batch))."
+    "scale cures it. optax_dls.nonfinite_leaves(opt_state, params) names the parameters; "
+    "optax_dls.locate(loss_fn, params, batch) on a batch of such a step names the operation, "
+    "its phase and its layer; add an epsilon or compute it in float32, and check the data "
+    "(optax_dls.all_finite(batch))."
   ),
   "non-finite loss": (
     "A loss that is inf or NaN makes every gradient non-finite whatever the scale: the step is "

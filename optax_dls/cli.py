@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optax_dls import _live, _plot, _report
+from optax_dls import _live, _locate_view, _plot, _report
 from optax_dls._diagnosis import (  # noqa: F401  (public names of this module before the split)
   DIVERGE_FACTOR,
   NO_GROWTH_UPDATES,
@@ -81,8 +81,10 @@ def inspect(
     as_json: bool, return the summary and diagnosis as JSON instead of text.
 
   Returns:
-    The report as one ``str``: text, ending with the plot's path when one was
-    drawn, or JSON with ``as_json``.
+    The report as one ``str``: text, followed by each saved
+    :func:`optax_dls.locate` report (a ``locate.json`` that
+    :meth:`~optax_dls.writers.MetricsWriter.write_locate` wrote) under ``run_dir``,
+    ending with the plot's path when one was drawn; or JSON with ``as_json``.
 
   Raises:
     NoLogsError: no readable logs under ``run_dir``.
@@ -103,6 +105,8 @@ def inspect(
   if as_json:
     return _report.to_json(report)
   out = _report.text(report)
+  saved = _locate_view.saved_text(run_dir)  # a saved optax_dls.locate report, if any
+  out = f"{out}\n\n{saved}" if saved else out
   return out + f"\nplot written to {plot_path}" if plot_path else out
 
 

@@ -32,6 +32,7 @@ from optax_dls import _access, _localisation, _optional, _tail, _validation
 __all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
 
 JSONL_NAME = "metrics.jsonl"
+LOCATE_NAME = "locate.json"  # the saved report of optax_dls.locate, shown by optax-dls inspect
 
 
 _RESERVED = ("step", "run")
@@ -241,6 +242,30 @@ class MetricsWriter:
     if cut:
       _write_all(f, b"\n")
     return f
+
+  def write_locate(self, report: Any, step: int | None = None) -> str:
+    """Saves a :func:`optax_dls.locate` report as ``<logdir>/locate.json``, replacing
+    an earlier one; ``optax-dls inspect`` shows it under the run's report.
+
+    Args:
+      report: what :func:`optax_dls.locate` returned.
+      step: optional int, the step whose batch it replayed (stored as ``"step"``).
+
+    Returns:
+      The file's path.
+
+    Raises:
+      TypeError: ``report`` has no ``to_dict`` method, or ``step`` is not an int.
+    """
+    if not callable(getattr(report, "to_dict", None)):
+      raise TypeError(f"report must be what optax_dls.locate returns, got {type(report).__name__}.")
+    data = report.to_dict()
+    if step is not None:
+      data = {"step": _validation.integer("step", step), **data}
+    path = os.path.join(self.logdir, LOCATE_NAME)
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(data, f, indent=1)
+    return path
 
   def _check_open(self) -> None:
     if self._closed:

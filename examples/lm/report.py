@@ -95,6 +95,34 @@ def skips_by_parameter(results: dict, shown: int = 5) -> str:
   )
 
 
+def located(results: dict, shown: int = 3) -> str:
+  """Each run's ``located`` row (``optax_dls.locate`` on its first skipped step, as
+  ``to_dict``): the operation that overflowed and the ``shown`` scopes closest to the limit;
+  "" when no run has one."""
+  lines = []
+  for name, r in results.items():
+    rep = r.get("located")
+    if not rep:
+      continue
+    f = rep["first"]
+    what = (
+      "every value finite"
+      if f is None
+      else (
+        f"{f['kind']} in the {f['phase']} pass: {f['primitive']} ({f['dtype']}) in "
+        f"{f['scope'] or '(top level)'} at {f['source']}"
+      )
+    )
+    lines.append(f"  {name}, first skipped step at loss scale {rep['scale']:g}: {what}")
+    for h in rep["headroom"][:shown]:
+      fwd = "overflow" if h["forward_overflow"] else f"{h['forward_fraction']:.1%}"
+      bwd = "overflow" if h["backward_overflow"] else f"{h['backward_fraction']:.1%}"
+      lines.append(f"    {h['scope']:<28} forward {fwd:>8}  backward {bwd:>8}")
+  if not lines:
+    return ""
+  return "\n".join(["Located with optax_dls.locate (closest to float16's limit first):"] + lines)
+
+
 COLORS = {
   "fp32": "0.55",
   "fp16": "tab:red",

@@ -165,6 +165,7 @@ def test_summary(out):
       "extra_passes",
       "loss_scale",
       "skips_by_parameter",
+      "located",
       "wall_s",
     }
     assert 0 <= row["zero_frac"] <= 1 and row["wall_s"] > 0
@@ -203,6 +204,23 @@ def test_skipped_steps_name_the_parameters_that_overflowed(out):
   # Most skipped steps first.
   totals = [c["inf"] + c["nan"] for c in counts.values()]
   assert totals == sorted(totals, reverse=True)
+
+
+def test_first_skipped_step_is_located(out):
+  """fp16-dls runs optax_dls.locate once, on the batch of its first skipped step: saved as
+  locate.json, in summary.json, and printed with the operation and the three nearest scopes."""
+  first_skip = next(r["step"] for r in train_rows(out, "fp16-dls") if r["skipped"])
+  saved = json.loads((out / "locate.json").read_text())
+  assert saved["step"] == first_skip and saved["scale"] == 2.0**31
+  located = json.loads((out / "summary.json").read_text())["runs"]["fp16-dls"]["located"]
+  assert located["first"] == saved["first"] and located["first"]["kind"] in ("inf", "nan")
+  printed = (out / "stdout.txt").read_text()
+  block = printed[printed.index("Located with optax_dls.locate") :].split("\n\n")[0]
+  assert located["first"]["primitive"] in block and located["first"]["phase"] in block
+  rows = block.splitlines()[2:]
+  assert len(rows) == 3
+  assert all(r.strip().startswith(h["scope"]) for r, h in zip(rows, located["headroom"]))
+  assert f"the batch of step {first_skip}" in cli.inspect(str(out))
 
 
 def test_loss_scaled_run_learns(out):

@@ -1,0 +1,175 @@
+"""The report :func:`optax_dls.locate` returns: the first non-finite operation and the
+headroom of every named scope, printable as a short table and JSON-ready."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+  """One operation whose output was not finite.
+
+  Attributes:
+    phase: ``"forward"`` (computing ``S * fun(*args)``) or ``"backward"`` (its gradient).
+    primitive: the JAX primitive, e.g. ``"dot_general"``.
+    source: ``"file:line"`` of the user's code that wrote it (``"?"`` when unknown).
+    scope: the named scope it ran in (flax linen's module path, ``jax.named_scope``),
+      else the qualified name of the user's function that wrote it (nnx, Equinox).
+    kind: ``"inf"`` or ``"nan"`` (``"nan"`` when its output holds any NaN).
+    dtype: its output's dtype, e.g. ``"float16"``.
+    input_max: the largest finite ``|value|`` among its inputs (0.0 when none).
+    note: why the place is approximate (a ``scan`` or ``while`` evaluated whole), else ``""``.
+  """
+
+  phase: str
+  primitive: str
+  source: str
+  scope: str
+  kind: str
+  dtype: str
+  input_max: float
+  note: str = ""
+
+
+@dataclasses.dataclass
+class ScopeHeadroom:
+  """How close one scope's values come to its dtype's limits.
+
+  Attributes:
+    scope: the scope's name (``"(top level)"`` outside any).
+    forward_fraction / backward_fraction: the largest finite ``|activation|`` in the
+      forward pass / ``|cotangent|`` in the backward pass, as a fraction of its dtype's
+      largest finite value (65504 for float16); 0.0 when the scope has none.
+    forward_overflow / backward_overflow: an operation of the scope made an inf or NaN
+      from finite inputs in that pass.
+    underflow_share: the share of its floating-point output entries, both passes,
+      that are nonzero and below the dtype's smallest normal.
+  """
+
+  scope: str
+  forward_fraction: float = 0.0
+  backward_fraction: float = 0.0
+  forward_overflow: bool = False
+  backward_overflow: bool = False
+  underflow_share: float = 0.0
+  first_overflow: int = -1  # order of its first overflowing operation; -1 when none
+  _entries: int = dataclasses.field(default=0, repr=False)
+  _below_normal: int = dataclasses.field(default=0, repr=False)
+
+  def sort_key(self) -> tuple[int, int, float]:
+    overflowed = self.forward_overflow or self.backward_overflow
+    nearest = max(self.forward_fraction, self.backward_fraction)
+    return (0 if overflowed else 1, self.first_overflow if overflowed else 0, -nearest)
+
+
+@dataclasses.dataclass
+class LocateReport:
+  """What :func:`optax_dls.locate` found.
+
+  Attributes:
+    scale: the loss scale ``S`` the loss was multiplied by.
+    first: the first :class:`Operation` that made an inf or NaN, or ``None``.
+    headroom: one :class:`ScopeHeadroom` per scope, closest to overflow first (those
+      that overflowed first, in the order they did).
+  """
+
+  scale: float
+  first: Operation | None
+  headroom: list[ScopeHeadroom]
+
+  def to_dict(self) -> dict[str, Any]:
+    """The report as plain JSON types (``json.dumps`` accepts it)."""
+    rows = []
+    for h in self.headroom:
+      row = {f.name: getattr(h, f.name) for f in dataclasses.fields(h) if f.repr}
+      rows.append({k: _plain(v) for k, v in row.items()})
+    first = None if self.first is None else dataclasses.asdict(self.first)
+    return {"scale": float(self.scale), "first": first, "headroom": rows}
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> LocateReport:
+    """The report :meth:`to_dict` gave (read back from a saved ``locate.json``)."""
+    first = data.get("first")
+    rows = [ScopeHeadroom(**row) for row in data.get("headroom", [])]
+    return cls(float(data["scale"]), None if first is None else Operation(**first), rows)
+
+  def nearest(self, n: int = 3) -> list[ScopeHeadroom]:
+    """The ``n`` scopes closest to overflow."""
+    return self.headroom[:n]
+
+  def __str__(self) -> str:
+    lines = [f"locate at loss scale {self.scale:g}:"]
+    f = self.first
+    if f is None:
+      lines.append("  every value finite")
+    else:
+      lines.append(
+        f"  first {f.kind}: {f.phase} {f.primitive} ({f.dtype}) in {f.scope or '(top level)'}"
+        f" at {f.source}; largest finite input {f.input_max:.3g}"
+      )
+      if f.note:
+        lines.append(f"  note: {f.note}")
+    lines.append(f"  {'scope':<32} {'forward':>9} {'backward':>9} {'subnormal':>9}")
+    for h in self.headroom[:10]:
+      fwd = "overflow" if h.forward_overflow else f"{h.forward_fraction:.2%}"
+      bwd = "overflow" if h.backward_overflow else f"{h.backward_fraction:.2%}"
+      lines.append(f"  {h.scope[-32:]:<32} {fwd:>9} {bwd:>9} {h.underflow_share:>9.1%}")
+    if len(self.headroom) > 10:
+      lines.append(f"  ... {len(self.headroom) - 10} more scopes")
+    return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, (float, np.floating)):
+    return float(value)
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  return value
+
+
+class Accumulator:
+  """Collects each operation's outputs, per scope, as :func:`locate` evaluates them."""
+
+  def __init__(self) -> None:
+    self.scopes: dict[str, ScopeHeadroom] = {}
+    self.first: Operation | None = None
+    self.first_propagated: Operation | None = None
+    self._order = 0
+
+  def add(self, phase: str, scope: str, outputs: list[np.ndarray], inputs_finite: bool) -> bool:
+    """Records float outputs; True when one of them is non-finite."""
+    h = self.scopes.setdefault(scope or "(top level)", ScopeHeadroom(scope or "(top level)"))
+    nonfinite = False
+    for out in outputs:
+      info = np.finfo(out.dtype)
+      values = np.abs(out.astype(np.float64))
+      finite = np.isfinite(values)
+      nonfinite |= not bool(finite.all())
+      if not inputs_finite:
+        continue  # inf or NaN carried in: not this operation's range
+      largest = float(values[finite].max()) if finite.any() else 0.0
+      fraction = largest / float(info.max)
+      if phase == "forward":
+        h.forward_fraction = max(h.forward_fraction, fraction)
+      else:
+        h.backward_fraction = max(h.backward_fraction, fraction)
+      h._entries += values.size
+      h._below_normal += int(np.count_nonzero((values > 0) & (values < float(info.tiny))))
+      h.underflow_share = h._below_normal / max(h._entries, 1)
+    if nonfinite and inputs_finite:
+      setattr(h, f"{phase}_overflow", True)
+      if h.first_overflow < 0:
+        h.first_overflow = self._order
+      self._order += 1
+    return nonfinite
+
+  def report(self, scale: float) -> LocateReport:
+    rows = sorted(self.scopes.values(), key=ScopeHeadroom.sort_key)
+    return LocateReport(scale, self.first or self.first_propagated, rows)
