@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -248,19 +249,23 @@ _TO_FLOAT32 = {jnp.dtype(jnp.float32): 1.0, jnp.dtype(jnp.float64): 2.0 ** (1104
 
 
 def _own_zero(x: jax.Array) -> jax.Array:
-  """A zero of ``x``'s real dtype computed from ``x``'s first entry (finite whatever it is).
+  """A zero ``()`` of ``x``'s real dtype computed from ``x``'s first entry (finite whatever
+  it is).
 
   XLA's CPU backend fuses an elementwise producer into a reduction only when it reads the
   reduced array alone: a factor that is a constant or another array's scalar makes it write
   the product out, an array of the leaf's size. A factor computed from the leaf itself
-  keeps the read fused. A leaf sharded over ``Explicit`` mesh axes gets a plain zero.
+  keeps the read fused (a factor computed entry by entry does not). The first entry is a
+  static slice, not ``x.reshape(-1)[0]``: on a leaf sharded over ``Auto`` mesh axes the
+  reshape made the compiler gather the whole leaf; the slice costs one element's
+  broadcast. A leaf sharded over ``Explicit`` mesh axes gets a plain zero.
   """
   real = jnp.real(x).dtype
   spec = getattr(getattr(_multi_device.typeof(x), "sharding", None), "spec", None)
   if spec is not None and any(p is not None for p in spec):
-    return jnp.zeros([], real)  # an entry of an explicitly sharded leaf needs a collective
-  first = jnp.real(x.reshape(-1)[0])
-  return (jnp.isnan(first)).astype(real) * 0
+    return jnp.zeros([], real)
+  first = jnp.real(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(()))
+  return jnp.isnan(first).astype(real) * 0
 
 
 def tiny_square_sums(leaves: list[jax.Array], k: jax.Array | None = None) -> list[jax.Array]:
@@ -419,9 +424,10 @@ def finite_and_norm(
     # before float32 does: its largest entry decides, read only for such leaves.
     low = [x for x in g if jnp.dtype(x.dtype) != jnp.dtype(compute_dtype(x.dtype))]
     if low:
-      overflow = lax.cond(
-        i > 1, lambda: _low_precision_overflow(g, k), lambda: jnp.zeros([], jnp.bool_)
-      )
+      # The flag varies over the mesh axes the low-precision leaves vary over (shard_map).
+      no = _multi_device.vary_like(jnp.zeros([], jnp.bool_), low[0])
+      no = functools.reduce(_multi_device.vary_like, low[1:], no)
+      overflow = lax.cond(i > 1, lambda: _low_precision_overflow(g, k), lambda: no)
       exact_codes = lambda: jnp.maximum(codes, leaf_codes(leaf_amax(g), i))
       codes = lax.cond(overflow, exact_codes, lambda: codes)
     return _check(codes, jnp.bool_(True), norm, axis_name)
