@@ -157,6 +157,12 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
     raise TypeError(
       f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."
     )
+  if isinstance(loss, (tuple, list, dict)):
+    raise TypeError(
+      f"loss must be a floating-point array, got a {type(loss).__name__}: a function that "
+      "returns (loss, aux) needs has_aux=True (value_and_grad), or pass the loss alone "
+      "(scale_loss(loss, opt_state))."
+    )
   try:
     loss = jnp.asarray(loss)
   except (TypeError, ValueError) as e:

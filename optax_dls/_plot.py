@@ -64,6 +64,7 @@ def plot(runs: dict[str, Rows], out: str) -> None:
   ax_s.set_yscale("log", base=2)
   ax_s.set_ylabel("loss scale (x: skipped)")
   ax_k.set_ylabel("skipped steps (cumulative)")
+  ax_k.yaxis.set_major_locator(_matplotlib("matplotlib.ticker").MaxNLocator(integer=True))
   ax_k.set_xlabel("step")
   ax_s.legend(loc="best")
   fig.tight_layout()

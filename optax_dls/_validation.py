@@ -128,7 +128,13 @@ def scale_range(
   lo, hi = scale(lo_name, lo), scale(hi_name, hi)
   check(lo <= hi, hi_name, hi, f"{hi_name} >= {lo_name}={lo!r}")
   i = scale(i_name, i)
-  check(lo <= i <= hi, i_name, i, f"{lo_name}={lo!r} <= {i_name} <= {hi_name}={hi!r}")
+  check(
+    lo <= i <= hi,
+    i_name,
+    i,
+    f"{lo_name}={lo!r} <= {i_name} <= {hi_name}={hi!r} (pass {i_name} within the range when "
+    f"you change {lo_name} or {hi_name}: it has a default of its own)",
+  )
   return i, lo, hi
 
 

@@ -231,7 +231,7 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
     else:
       msg = _explain(saved, target, step, manager.directory) + f"\nOrbax: {err}"
       raise ValueError(msg) from err
-  return restored if tx is None else settled(restored, tx)
+  return restored if tx is None else _settled(restored, tx, stacklevel=2)
 
 
 def _manager(ocp: Any, manager: Any) -> Any:
@@ -362,11 +362,25 @@ def settled(restored: Any, tx: Any) -> Any:
   """
   if getattr(tx, "scaler", None) is None:
     raise TypeError(_NOT_LOSS_SCALED.format(tx=tx))
+  return _settled(restored, tx, stacklevel=2)
+
+
+def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
+  """:func:`settled`, its warning pointing ``stacklevel`` frames up."""
   state = _access.find_state(restored)
   low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
   scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
   new = np.clip(scale, np.float32(low), np.float32(high))
   if np.array_equal(new, scale, equal_nan=True):
+    init = float(tx.scaler.init_scale)
+    if not tx.scaler.passthrough and np.all(scale == 1.0) and init > 1.0:
+      warnings.warn(  # in range, but most likely the S = 1 of a state without loss scaling
+        f"optax_dls.checkpoint: loss scale 1.0 kept (it lies in the transformation's range): "
+        f"the scale of a no_loss_scale state, or of a run at its minimum; it grows from there "
+        f"one growth_interval at a time. To start from the initial scale instead: "
+        f"optax_dls.reset_scale(state, {_validation.scale_text(init)}, tx=tx).",
+        stacklevel=stacklevel + 1,
+      )
     return restored
   why = (
     "no_loss_scale: S = 1"
@@ -376,7 +390,7 @@ def settled(restored: Any, tx: Any) -> Any:
   )
   warnings.warn(
     f"optax_dls.checkpoint: loss scale {_scales(scale)} -> {_scales(new)} ({why}).",
-    stacklevel=3,
+    stacklevel=stacklevel + 1,
   )
   return _access.replace_state(restored, state._replace(loss_scale=jax.numpy.asarray(new)))
 

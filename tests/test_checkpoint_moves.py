@@ -84,7 +84,10 @@ def test_a_no_loss_scale_checkpoint_under_dynamic_scaling_adapts_from_its_scale(
   params, state = _trained(optax_dls.no_loss_scale(optax.sgd(0.1)))
   _save(tmp_path, {"params": params, "opt_state": state})
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=1)
-  state = _restore(tmp_path, tx, params, tx=tx)["opt_state"]
+  with pytest.warns(
+    UserWarning, match=r"loss scale 1.0 kept .*reset_scale\(state, 2\*\*15, tx=tx\)"
+  ):
+    state = _restore(tmp_path, tx, params, tx=tx)["opt_state"]
   assert float(state.loss_scale) == 1.0
   for i in range(3):
     params, state = _quick_start_step(tx, params, state, jnp.float32(1.0))
@@ -229,3 +232,20 @@ def test_a_plain_flax_checkpoint_under_restore_names_the_conversion_and_it_carri
   moved = optax_dls.checkpoint.into_loss_scaled(raw, target)
   assert int(moved.opt_state.inner_state[0].count) == 1
   np.testing.assert_array_equal(moved.opt_state.inner_state[0].mu["w"], plain.opt_state[0].mu["w"])
+
+
+def test_the_warning_of_settled_points_at_its_caller():
+  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
+  with pytest.warns(UserWarning, match="loss scale 2") as said:
+    optax_dls.checkpoint.settled(state, optax_dls.no_loss_scale(optax.sgd(0.1)))
+  assert said[0].filename == __file__
+
+
+def test_a_tuple_handed_over_as_the_loss_says_to_pass_has_aux():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(PARAMS)
+  with pytest.raises(TypeError, match="needs has_aux=True"):
+    optax_dls.scale_loss((jnp.float32(1.0), {"tag": "t"}), state)
+  grad_fn = optax_dls.value_and_grad(lambda p: (_loss(p, 1.0), {"tag": "t"}), tx)
+  with pytest.raises(TypeError, match="needs has_aux=True"):
+    grad_fn(state, PARAMS)
