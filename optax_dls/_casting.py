@@ -66,12 +66,23 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
 
 
 def _floating_dtype(name: str, value: Any) -> Any:
+  """``value`` as a floating dtype JAX computes in: a dtype, or one of jmp's names ('f16',
+  'half', 'full', ...), which NumPy alone would read otherwise ('f16' is its float128)."""
+  if isinstance(value, str) and (value in _DTYPES or value == "half"):
+    return half_dtype() if value == "half" else _DTYPES[value]
+  if value is None:
+    raise TypeError(f"{name} must be a dtype or one of jmp's dtype names, got None.")
   try:
     dtype = jnp.dtype(value)
   except TypeError:
     raise TypeError(f"{name} must be a dtype, got {value!r}.") from None
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{name} must be a floating dtype, got {name}={dtype.name}.")
+  if dtype.itemsize > 8:  # NumPy's float128: no JAX array holds it
+    raise ValueError(
+      f"{name} must be a floating dtype JAX computes in (float16, bfloat16, float32, float64, "
+      f"the float8 types), got {name}={dtype.name}."
+    )
   return dtype
 
 

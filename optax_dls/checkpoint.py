@@ -305,11 +305,13 @@ _NOT_LOSS_SCALED = (
 def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, Any]) -> bool:
   """Whether ``diff`` is only the fields an earlier layout of a loss-scale state held or
   lacked."""
-  retired = all(
-    p[-1] in _RETIRED_FIELDS and (*p[:-1], "loss_scale") in stored for p in diff.only_stored
-  )
+
+  def in_a_state(node: _tree_paths.Path) -> bool:  # the node holds a loss-scale state's fields
+    return all((*node, f) in stored for f in ("loss_scale", "num_steps", "last_step_finite"))
+
+  retired = all(p[-1] in _RETIRED_FIELDS and in_a_state(p[:-1]) for p in diff.only_stored)
   new = all(
-    any(p[-len(f) :] == f and (*p[: -len(f)], "loss_scale") in stored for f in _NEW_FIELDS)
+    any(p[-len(f) :] == f and in_a_state(p[: -len(f)]) for f in _NEW_FIELDS)
     for p in diff.only_target
   )
   return bool(diff.only_stored or diff.only_target) and retired and new and not diff.shapes

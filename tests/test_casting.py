@@ -183,3 +183,15 @@ def test_the_migration_guide_forms_of_jmp_module_functions():
   assert optax_dls.cast_policy("half").compute_dtype == jnp.dtype(jmp.half_dtype())
   p = optax_dls.cast_policy("p=f32,c=f16,o=f16").with_output_dtype(jnp.float32)
   assert str(p) == str(jmp.get_policy("p=f32,c=f16,o=f16").with_output_dtype(jnp.float32))
+
+
+def test_dtype_arguments_take_jmp_names_and_refuse_what_jax_cannot_hold():
+  """'f16' is float16 here, as in jmp's strings (NumPy alone reads it as float128)."""
+  policy = optax_dls.CastPolicy("f16", output_dtype="full")
+  assert (policy.param_dtype, policy.output_dtype) == (jnp.float16, jnp.float32)
+  assert optax_dls.cast_policy("c=f16").with_output_dtype("f16").output_dtype == jnp.float16
+  assert optax_dls.full_precision(lambda x: x, output_dtype="f16")(jnp.ones(2)).dtype == jnp.float16
+  with pytest.raises(ValueError, match="param_dtype must be a floating dtype JAX computes in"):
+    optax_dls.CastPolicy("float128")
+  with pytest.raises(TypeError, match="param_dtype must be a dtype"):
+    optax_dls.CastPolicy(None)

@@ -66,3 +66,14 @@ def test_restore_checkpoint_of_a_dynamic_scale_state_into_the_port_raises(tmp_pa
   checkpoints.save_checkpoint(str(tmp_path), old.apply_gradients(grads={"w": jnp.ones(3)}), 1)
   with pytest.raises(ValueError, match="from_dynamic_scale_checkpoint"):
     checkpoints.restore_checkpoint(str(tmp_path), _target())
+
+
+def test_a_round_trip_of_a_trained_state_through_flax_serialization_is_not_refused():
+  import flax.serialization as fs
+
+  tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
+  p = {"w": jnp.ones(2)}
+  state = tx.update({"w": jnp.ones(2)}, tx.init(p), p)[1]
+  for s in (state, optax_dls.reset_scale(state, 1024.0)):
+    back = fs.from_state_dict(s, fs.to_state_dict(s))
+    assert float(back.loss_scale) == float(s.loss_scale) and int(back.num_steps) == 1
