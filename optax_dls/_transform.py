@@ -198,6 +198,15 @@ class LossScaler:
     loss_bad: jax.Array,
   ) -> _localisation.NonFiniteRecord:
     masks = {} if self.labels is None else _localisation.group_masks(self._leaf_labels(grads))
+    if set(masks) != set(state.nonfinite.overflows):  # a state of another labels= (restored)
+      raise ValueError(
+        f"opt_state counts overflows for the parameter groups "
+        f"{sorted(state.nonfinite.overflows) or 'none'}, and this transformation labels "
+        f"{sorted(masks) or 'none'} (labels=): the state was built by a transformation with "
+        "other labels. Build the state with this one (tx.init(params)), or restore it into "
+        "a target built by it and carry only the inner state over "
+        "(state = tx.init(params)._replace(inner_state=restored.inner_state))."
+      )
     step = optax.safe_increment(state.num_steps)
     return _localisation.recorded(
       state.nonfinite, finite, step, check.leaves, check.nan, loss_bad, masks

@@ -249,3 +249,14 @@ def test_a_tuple_handed_over_as_the_loss_says_to_pass_has_aux():
   grad_fn = optax_dls.value_and_grad(lambda p: (_loss(p, 1.0), {"tag": "t"}), tx)
   with pytest.raises(TypeError, match="needs has_aux=True"):
     grad_fn(state, PARAMS)
+
+
+def test_a_state_of_other_labels_is_refused_naming_both():
+  p2 = {"enc": jnp.ones(2), "dec": jnp.ones(2)}
+  labelled = optax_dls.dynamic_loss_scale(optax.sgd(0.1), labels={"enc": "e", "dec": "d"})
+  plain = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  grads = {"enc": jnp.array([jnp.inf, 1.0]), "dec": jnp.ones(2)}
+  with pytest.raises(ValueError, match=r"groups none, and this transformation labels \['d', 'e'\]"):
+    labelled.update(grads, plain.init(p2), p2)
+  with pytest.raises(ValueError, match=r"groups \['d', 'e'\], and this transformation labels none"):
+    plain.update(grads, labelled.init(p2), p2)
