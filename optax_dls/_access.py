@@ -200,6 +200,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     leaves that were not finite on that step, and those of them that held a
     NaN (the others held infinities); :func:`nonfinite_leaves` names them,
     and :class:`optax_dls.writers.MetricsWriter` logs the names.
+  - ``nonfinite_names_digest`` (uint32 ``()``): a checksum of the names of
+    the parameter leaves the state was built for, with which
+    :func:`nonfinite_leaves` and the writer refuse another params tree (the
+    writer does not log it).
   - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
     which some leaf of that parameter group was not finite.
 
@@ -246,6 +250,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     "nonfinite_loss": record.loss,
     "nonfinite_leaves": record.leaves,
     "nonfinite_nan": record.nan,
+    "nonfinite_names_digest": record.names_digest,
     **{f"overflows/{label}": count for label, count in record.overflows.items()},
   }
   return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
@@ -283,8 +288,9 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   Raises:
     ValueError: ``opt_state`` holds none or several loss-scale states; the
       floating leaves of ``params`` are not those the state was built for
-      (their number, or, given a state rather than the dict of
-      :func:`metrics`, their names, which the state keeps a checksum of); or
+      (their names, of which the state and :func:`metrics` keep a checksum;
+      a dict without ``nonfinite_names_digest``, such as a logged row, is
+      checked by the number of leaves only); or
       the state is stacked (``jax.vmap(tx.init)``, an ensemble): name one
       member's leaves, ``jax.tree.map(lambda x: x[i], opt_state)``.
 
@@ -300,6 +306,7 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   digest = None
   if isinstance(opt_state, dict) and "nonfinite_leaves" in opt_state:
     words, nan = opt_state["nonfinite_leaves"], opt_state["nonfinite_nan"]
+    digest = opt_state.get("nonfinite_names_digest")
   else:
     record = find_state(opt_state).nonfinite
     words, nan, digest = record.leaves, record.nan, record.names_digest

@@ -103,6 +103,7 @@ def _write_all(f: Any, data: bytes) -> None:
 
 
 _LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # packed records, never written
+_DIGEST = "nonfinite_names_digest"  # the checksum of the state's leaf names, never written
 
 
 def _param_names(params: Any) -> list[str] | None:
@@ -325,6 +326,7 @@ class MetricsWriter:
   def _nonfinite(self, values: dict[str, Any]) -> tuple[int, dict[str, str]] | None:
     """``(nonfinite_step, {leaf name: "inf" | "nan"})`` from the packed records in ``values``
     (removed from it), or None when it has none."""
+    digest = values.pop(_DIGEST, None)  # checks the names of params, never written
     if _LEAVES not in values and _NAN not in values:
       return None
     missing = [k for k in (_LEAVES, _NAN, "nonfinite_step") if k not in values]
@@ -340,7 +342,10 @@ class MetricsWriter:
     if names is None:
       names = [f"leaf {k}" for k in range(leaves.size * _localisation.WORD_BITS)]
     step = _to_python("nonfinite_step", values["nonfinite_step"])
-    return int(step), _access.nonfinite_leaves({_LEAVES: leaves, _NAN: nan}, names)
+    record = {_LEAVES: leaves, _NAN: nan}
+    if digest is not None and self._names is not None:
+      record[_DIGEST] = digest
+    return int(step), _access.nonfinite_leaves(record, names)
 
   def _write(self, step: int, row: dict[str, Any], tb_only: dict[str, Any]) -> None:
     if self._jsonl is not None:

@@ -190,6 +190,7 @@ def test_metrics_core_keys_follow_the_steps():
     "loss_scale",
     "nonfinite_leaves",
     "nonfinite_loss",
+    "nonfinite_names_digest",
     "nonfinite_nan",
     "nonfinite_step",
     "num_steps",

@@ -67,3 +67,22 @@ def test_a_stacked_state_is_named_one_member_at_a_time():
   with pytest.raises(ValueError, match="opt_state is stacked"):
     optax_dls.nonfinite_leaves(optax_dls.metrics(state), one)
   np.testing.assert_array_equal(state.nonfinite.names_digest, [state.nonfinite.names_digest[0]] * 3)
+
+
+def test_metrics_and_the_writer_refuse_another_tree_too(tmp_path):
+  from optax_dls import writers
+
+  params = {"enc": jnp.ones(2), "dec": jnp.ones(2)}
+  _, state = _overflowed(params, {"enc"})
+  other = {"alpha": jnp.ones(2), "beta": jnp.ones(2)}
+  m = optax_dls.metrics(state)
+  assert optax_dls.nonfinite_leaves(m, params) == {"enc": "inf"}
+  with pytest.raises(ValueError, match="not the tree the state was built for"):
+    optax_dls.nonfinite_leaves(m, other)
+  with writers.MetricsWriter(tmp_path / "ok", params=params, tensorboard=False) as w:
+    w.log(0, m)
+  row = (tmp_path / "ok" / writers.JSONL_NAME).read_text()
+  assert '"nonfinite_leaves": {"enc": "inf"}' in row and "nonfinite_names_digest" not in row
+  bad = writers.MetricsWriter(tmp_path / "bad", params=other, tensorboard=False)
+  with bad, pytest.raises(ValueError, match="not the tree the state was built for"):
+    bad.log(0, m)
