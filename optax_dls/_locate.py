@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from optax_dls import _headroom, _jax_source, _validation
+from optax_dls import _calls, _headroom, _jax_source, _model, _validation
 
 # Call-like primitives whose body is a jaxpr with the equation's inputs and outputs.
 _ENTERED = {
@@ -93,10 +93,16 @@ def locate(
   _validation.check(0 <= argnums < len(args), "argnums", argnums, f"0 <= argnums < {len(args)}")
   has_aux = _validation.boolean("has_aux", has_aux)
   cpu = jax.devices("cpu")[0]
-  args = jax.device_put(args, cpu)
+  arrays, rebuild = _calls.split_arrays(args)  # strings, functions and flags stay as they are
+  args = rebuild(jax.device_put(arrays, cpu))
+  # Of a differentiated argument holding leaves that are not floating arrays (an Equinox
+  # model's functions), only the floating arrays are differentiated, as value_and_grad does.
+  split = _model.has_non_arrays(args[argnums])
+  wrt, others = _model.partition(args[argnums]) if split else (args[argnums], None)
   acc = _headroom.Accumulator()
 
   def scaled(x: Any) -> tuple[Any, Any]:
+    x = _model.combine(x, others) if split else x
     out = fun(*args[:argnums], x, *args[argnums + 1 :])
     loss, aux = out if has_aux else (out, None)
     loss = jnp.asarray(loss)
@@ -112,8 +118,8 @@ def locate(
     return leaves
 
   with jax.default_device(cpu):
-    closed = jax.make_jaxpr(forward)(args[argnums])
-    leaves = _run(closed, jax.tree.leaves(args[argnums]), "forward", acc)
+    closed = jax.make_jaxpr(forward)(wrt)
+    leaves = _run(closed, jax.tree.leaves(wrt), "forward", acc)
 
     def backward(leaves: list[Any]) -> Any:
       loss, pullback = jax.tree.unflatten(tree[0], leaves)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -69,17 +70,23 @@ def _is_jax_type(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
+def _is_inexact_array(x: Any) -> bool:
+  """What ``eqx.filter_value_and_grad`` differentiates: a floating or complex array."""
+  return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
 def has_non_arrays(tree: Any) -> bool:
-  """Whether a leaf of ``tree`` is neither an array nor a number (a function, a string)."""
-  return not all(_is_jax_type(x) for x in jax.tree.leaves(tree))
+  """Whether a leaf of ``tree`` is not a floating array (a function, a string, a Python
+  number or bool, an integer array): then only its floating arrays are differentiated."""
+  return not all(_is_inexact_array(x) for x in jax.tree.leaves(tree))
 
 
 def partition(tree: Any) -> tuple[Any, Any]:
-  """``(arrays, others)``: ``tree`` twice, with None at the leaves that are not arrays or
-  numbers, and with None at those that are."""
+  """``(arrays, others)``: ``tree`` twice, with None at the leaves that are not floating
+  arrays, and with None at those that are (as ``eqx.partition(tree, eqx.is_inexact_array)``)."""
   leaves, treedef = jax.tree.flatten(tree)
-  arrays = [x if _is_jax_type(x) else None for x in leaves]
-  others = [None if _is_jax_type(x) else x for x in leaves]
+  arrays = [x if _is_inexact_array(x) else None for x in leaves]
+  others = [None if _is_inexact_array(x) else x for x in leaves]
   return jax.tree.unflatten(treedef, arrays), jax.tree.unflatten(treedef, others)
 
 

@@ -118,6 +118,19 @@ def unscale(tree: Any, inv_scale: jax.Array, params: Any = None) -> Any:
   return jax.tree.unflatten(treedef, [one(x, d) for x, d in zip(leaves, dtypes, strict=True)])
 
 
+def widened(tree: Any, params: Any) -> Any:
+  """``tree`` with each floating leaf in the dtype :func:`unscale` gives it (its parameter's,
+  where wider): what the finite check reads, so that it decides on the values the inner
+  optimizer will get (a float16 gradient of a float32 parameter unscaled by 1/S > 1 can
+  pass 65504 and stay finite). ``tree`` itself where no leaf widens."""
+  dtypes = _param_dtypes(tree, params)
+  if all(d is None for d in dtypes):
+    return tree
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+  cast = [x if d is None else x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+  return jax.tree.unflatten(treedef, cast)
+
+
 def _param_dtypes(tree: Any, params: Any) -> list[Any]:
   """Per leaf of ``tree`` (``None`` leaves included): the dtype its unscaled value takes
   when wider than its own (see :func:`unscale`), else None."""

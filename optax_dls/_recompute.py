@@ -314,9 +314,9 @@ def _grads_of(
   which = argnums if isinstance(argnums, tuple) else (argnums,)
 
   def filtered(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    # Leaves of a differentiated argument that are not arrays (an Equinox model's
-    # functions) are held out of jax.grad, as eqx.filter_value_and_grad does: their
-    # gradients are None.
+    # When a differentiated argument holds leaves that are not floating arrays (an Equinox
+    # model's functions, Python numbers and bools), only its floating arrays go to
+    # jax.grad, as eqx.filter_value_and_grad does: the other leaves' gradients are None.
     if not any(_model.has_non_arrays(args[i]) for i in which):
       return grad(scale, *args, **kwargs)
     parts = {i: _model.partition(args[i]) for i in which}

@@ -145,7 +145,7 @@ class LossScaler:
   def _step(
     self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
   ) -> tuple[Any, LossScaleState]:
-    check, loss_bad, finite = self._check(grads, state, loss)
+    check, loss_bad, finite = self._check(_numerics.widened(grads, params), state, loss)
     # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 

@@ -95,3 +95,28 @@ def test_example_trains_in_float16_and_shows_a_skip(capsys, monkeypatch):
   assert out["steps"] == 4 and np.isfinite(out["loss"])
   assert out["skip_count"] >= 1 and out["loss_scale"] < 2.0**24  # 2**24 overflows fp16 first
   assert "loss scale" in capsys.readouterr().out
+
+
+def test_value_and_grad_differentiates_only_floating_arrays_of_a_model_with_dropout():
+  """eqx.nn.Dropout holds a Python float and a bool, and a float field is a Python float:
+  none of them is differentiated, as with eqx.filter_value_and_grad."""
+
+  class Net(eqx.Module):
+    lin: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    temp: float = 2.0
+
+    def __call__(self, x):
+      return self.drop(self.lin(x), inference=True) / self.temp
+
+  net = Net(eqx.nn.Linear(3, 2, key=jax.random.key(0)), eqx.nn.Dropout(0.1))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(eqx.filter(net, eqx.is_array))
+  loss = lambda m, x: jnp.sum(m(x) ** 2)
+  (_, grads), state = optax_dls.value_and_grad(loss, tx)(state, net, jnp.ones(3))
+  _, ref_grads = eqx.filter_value_and_grad(loss)(net, jnp.ones(3))
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  assert grads.temp is None and grads.drop.p is None
+  np.testing.assert_allclose(grads.lin.weight / 2.0**15, ref_grads.lin.weight, rtol=1e-6)
+  new = optax_dls.apply_step(tx, grads, state, net)[0]
+  assert new.temp == 2.0 and isinstance(new.temp, float)

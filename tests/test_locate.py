@@ -186,3 +186,23 @@ def test_saved_report_is_shown_by_inspect(tmp_path):
   text = cli.inspect(tmp_path)
   assert "the batch of step 7" in text
   assert "first inf: backward dot_general (float16) in second" in text
+
+
+def test_an_equinox_model_and_non_array_arguments_are_taken():
+  """A model holding its activation functions, as the differentiated argument or another
+  one, and a string flag among the arguments, as jax.grad would take them around it."""
+  eqx = pytest.importorskip("equinox")
+  mlp = eqx.nn.MLP(4, 2, 8, 2, activation=jax.nn.relu, key=jax.random.key(0))
+  mlp = jax.tree.map(lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, mlp)
+
+  def loss_fn(m, x, mode):
+    assert mode == "eval"
+    return jnp.sum(jax.vmap(m)(x).astype(jnp.float32) ** 2)
+
+  x = jnp.full((3, 4), 100.0, jnp.float16)
+  report = optax_dls.locate(loss_fn, mlp, x, "eval", scale=2.0**15)
+  assert report.first is not None and report.first.kind == "inf"
+  quiet = optax_dls.locate(
+    lambda x, m: jnp.sum(jax.vmap(m)(x).astype(jnp.float32)), x, mlp, scale=1.0
+  )
+  assert quiet.first is None

@@ -53,11 +53,16 @@ def test_norm_past_the_float32_range_is_inf_but_the_step_is_finite(dtype, loweri
 )
 @pytest.mark.parametrize("value, finite", [(30000.0, True), (40000.0, False)])
 def test_scale_below_one_unscaling_overflow_is_caught(make, value, finite, lowering):
-  # u = g / 0.5: 60000 fits float16, 80000 overflows it to inf.
-  updates, state = _step(make(skip_lowering=lowering), {"h": jnp.array([value], jnp.float16)})
-  assert bool(state.last_step_finite) is finite
-  expected = -2.0 * value if finite else 0.0
-  np.testing.assert_array_equal(np.asarray(updates["h"], np.float32), np.float32(expected))
+  # u = g / 0.5: 60000 fits float16, 80000 overflows it to inf, where u stays float16 (a
+  # float16 parameter); a float32 parameter gets u in float32, where 80000 is finite.
+  tx = make(skip_lowering=lowering)
+  grads = {"h": jnp.array([value], jnp.float16)}
+  for param_dtype, applied in ((jnp.float16, finite), (jnp.float32, True)):
+    params = {"h": jnp.zeros(1, param_dtype)}
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert bool(state.last_step_finite) is applied, param_dtype
+    expected = -2.0 * value if applied else 0.0
+    np.testing.assert_array_equal(np.asarray(updates["h"], np.float32), np.float32(expected))
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
