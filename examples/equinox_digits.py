@@ -4,9 +4,13 @@
     python examples/equinox_digits.py --steps 200
 
 Float32 master weights; each step casts the floating arrays of the model to float16
-(its activation function, a leaf of the model, is left alone), runs the forward and
-backward passes in float16 and the loss in float32. The float16 gradients of the
-float32 weights are unscaled into float32, so no small gradient is flushed again.
+inside the differentiated function (its activation function, a leaf of the model, is
+left alone), runs the forward and backward passes in float16 and the loss in float32;
+the gradients of the float32 weights come back float32 through the cast. (A model cast
+to float16 outside the differentiated function gives float16 gradients, which the
+update unscales into float32, so no small gradient is flushed again.) value_and_grad
+recomputes an overflowing step at the backed-off scale (max_tries), so a record of a
+non-finite step does not always mean a skipped one.
 The initial loss scale 2**24 is deliberately too large: the first steps overflow in
 float16, are skipped, and the scale backs off.
 """
@@ -61,7 +65,7 @@ def main(argv=None):
 
   @eqx.filter_jit
   def step(model, state, x, y):
-    (loss, grads), state = grad_fn(state, model, x, y)  # float16 gradients, scaled
+    (loss, grads), state = grad_fn(state, model, x, y)  # float32 gradients, scaled
     model, state = optax_dls.apply_step(tx, grads, state, model)
     return model, state, loss
 
