@@ -135,4 +135,8 @@ def is_variable(x: Any) -> bool:
 
 def unboxed(x: Any) -> Any:
   """The array an nnx ``Variable`` holds; any other leaf as it is."""
-  return x.get_value() if is_variable(x) else x
+  if not is_variable(x):
+    return x
+  # flax >= 0.12 reads it with get_raw_value (raw_value is deprecated there); 0.11 has only
+  # raw_value (its get_value expects a wrapped value).
+  return x.get_raw_value() if hasattr(x, "get_raw_value") else x.raw_value
