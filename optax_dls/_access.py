@@ -475,17 +475,25 @@ def scale_range(opt_state: Any, tx: Any = None) -> tuple[float, float]:
   """``[min_scale, max_scale]`` of ``tx``'s policy (by default the ``tx`` of ``opt_state``
   when it is a flax ``TrainState`` of a loss-scaled transformation); every valid scale
   without one."""
+  tx = loss_scaled_tx(opt_state, tx)
   if tx is None:
-    tx = getattr(opt_state, "tx", None)
-    if getattr(tx, "scaler", None) is None:
-      return _validation.SCALE_MIN, _validation.SCALE_MAX
-  scaler = getattr(tx, "scaler", None)
-  if scaler is None:
+    return _validation.SCALE_MIN, _validation.SCALE_MAX
+  return tx.scaler.scale_range
+
+
+def loss_scaled_tx(owner: Any, tx: Any, required: bool = False) -> Any:
+  """``tx`` when it is a loss-scaled transformation (TypeError otherwise); given None, the
+  ``tx`` of ``owner`` (a flax ``TrainState``) when that one is, else None (TypeError when
+  ``required``)."""
+  if tx is None and not required:
+    tx = getattr(owner, "tx", None)
+    return tx if getattr(tx, "scaler", None) is not None else None
+  if getattr(tx, "scaler", None) is None:
     raise TypeError(
       f"tx must be the loss-scaled transformation the state is for (what "
       f"optax_dls.dynamic_loss_scale, static_loss_scale or no_loss_scale return), got {tx!r}."
     )
-  return scaler.scale_range
+  return tx
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:

@@ -213,7 +213,7 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
 
   manager = _manager(ocp, manager)
   _check_target(target)
-  tx = _target_tx(target, tx)
+  tx = _access.loss_scaled_tx(target, tx)
   step = _check_step(manager, step)
 
   def abstract(x: Any) -> Any:
@@ -285,23 +285,6 @@ class _FlaxSteps:
     return self._ocp.StandardCheckpointer().restore(folder, getattr(args, "item", None))
 
 
-def _target_tx(target: Any, tx: Any) -> Any:
-  """``tx``, or the ``tx`` of a flax ``TrainState`` target; TypeError for one that is not
-  loss-scaled."""
-  if tx is None:
-    tx = getattr(target, "tx", None)
-    return tx if getattr(tx, "scaler", None) is not None else None
-  if getattr(tx, "scaler", None) is None:
-    raise TypeError(_NOT_LOSS_SCALED.format(tx=tx))
-  return tx
-
-
-_NOT_LOSS_SCALED = (
-  "tx must be the loss-scaled transformation the restored state is for "
-  "(optax_dls.dynamic_loss_scale, no_loss_scale, ...), got {tx!r}."
-)
-
-
 def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, Any]) -> bool:
   """Whether ``diff`` is only the fields an earlier layout of a loss-scale state held or
   lacked."""
@@ -362,9 +345,7 @@ def settled(restored: Any, tx: Any) -> Any:
     >>> float(optax_dls.loss_scale(state)), str(said[0].message)
     (1.0, 'optax_dls.checkpoint: loss scale 2**15 -> 1.0 (no_loss_scale: S = 1).')
   """
-  if getattr(tx, "scaler", None) is None:
-    raise TypeError(_NOT_LOSS_SCALED.format(tx=tx))
-  return _settled(restored, tx, stacklevel=2)
+  return _settled(restored, _access.loss_scaled_tx(None, tx, required=True), stacklevel=2)
 
 
 def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
