@@ -105,17 +105,14 @@ def unscale(tree: Any, inv_scale: jax.Array, params: Any = None) -> Any:
   where ``params`` does not have the structure of ``tree`` (``None`` gradient leaves
   match any parameter leaf), the gradient's own dtype is kept.
   """
-  dtypes = _param_dtypes(tree, params)
 
-  def one(x: Any, dtype: Any) -> Any:
+  def one(x: Any) -> Any:
     if not is_float(x):
       return x
-    out = x.dtype if dtype is None else dtype
-    ct = compute_dtype(out)
-    return (x.astype(ct) * inv_scale.astype(ct)).astype(out)
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
 
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-  return jax.tree.unflatten(treedef, [one(x, d) for x, d in zip(leaves, dtypes, strict=True)])
+  return jax.tree.map(one, widened(tree, params))
 
 
 def widened(tree: Any, params: Any) -> Any:
