@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from optax_dls import _localisation
+from optax_dls._core import record as _localisation
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import step_overhead  # the same trees

@@ -11,7 +11,7 @@ TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
 :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
-from optax_dls import _versions
+from optax_dls._util import versions as _versions
 
 _versions.check()  # before the rest: a clear ImportError when jax, jaxlib or optax is too old
 
@@ -20,7 +20,7 @@ from optax_dls import compat as compat
 from optax_dls import config as config
 from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
-from optax_dls._access import (
+from optax_dls._access.state_access import (
   find_state,
   leaf_names,
   loss_scale,
@@ -29,10 +29,17 @@ from optax_dls._access import (
   reset_scale,
   scale_loss,
 )
-from optax_dls._alerts import SkipAlerts
-from optax_dls._casting import CastPolicy, cast_policy, full_precision
-from optax_dls._locate import locate
-from optax_dls._numerics import all_finite
+from optax_dls._core.numerics import all_finite
+from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
+from optax_dls._core.state import LossScaleState
+from optax_dls._core.transform import LossScaledTransformation, apply_step, loss_scaled
+from optax_dls._features.alerts import SkipAlerts
+from optax_dls._features.casting import CastPolicy, cast_policy, full_precision
+from optax_dls._features.locate import locate
+from optax_dls._features.precision import select_precision
+from optax_dls._features.recompute import value_and_grad
+from optax_dls._features.recompute_stats import recompute_stats
+from optax_dls._features.underflow import underflow_stats
 from optax_dls._policies import (
   GradStats,
   LossScalePolicy,
@@ -43,13 +50,6 @@ from optax_dls._policies import (
   skips_at_min_scale,
   static_policy,
 )
-from optax_dls._precision import select_precision
-from optax_dls._recompute import value_and_grad
-from optax_dls._recompute_stats import recompute_stats
-from optax_dls._scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
-from optax_dls._state import LossScaleState
-from optax_dls._transform import LossScaledTransformation, apply_step, loss_scaled
-from optax_dls._underflow import underflow_stats
 
 __version__ = "0.1.0"
 

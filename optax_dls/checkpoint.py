@@ -17,8 +17,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_dls import _access, _optional, _tree_paths, _validation
-from optax_dls._state import LossScaleState
+from optax_dls._access import state_access as _access
+from optax_dls._core.state import LossScaleState
+from optax_dls._util import optional as _optional
+from optax_dls._util import tree_paths as _tree_paths
+from optax_dls._util import validation as _validation
 
 __all__ = ["into_loss_scaled", "restore", "settled"]
 

@@ -51,8 +51,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optax_dls import _live, _locate_view, _plot, _report
-from optax_dls._diagnosis import (  # noqa: F401  (public names of this module before the split)
+from optax_dls._logs import live as _live
+from optax_dls._logs import locate_view as _locate_view
+from optax_dls._logs import plot as _plot
+from optax_dls._logs import report as _report
+from optax_dls._logs.diagnosis import (  # noqa: F401  (public names of this module before the split)
   DIVERGE_FACTOR,
   NO_GROWTH_UPDATES,
   OVERFLOW_RATE,
@@ -61,11 +64,11 @@ from optax_dls._diagnosis import (  # noqa: F401  (public names of this module b
   diagnose,
   zero_floor,
 )
-from optax_dls._logs import NoLogsError, load_runs
-from optax_dls._optional import MissingExtraError
-from optax_dls._plot import plot  # noqa: F401
-from optax_dls._summary import summarize  # noqa: F401
-from optax_dls._tail import check_path
+from optax_dls._logs.load import NoLogsError, load_runs
+from optax_dls._logs.plot import plot  # noqa: F401
+from optax_dls._logs.summary import summarize  # noqa: F401
+from optax_dls._logs.tail import check_path
+from optax_dls._util.optional import MissingExtraError
 
 __all__ = ["NoLogsError", "inspect", "main"]
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_dls import _validation
 from optax_dls._policies import DynamicRule, LossScalePolicy, dynamic_rule
-from optax_dls._validation import SCALE_MAX, SCALE_MIN
+from optax_dls._util import validation as _validation
+from optax_dls._util.validation import SCALE_MAX, SCALE_MIN
 
 __all__ = [
   "deepspeed_policy",

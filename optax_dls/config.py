@@ -21,7 +21,11 @@ from typing import Any
 
 import optax
 
-from optax_dls import _accumulation, _optional, _policies, _transform, _underflow
+from optax_dls import _policies
+from optax_dls._core import accumulation as _accumulation
+from optax_dls._core import transform as _transform
+from optax_dls._features import underflow as _underflow
+from optax_dls._util import optional as _optional
 
 __all__ = ["from_config", "load_config", "preset", "preset_reason"]
 

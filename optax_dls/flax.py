@@ -28,15 +28,21 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_dls import _optional, _versions
+from optax_dls._util import optional as _optional
+from optax_dls._util import versions as _versions
 
 _optional.require("flax", "optax_dls.flax")  # one line naming the extra when flax is missing
 _versions.check_flax()  # before flax is used: a clear ImportError when it is too old
 
 from flax import nnx
 
-from optax_dls import _access, _calls, _multi_device, _recompute, _validation, checkpoint
-from optax_dls._transform import apply_step
+from optax_dls import checkpoint
+from optax_dls._access import state_access as _access
+from optax_dls._core import multi_device as _multi_device
+from optax_dls._core.transform import apply_step
+from optax_dls._features import recompute as _recompute
+from optax_dls._util import calls as _calls
+from optax_dls._util import validation as _validation
 
 __all__ = [
   "apply_gradients",

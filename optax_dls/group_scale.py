@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dls import _calls, _numerics, _validation
+from optax_dls._core import numerics as _numerics
+from optax_dls._util import calls as _calls
+from optax_dls._util import validation as _validation
 
 __all__ = ["group_scaled", "group_unscale", "scale_gradient"]
 

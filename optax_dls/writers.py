@@ -27,7 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _access, _localisation, _optional, _tail, _validation
+from optax_dls._access import state_access as _access
+from optax_dls._core import record as _localisation
+from optax_dls._logs import tail as _tail
+from optax_dls._util import optional as _optional
+from optax_dls._util import validation as _validation
 
 __all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
 
@@ -475,7 +479,7 @@ def _read_whole(
 
   Args:
     path: ``str`` or ``os.PathLike``, the file.
-    tail: :class:`optax_dls._tail.JsonlTail` or :class:`optax_dls._tail.EventsTail`.
+    tail: :class:`optax_dls._logs.tail.JsonlTail` or :class:`optax_dls._logs.tail.EventsTail`.
     name: the callback's argument name, for the error.
     on_bad: ``on_bad(where, reason)`` (a line number or a byte offset), or None.
 

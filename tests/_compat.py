@@ -13,8 +13,8 @@ import optax
 import pytest
 from _xla import XLA_DEFAULTS
 
-from optax_dls._multi_device import pcast_varying  # noqa: F401 (the tests' spelling of it)
-from optax_dls._versions import parse
+from optax_dls._core.multi_device import pcast_varying  # noqa: F401 (the tests' spelling of it)
+from optax_dls._util.versions import parse
 
 JAX = parse(jax.__version__)
 

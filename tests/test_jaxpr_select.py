@@ -19,7 +19,7 @@ from jax.extend import core as jax_core
 from jax.interpreters import mlir
 
 import optax_dls
-from optax_dls import _jaxpr_select
+from optax_dls._core import jaxpr_select as _jaxpr_select
 
 G = jnp.array([0.5, -1.5], jnp.float32)
 M = jnp.array([2.0, 3.0], jnp.float32)

@@ -47,7 +47,7 @@ def test_a_slash_inside_a_key_does_not_merge_two_leaves():
 
 
 def test_names_that_would_repeat_are_made_unique():
-  from optax_dls import _localisation
+  from optax_dls._core import record as _localisation
 
   assert _localisation.unique(["x", "y", "x", "x"]) == ["x", "y", "x#2", "x#3"]
 

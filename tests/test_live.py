@@ -11,7 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from optax_dls import _live, _tail, cli, writers
+from optax_dls import cli, writers
+from optax_dls._logs import live as _live
+from optax_dls._logs import tail as _tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
-from optax_dls import _jaxpr_select, _lowering
+from optax_dls._core import jaxpr_select as _jaxpr_select
+from optax_dls._core import lowering as _lowering
 
 PARAMS = {"a": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([[1.0, 3.0]], jnp.float32)}
 KEYS = jax.random.split(jax.random.key(0), 4)

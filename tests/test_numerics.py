@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_dls
-from optax_dls import _numerics
+from optax_dls._core import numerics as _numerics
 
 
 def _step(tx, grads):

@@ -11,7 +11,8 @@ import optax
 import pytest
 
 import optax_dls
-from optax_dls import _optional, checkpoint, config
+from optax_dls import checkpoint, config
+from optax_dls._util import optional as _optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 import optax_dls
-from optax_dls import _state
+from optax_dls._core import state as _state
 
 INT32_MAX = np.iinfo(np.int32).max
 RANGE = (1.0, 2.0**10)  # the transformation's [min_scale, max_scale]: not in the state

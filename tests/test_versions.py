@@ -10,7 +10,7 @@ import jax
 import jaxlib
 import pytest
 
-from optax_dls import _versions
+from optax_dls._util import versions as _versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

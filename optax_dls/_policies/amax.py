@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dls import _validation
 from optax_dls._policies.base import GradStats, LossScalePolicy
+from optax_dls._util import validation as _validation
 
 
 class AmaxScaleState(NamedTuple):

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _validation
-from optax_dls._validation import SCALE_MAX, SCALE_MIN
+from optax_dls._util import validation as _validation
+from optax_dls._util.validation import SCALE_MAX, SCALE_MIN
 
 STATS = frozenset({"amax"})
 

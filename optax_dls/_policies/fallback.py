@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import _validation
 from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
+from optax_dls._util import validation as _validation
 
 
 class FallbackState(NamedTuple):

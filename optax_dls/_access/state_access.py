@@ -9,8 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls import _accumulation, _labels, _localisation, _validation
-from optax_dls._state import LossScaleState
+from optax_dls._core import accumulation as _accumulation
+from optax_dls._core import labels as _labels
+from optax_dls._core import record as _localisation
+from optax_dls._core.state import LossScaleState
+from optax_dls._util import validation as _validation
 
 
 def _is_node(x: Any) -> bool:

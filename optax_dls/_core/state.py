@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dls import _types
-from optax_dls._localisation import NonFiniteRecord
+from optax_dls._core import types as _types
+from optax_dls._core.record import NonFiniteRecord
 
 
 class LossScaleState(NamedTuple):

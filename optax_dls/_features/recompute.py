@@ -18,18 +18,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from optax_dls import (
-  _access,
-  _calls,
-  _model,
-  _multi_device,
-  _numerics,
-  _recompute_stats,
-  _validation,
-)
-from optax_dls._localisation import NonFiniteRecord
-from optax_dls._state import LossScaleState, settled_scale
-from optax_dls._transform import LossScaledTransformation
+from optax_dls._access import state_access as _access
+from optax_dls._core import multi_device as _multi_device
+from optax_dls._core import numerics as _numerics
+from optax_dls._core.record import NonFiniteRecord
+from optax_dls._core.state import LossScaleState, settled_scale
+from optax_dls._core.transform import LossScaledTransformation
+from optax_dls._features import recompute_stats as _recompute_stats
+from optax_dls._util import calls as _calls
+from optax_dls._util import model as _model
+from optax_dls._util import validation as _validation
 
 # A pass: the state to compute at -> ``(value, grads)``, cast to the types every pass returns.
 Pass = Callable[[LossScaleState], tuple[Any, Any]]

@@ -5,7 +5,7 @@ The logs are the ``*.jsonl`` files of :class:`optax_dls.writers.MetricsWriter`
 TensorBoard's own event-file loader. Each folder under the run folder is read
 from its JSONL files, or, where it has none, from its event files.
 
-Every file is read incrementally (:mod:`optax_dls._tail`): a later read takes
+Every file is read incrementally (:mod:`optax_dls._logs.tail`): a later read takes
 only what was appended. :func:`load_runs` reads a folder once,
 :class:`LogSet` again and again (``optax-dls inspect --follow``).
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from optax_dls import _optional
-from optax_dls._tail import EventsTail, JsonlTail, check_path
+from optax_dls._logs.tail import EventsTail, JsonlTail, check_path
+from optax_dls._util import optional as _optional
 
 Rows = list[dict[str, Any]]
 

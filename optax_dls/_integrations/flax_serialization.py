@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_dls._state import LossScaleState
+from optax_dls._core.state import LossScaleState
 
 _registered: list[bool] = []
 

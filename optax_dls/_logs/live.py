@@ -1,8 +1,8 @@
 """``optax-dls inspect RUN_DIR --follow``: the current state of every run, while the runs go on.
 
-Each refresh reads what the logs gained (:class:`optax_dls._logs.LogSet`),
+Each refresh reads what the logs gained (:class:`optax_dls._logs.load.LogSet`),
 and builds the same summary and diagnosis as ``optax-dls inspect``
-(:func:`optax_dls._report.build`), of which it shows per run: the step, the
+(:func:`optax_dls._logs.report.build`), of which it shows per run: the step, the
 loss scale, the skips and update ratio, overall and over the last
 :data:`RECENT` updates, the leaves of the last non-finite step, and the
 current diagnoses. On a terminal the status block is redrawn in place; to a
@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from optax_dls import _logs, _report, _summary, _tail
+from optax_dls._logs import load as _logs
+from optax_dls._logs import report as _report
+from optax_dls._logs import summary as _summary
+from optax_dls._logs import tail as _tail
 
 RECENT = 100  # updates of the "recent" skips and update ratio
 _UP_AND_CLEAR = "\x1b[{}F\x1b[J"  # cursor up N lines to their start, clear to the end of screen
@@ -86,7 +89,7 @@ def _status(
   """The status of every run, each as ``one_run`` writes it, then the runs still waiting.
 
   Args:
-    report: run name -> its entry of :func:`optax_dls._report.build`.
+    report: run name -> its entry of :func:`optax_dls._logs.report.build`.
     runs: run name -> its rows.
     waiting: the names of the runs without rows yet (those in ``report`` are left out).
     gap: the space between the words of a run's head line (``"  "`` or ``" "``).

@@ -19,19 +19,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import (
-  _accumulation,
-  _flax_serialization,
-  _labels,
-  _localisation,
-  _lowering,
-  _model,
-  _multi_device,
-  _numerics,
-  _policies,
-  _types,
-)
-from optax_dls._state import (
+from optax_dls import _policies
+from optax_dls._core import accumulation as _accumulation
+from optax_dls._core import labels as _labels
+from optax_dls._core import lowering as _lowering
+from optax_dls._core import multi_device as _multi_device
+from optax_dls._core import numerics as _numerics
+from optax_dls._core import record as _localisation
+from optax_dls._core import types as _types
+from optax_dls._core.state import (
   LossScaleState,
   advance,
   init_state,
@@ -39,6 +35,8 @@ from optax_dls._state import (
   settled_scale,
   with_scale,
 )
+from optax_dls._integrations import flax_serialization as _flax_serialization
+from optax_dls._util import model as _model
 
 
 class _Output(NamedTuple):

@@ -6,7 +6,7 @@ import json
 import os
 import pathlib
 
-from optax_dls import _headroom
+from optax_dls._util import locate_report as _headroom
 
 LOCATE_NAME = "locate.json"  # as optax_dls.writers.LOCATE_NAME
 

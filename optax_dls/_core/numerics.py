@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_dls import _localisation, _multi_device, _validation
+from optax_dls._core import multi_device as _multi_device
+from optax_dls._core import record as _localisation
+from optax_dls._util import validation as _validation
 
 
 def is_float(x: Any) -> bool:

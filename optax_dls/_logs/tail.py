@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_dls import _optional
+from optax_dls._util import optional as _optional
 
 Rows = list[dict[str, Any]]
 

@@ -1,7 +1,7 @@
 """The diagnosis of one run's logged rows: the loss-scaling problems they prove, and what to do.
 
 A problem is reported only where the logged rows prove it: what happened
-between two logged rows is bounded (see :mod:`optax_dls._columns`), not
+between two logged rows is bounded (see :mod:`optax_dls._logs.columns`), not
 guessed, so a sparser log may show less but never something false.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from optax_dls import _columns as C
-from optax_dls._summary import scale_text
+from optax_dls._logs import columns as C
+from optax_dls._logs.summary import scale_text
 
 Rows = C.Rows
 
@@ -338,7 +338,7 @@ def diagnose(
 
   Args:
     rows: one run's rows, sorted by step.
-    summary: :func:`optax_dls._summary.summarize` of ``rows``.
+    summary: :func:`optax_dls._logs.summary.summarize` of ``rows``.
     zero_floor: what runs logged beside it prove (see :func:`zero_floor`).
       Default None.
   """

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import _validation
+from optax_dls._util import validation as _validation
 
 
 class RecomputeState(NamedTuple):

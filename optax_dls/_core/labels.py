@@ -8,7 +8,9 @@ from typing import Any
 
 import jax
 
-from optax_dls import _localisation, _numerics, _tree_paths
+from optax_dls._core import numerics as _numerics
+from optax_dls._core import record as _localisation
+from optax_dls._util import tree_paths as _tree_paths
 
 Labels = Any  # None, a pytree of strings, or a callable tree -> pytree of strings
 

@@ -8,8 +8,10 @@ from typing import Any
 import jax
 from jax import lax
 
-from optax_dls import _access, _calls, _validation
+from optax_dls._access import state_access as _access
 from optax_dls._policies.fallback import FallbackState
+from optax_dls._util import calls as _calls
+from optax_dls._util import validation as _validation
 
 
 def _flag(opt_state: Any) -> jax.Array | None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from optax_dls import _columns as C
-from optax_dls import _optional
+from optax_dls._logs import columns as C
+from optax_dls._util import optional as _optional
 
 Rows = list[dict[str, Any]]
 

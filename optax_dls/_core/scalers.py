@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import optax
 
-from optax_dls import _labels, _policies, _transform, _validation
-from optax_dls._transform import LossScaledTransformation, loss_scaled
+from optax_dls import _policies
+from optax_dls._core import labels as _labels
+from optax_dls._core import transform as _transform
+from optax_dls._core.transform import LossScaledTransformation, loss_scaled
+from optax_dls._util import validation as _validation
 
 
 def dynamic_loss_scale(

@@ -6,7 +6,8 @@ import json
 import math
 from typing import Any
 
-from optax_dls import _diagnosis, _summary
+from optax_dls._logs import diagnosis as _diagnosis
+from optax_dls._logs import summary as _summary
 
 Rows = list[dict[str, Any]]
 
@@ -15,7 +16,7 @@ def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
   """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` for ``runs``.
 
   Runs logged beside each other are compared for the share of exactly-zero
-  gradients (see :func:`optax_dls._diagnosis.zero_floor`).
+  gradients (see :func:`optax_dls._logs.diagnosis.zero_floor`).
 
   Args:
     runs: ``{run name: rows sorted by step}``, each with at least one row.

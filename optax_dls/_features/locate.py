@@ -23,7 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from optax_dls import _calls, _headroom, _jax_source, _model, _validation
+from optax_dls._features import jax_source as _jax_source
+from optax_dls._util import calls as _calls
+from optax_dls._util import locate_report as _headroom
+from optax_dls._util import model as _model
+from optax_dls._util import validation as _validation
 
 # Call-like primitives whose body is a jaxpr with the equation's inputs and outputs.
 _ENTERED = {
@@ -65,7 +69,7 @@ def locate(
     has_aux: ``fun`` returns ``(loss, aux)``. Default False.
 
   Returns:
-    A :class:`~optax_dls._headroom.LocateReport`: ``first`` (phase, primitive, source,
+    A :class:`~optax_dls._util.locate_report.LocateReport`: ``first`` (phase, primitive, source,
     scope, kind, dtype, input_max, note) or None when every value is finite, and
     ``headroom``, one row per scope, closest to overflow first. ``print(report)`` shows
     a table; ``report.to_dict()`` is JSON-ready.

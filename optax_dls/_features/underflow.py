@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dls import _labels, _multi_device, _numerics
+from optax_dls._core import labels as _labels
+from optax_dls._core import multi_device as _multi_device
+from optax_dls._core import numerics as _numerics
 
 # Smallest positive normal float16 number: below it fp16 values are subnormal.
 F16_MIN_NORMAL = 2.0**-14

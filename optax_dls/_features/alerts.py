@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from optax_dls import _validation
+from optax_dls._util import validation as _validation
 
 logger = logging.getLogger("optax_dls")
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_dls import _multi_device
+from optax_dls._core import multi_device as _multi_device
 
 
 def strong(x: Any) -> Any:

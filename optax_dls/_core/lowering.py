@@ -9,17 +9,17 @@ compilations of the same optimizer).
 
 * ``"cond"``: the check is one read of each gradient leaf with an exact path in
   a ``lax.cond`` that runs only for a non-finite step
-  (:func:`optax_dls._numerics.finite_and_norm`); the skip is a ``lax.cond`` that
+  (:func:`optax_dls._core.numerics.finite_and_norm`); the skip is a ``lax.cond`` that
   runs the inner update only on a finite step. The updates leave the
   conditional and are written out, so on the ``tx.update`` +
   ``optax.apply_updates`` path XLA cannot fuse them with the parameter update.
   On a GPU a conditional may read its predicate back to the host unless the
   runtime captures it in a graph.
 * ``"where"``: no conditional. The check's reductions are siblings of one read
-  (:func:`optax_dls._numerics.finite_and_norm_fused`); the inner update always
+  (:func:`optax_dls._core.numerics.finite_and_norm_fused`); the inner update always
   runs, on gradients replaced by zeros on a skipped step, and ``jnp.where``
   keeps the old value of every output, each new state value selected where
-  the inner update computes it (:mod:`optax_dls._jaxpr_select`), so the
+  the inner update computes it (:mod:`optax_dls._core.jaxpr_select`), so the
   updates fuse with whatever consumes them and nothing is copied.
 
 ``"auto"`` picks per platform with ``lax.platform_dependent``, from
@@ -39,7 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_dls import _jaxpr_select, _numerics, _types
+from optax_dls._core import jaxpr_select as _jaxpr_select
+from optax_dls._core import numerics as _numerics
+from optax_dls._core import types as _types
 
 LOWERINGS = ("auto", "cond", "where")
 # What "auto" takes on each platform, as (check, skip); any other platform gets "where"'s.

@@ -1,7 +1,7 @@
 """The summary numbers of one run's logged rows: steps, updates, skips, scales.
 
 Every number is what the logged rows tell: ``None`` where the logged columns
-do not (see :mod:`optax_dls._columns`).
+do not (see :mod:`optax_dls._logs.columns`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_dls import _columns as C
+from optax_dls._logs import columns as C
 
 Rows = C.Rows
 
@@ -19,7 +19,7 @@ Rows = C.Rows
 def scale_text(x: float) -> str:
   """A loss scale as ``2^k`` when it is an exact power of two other than 1, else in ``%g`` form.
 
-  >>> from optax_dls._summary import scale_text
+  >>> from optax_dls._logs.summary import scale_text
   >>> scale_text(2.0**21), scale_text(2.0**-126), scale_text(1.0), scale_text(1500.0)
   ('2^21', '2^-126', '1', '1500')
   """

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from optax_dls import _types
+from optax_dls._core import types as _types
 
 
 def selected_at_definition(

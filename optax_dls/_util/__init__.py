@@ -1,0 +1,9 @@
+"""Small helpers that several concerns share, each named for what it does.
+
+Argument checks (``validation``), paths and leaves of pytrees (``tree_paths``),
+calling a user's function with its own convention (``calls``), optional extras
+(``optional``), supported versions (``versions``), splitting an Equinox model into
+arrays and the rest (``model``) and the locate report's types (``locate_report``).
+
+Imports nothing else from the package.
+"""
