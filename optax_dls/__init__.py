@@ -20,15 +20,11 @@ from optax_dls import compat as compat
 from optax_dls import config as config
 from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
-from optax_dls._access.state_access import (
-  find_state,
-  leaf_names,
-  loss_scale,
-  metrics,
-  nonfinite_leaves,
-  reset_scale,
-  scale_loss,
-)
+from optax_dls._access.find import find_state
+from optax_dls._access.loss import loss_scale, scale_loss
+from optax_dls._access.metrics import metrics
+from optax_dls._access.names import leaf_names, nonfinite_leaves
+from optax_dls._access.reset import reset_scale
 from optax_dls._core.numerics import all_finite
 from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._core.state import LossScaleState

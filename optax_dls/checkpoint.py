@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_dls._access import state_access as _access
+from optax_dls._access import find as _find
 from optax_dls._core.state import LossScaleState
 from optax_dls._util import optional as _optional
 from optax_dls._util import tree_paths as _tree_paths
@@ -216,7 +216,7 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
 
   manager = _manager(ocp, manager)
   _check_target(target)
-  tx = _access.loss_scaled_tx(target, tx)
+  tx = _find.loss_scaled_tx(target, tx)
   step = _check_step(manager, step)
 
   def abstract(x: Any) -> Any:
@@ -348,12 +348,12 @@ def settled(restored: Any, tx: Any) -> Any:
     >>> float(optax_dls.loss_scale(state)), str(said[0].message)
     (1.0, 'optax_dls.checkpoint: loss scale 2**15 -> 1.0 (no_loss_scale: S = 1).')
   """
-  return _settled(restored, _access.loss_scaled_tx(None, tx, required=True), stacklevel=2)
+  return _settled(restored, _find.loss_scaled_tx(None, tx, required=True), stacklevel=2)
 
 
 def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
   """:func:`settled`, its warning pointing ``stacklevel`` frames up."""
-  state = _access.find_state(restored)
+  state = _find.find_state(restored)
   low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
   scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
   new = np.clip(scale, np.float32(low), np.float32(high))
@@ -378,7 +378,7 @@ def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
     f"optax_dls.checkpoint: loss scale {_scales(scale)} -> {_scales(new)} ({why}).",
     stacklevel=stacklevel + 1,
   )
-  return _access.replace_state(restored, state._replace(loss_scale=jax.numpy.asarray(new)))
+  return _find.replace_state(restored, state._replace(loss_scale=jax.numpy.asarray(new)))
 
 
 def _scales(values: np.ndarray) -> str:

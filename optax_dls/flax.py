@@ -37,7 +37,8 @@ _versions.check_flax()  # before flax is used: a clear ImportError when it is to
 from flax import nnx
 
 from optax_dls import checkpoint
-from optax_dls._access import state_access as _access
+from optax_dls._access import find as _find
+from optax_dls._access import reset as _reset
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._core.transform import apply_step
 from optax_dls._features import recompute as _recompute
@@ -238,7 +239,7 @@ def _call(
     tx_name="state.tx",
   )
   # nnx: the plain arrays of the loss-scale state, written back into its Variables below.
-  opt_state = _access.find_state(state.opt_state) if is_nnx else state.opt_state
+  opt_state = _find.find_state(state.opt_state) if is_nnx else state.opt_state
   outcome = _recompute.call(plan, opt_state, modules.pure_args(args), kwargs)
   loss, (aux, after) = outcome.value
   modules.update(after, outcome.finite)
@@ -359,9 +360,9 @@ _MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameter
 def _write_in_place(opt_state: Any, new: Any) -> None:
   """Writes the leaves of ``new`` into the ``nnx.Variable`` leaves of ``opt_state``'s
   :class:`LossScaleState`, each in its own dtype."""
-  (node,) = _access._find_all(opt_state)
+  (node,) = _find.find_all(opt_state)
   for var, value in zip(
-    jax.tree.leaves(node, is_leaf=_access._is_variable), jax.tree.leaves(new), strict=True
+    jax.tree.leaves(node, is_leaf=_find.is_variable), jax.tree.leaves(new), strict=True
   ):
     if hasattr(var, "set_value"):  # flax >= 0.12
       var.set_value(jnp.asarray(value, var.get_value().dtype))
@@ -419,7 +420,7 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
   )
   if overwrite:
     params = {"params": params, _OVERWRITE_WITH_GRADIENT: grads[_OVERWRITE_WITH_GRADIENT]}
-  finite = _access.find_state(opt_state).last_step_finite
+  finite = _find.find_state(opt_state).last_step_finite
   kept = {k: _kept(finite, v, getattr(state, k, None)) for k, v in kwargs.items()}
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **kept)
 
@@ -486,8 +487,8 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
     (1024.0, 7)
   """
   scale, fin_steps = _dynamic_scale_fields(dynamic_scale)
-  lss = _access.find_state(opt_state)
-  _validation.scale("dynamic_scale.scale", scale, *_access.scale_range(opt_state))
+  lss = _find.find_state(opt_state)
+  _validation.scale("dynamic_scale.scale", scale, *_reset.scale_range(opt_state))
   fin_steps = _validation.count("dynamic_scale.fin_steps", fin_steps, low=0)
   tracker = lambda n: (
     n._replace(growth_tracker=jnp.asarray(fin_steps, jnp.int32))
@@ -497,7 +498,7 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
   policy_state = jax.tree.map(
     tracker, lss.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")
   )
-  return _access.replace_state(
+  return _find.replace_state(
     opt_state, lss._replace(loss_scale=jnp.asarray(scale, jnp.float32), policy_state=policy_state)
   )
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls._access import state_access as _access
+from optax_dls._access import names as _names
 from optax_dls._core import record as _localisation
 from optax_dls._logs import tail as _tail
 from optax_dls._util import optional as _optional
@@ -120,7 +120,7 @@ def _param_names(params: Any) -> list[str] | None:
     leaves = jax.tree.leaves(params)
     if leaves and not any(_is_array_like(x) for x in leaves):  # an Equinox model has some
       raise TypeError("no leaf is an array or a number")
-    return _access.leaf_names(params)
+    return _names.leaf_names(params)
   except (TypeError, ValueError) as e:
     raise TypeError(
       "params must be a pytree of arrays or jax.ShapeDtypeStruct (the parameters), or a list "
@@ -349,7 +349,7 @@ class MetricsWriter:
     record = {_LEAVES: leaves, _NAN: nan}
     if digest is not None and self._names is not None:
       record[_DIGEST] = digest
-    return int(step), _access.nonfinite_leaves(record, names)
+    return int(step), _names.nonfinite_leaves(record, names)
 
   def _write(self, step: int, row: dict[str, Any], tb_only: dict[str, Any]) -> None:
     if self._jsonl is not None:

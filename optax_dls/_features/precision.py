@@ -8,14 +8,14 @@ from typing import Any
 import jax
 from jax import lax
 
-from optax_dls._access import state_access as _access
+from optax_dls._access import find as _find
 from optax_dls._policies.fallback import FallbackState
 from optax_dls._util import calls as _calls
 from optax_dls._util import validation as _validation
 
 
 def _flag(opt_state: Any) -> jax.Array | None:
-  state = _access.find_feature(opt_state, FallbackState)
+  state = _find.find_feature(opt_state, FallbackState)
   return None if state is None else state.fp32_fallback
 
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from optax_dls._access import state_access as _access
+from optax_dls._access import find as _find
+from optax_dls._access import loss as _loss
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._core import numerics as _numerics
 from optax_dls._core.record import NonFiniteRecord
@@ -267,14 +268,14 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
     nonfinite=last.record, inner_state=_recompute_stats.record(state.inner_state, last.tries)
   )
   value, grads = last.out
-  return Outcome(rebuild(value), grads, last.finite, _access.replace_state(opt_state, at))
+  return Outcome(rebuild(value), grads, last.finite, _find.replace_state(opt_state, at))
 
 
 def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
   """:func:`find_state` of the first argument; when it holds none, an error that gives the
   calling order (and says so when a later argument holds one: the arguments look swapped)."""
   if _holds_state(opt_state):
-    return _access.find_state(opt_state)
+    return _find.find_state(opt_state)
   swapped = _calls.first_index(args, _holds_state)
   raise ValueError(
     _calls.order_error(
@@ -290,7 +291,7 @@ def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
 
 def _holds_state(tree: Any) -> bool:
   try:
-    return bool(_access._find_all(tree))
+    return bool(_find.find_all(tree))
   except ValueError:  # a loss-scale state, misplaced: find_state says where
     return True
 
@@ -304,7 +305,7 @@ def _grads_of(
   def scaled(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     out = f(*args, **kwargs)
     loss, _ = _calls.loss_and_aux(f, has_aux, out)
-    times = _access.times_scale(loss, scale)  # checks the loss: a floating array
+    times = _loss.times_scale(loss, scale)  # checks the loss: a floating array
     return (loss if passthrough else times), out
 
   nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1

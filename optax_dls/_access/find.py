@@ -1,0 +1,140 @@
+"""Finding the one loss-scale state inside any optimizer state (a chain, MultiSteps, a flax
+TrainState or nnx.Optimizer), putting a new one in its place, and the transformation
+that owns it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dls._core import accumulation as _accumulation
+from optax_dls._core.state import LossScaleState
+
+
+def _is_node(x: Any) -> bool:
+  return isinstance(x, LossScaleState) or _accumulation.is_multisteps_state(x)
+
+
+def find_all(tree: Any) -> list[LossScaleState]:
+  found = []
+  for leaf in jax.tree.leaves(tree, is_leaf=_is_node):
+    if _accumulation.is_multisteps_state(leaf):
+      if find_all(leaf.inner_opt_state):
+        raise ValueError(_accumulation.MULTISTEPS_OUTSIDE)
+    elif isinstance(leaf, LossScaleState):
+      found.append(leaf)
+      found.extend(find_all((leaf.policy_state, leaf.inner_state)))
+  return found
+
+
+def _unwrap(tree: Any) -> Any:
+  """Replaces flax ``nnx.Variable`` leaves (an ``nnx.Optimizer``'s state) by their arrays.
+
+  flax is never imported here: without it loaded there can be no Variables.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return tree
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  value = lambda x: x.get_value() if hasattr(x, "get_value") else x.value
+  return jax.tree.map(lambda x: value(x) if is_var(x) else x, tree, is_leaf=is_var)
+
+
+def find_state(opt_state: Any) -> LossScaleState:
+  """Returns the one :class:`LossScaleState` inside ``opt_state``.
+
+  ``opt_state`` may be the state itself or any pytree holding it: an
+  ``optax.chain`` state, a loss-scaled ``optax.MultiSteps`` state, a dict, a
+  flax ``TrainState``, an ``nnx.Optimizer`` or its ``opt_state``. Leaves
+  wrapped in ``nnx.Variable`` are returned as plain arrays.
+
+  Args:
+    opt_state: any pytree holding the state of one loss-scaled transformation.
+
+  Returns:
+    That :class:`LossScaleState` (a new one, of arrays, where its leaves were
+    ``nnx.Variable``); reading it does not change ``opt_state``.
+
+  Raises:
+    ValueError: there is no loss-scale state in ``opt_state``, or more than
+      one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
+      message says what to do instead).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax.chain(optax_dls.dynamic_loss_scale(optax.adam(1e-3)), optax.scale(0.5))
+    >>> float(optax_dls.find_state(tx.init({'w': jnp.ones(2)})).loss_scale)
+    32768.0
+  """
+  found = find_all(opt_state)
+  if not found:
+    raise ValueError(
+      "opt_state holds no LossScaleState: pass the state of an optimizer built with "
+      "optax_dls.dynamic_loss_scale / static_loss_scale / no_loss_scale / loss_scaled, "
+      f"got a {type(opt_state).__name__}."
+    )
+  if len(found) > 1:
+    raise ValueError(
+      f"opt_state holds {len(found)} LossScaleStates, so which scale to use is ambiguous: "
+      "wrap the optimizer once, at the outside, or pass the sub-state you mean."
+    )
+  return _unwrap(found[0])
+
+
+def find_feature(opt_state: Any, kind: type) -> Any:
+  """The one node of type ``kind`` (a feature's state, e.g. a policy wrapper's)
+  inside the loss-scale state of ``opt_state``, or None when there is none."""
+  state = find_state(opt_state)
+  nodes = [
+    x
+    for x in jax.tree.leaves(
+      (state.policy_state, state.inner_state), is_leaf=lambda x: isinstance(x, kind)
+    )
+    if isinstance(x, kind)
+  ]
+  return nodes[0] if nodes else None
+
+
+def replace_state(opt_state: Any, new: LossScaleState) -> Any:
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new`` (a state of
+  the same structure, as :func:`find_state` returns it: each leaf keeps the dtype and
+  the wrapper, e.g. an ``nnx.Variable``, of the leaf it replaces)."""
+
+  def put(node: Any) -> Any:
+    if not isinstance(node, LossScaleState):
+      return node
+    old_leaves, treedef = jax.tree.flatten(node, is_leaf=is_variable)
+    return jax.tree.unflatten(
+      treedef, [_like(o, n) for o, n in zip(old_leaves, jax.tree.leaves(new))]
+    )
+
+  return jax.tree.map(put, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+
+
+def is_variable(x: Any) -> bool:
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _like(old: Any, new: Any) -> Any:
+  """``new`` in ``old``'s place: same dtype, and same wrapper (an nnx Variable) if any."""
+  dtype = jnp.result_type(jax.tree.leaves(old)[0])
+  return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])
+
+
+def loss_scaled_tx(owner: Any, tx: Any, required: bool = False) -> Any:
+  """``tx`` when it is a loss-scaled transformation (TypeError otherwise); given None, the
+  ``tx`` of ``owner`` (a flax ``TrainState``) when that one is, else None (TypeError when
+  ``required``)."""
+  if tx is None and not required:
+    tx = getattr(owner, "tx", None)
+    return tx if getattr(tx, "scaler", None) is not None else None
+  if getattr(tx, "scaler", None) is None:
+    raise TypeError(
+      f"tx must be the loss-scaled transformation the state is for (what "
+      f"optax_dls.dynamic_loss_scale, static_loss_scale or no_loss_scale return), got {tx!r}."
+    )
+  return tx

@@ -1,0 +1,88 @@
+"""The loss times the loss scale: what a user differentiates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dls._access.find import find_state
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+  """The current loss scale S: a float32 ``()`` array (stays on the device).
+
+  Args:
+    opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
+
+  Returns:
+    The state's ``loss_scale``: the S to multiply the next loss by, kept
+    within the policy's ``[min_scale, max_scale]`` (see :class:`LossScaleState`).
+
+  Raises:
+    ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+    >>> optax_dls.loss_scale(tx.init({'w': jnp.ones(2)}))  # init_scale's default, 2**15
+    Array(32768., dtype=float32)
+  """
+  return find_state(opt_state).loss_scale
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+  """Multiplies ``loss`` by the current loss scale S, before differentiation.
+
+  Micikevicius et al. (2018), *Mixed Precision Training*: scaling the loss
+  scales every gradient by S, lifting small fp16 gradients out of the
+  underflow range. The optimizer built by :func:`dynamic_loss_scale` divides
+  them by the same S.
+
+  Args:
+    loss: a floating array of any shape (usually the scalar loss, float32).
+      bfloat16 and float16 losses are promoted to float32 so that the scaled
+      value cannot overflow their range.
+    opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
+
+  Returns:
+    ``loss * S`` with dtype ``promote_types(loss.dtype, float32)``.
+
+  Raises:
+    TypeError: ``loss`` is not a floating-point array (e.g. an int, a str or None).
+    ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> optax_dls.scale_loss(jnp.float16(0.5), state)
+    Array(512., dtype=float32)
+  """
+  return times_scale(loss, loss_scale(opt_state))
+
+
+def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
+  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a loss that is
+  not floating point."""
+  if loss is None or isinstance(loss, (str, bytes)):
+    raise TypeError(
+      f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."
+    )
+  if isinstance(loss, (tuple, list, dict)):
+    raise TypeError(
+      f"loss must be a floating-point array, got a {type(loss).__name__}: a function that "
+      "returns (loss, aux) needs has_aux=True (value_and_grad), or pass the loss alone "
+      "(scale_loss(loss, opt_state))."
+    )
+  try:
+    loss = jnp.asarray(loss)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+      f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}: {e}"
+    ) from None
+  if not jnp.issubdtype(loss.dtype, jnp.floating):
+    raise TypeError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
+  dtype = jnp.promote_types(loss.dtype, jnp.float32)
+  return loss.astype(dtype) * scale.astype(dtype)

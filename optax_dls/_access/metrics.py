@@ -1,0 +1,103 @@
+"""The scalars of a loss-scale state for logging, with what each feature's state reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dls._access.find import find_state
+
+
+def metrics(opt_state: Any) -> dict[str, jax.Array]:
+  """What the loss scaler did, as a dict of device arrays (no host transfer).
+
+  Every value is a 0-d array except the two bit sets. The keys:
+
+  - ``loss_scale`` (float32): the scale for the next loss.
+  - ``skipped`` (bool): whether the last step was skipped.
+  - ``skip_count`` (int32): skipped steps so far.
+  - ``consecutive_skips`` (int32): skipped steps since the last applied one.
+  - ``num_steps`` (int32): updates so far, skipped included.
+  - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1
+    before any).
+  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled
+    gradients (NaN before the first step, and with :func:`no_loss_scale`
+    unless it tracks the norm; inf or NaN on a non-finite step).
+  - ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
+    the last non-finite step; 0 before any.
+  - ``nonfinite_loss`` (bool): whether the loss of that step was itself not
+    finite (known when the loss is handed to ``update(..., loss=)`` or to
+    :func:`value_and_grad`).
+  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
+    floating gradient leaf, ``W = ceil(leaves / 32)``, at least 1): the
+    leaves that were not finite on that step, and those of them that held a
+    NaN (the others held infinities); :func:`nonfinite_leaves` names them,
+    and :class:`optax_dls.writers.MetricsWriter` logs the names.
+  - ``nonfinite_names_digest`` (uint32 ``()``): a checksum of the names of
+    the parameter leaves the state was built for, with which
+    :func:`nonfinite_leaves` and the writer refuse another params tree (the
+    writer does not log it).
+  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
+    which some leaf of that parameter group was not finite.
+
+  The keys each feature adds: ``fp32_fallback`` (bool) with the
+  :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
+  :func:`skips_at_min_scale`; ``underflow/zero_frac``,
+  ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
+  :func:`underflow_stats` chained inside; ``recomputed_steps`` and
+  ``recompute_tries`` (int32) with :func:`recompute_stats` chained inside.
+
+  Args:
+    opt_state: an optimizer state holding exactly one :class:`LossScaleState`
+      (any pytree around it, as for :func:`find_state`).
+
+  Returns:
+    A new ``dict`` from key to ``jax.Array``, as above.
+
+  Raises:
+    ValueError: none or more than one loss-scale state in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'w': jnp.array([1.0, jnp.inf])}, state, params)
+    >>> m = optax_dls.metrics(state)
+    >>> float(m['loss_scale']), bool(m['skipped']), int(m['skip_count'])
+    (512.0, True, 1)
+  """
+  s = find_state(opt_state)
+  steps = s.num_steps.astype(jnp.float32)
+  applied = steps - s.num_skipped.astype(jnp.float32)
+  record = s.nonfinite
+  out = {
+    "loss_scale": s.loss_scale,
+    "skipped": ~s.last_step_finite,
+    "skip_count": s.num_skipped,
+    "consecutive_skips": s.consecutive_skips,
+    "num_steps": s.num_steps,
+    "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
+    "grad_norm": s.grad_norm,
+    "nonfinite_step": record.step,
+    "nonfinite_loss": record.loss,
+    "nonfinite_leaves": record.leaves,
+    "nonfinite_nan": record.nan,
+    "nonfinite_names_digest": record.names_digest,
+    **{f"overflows/{label}": count for label, count in record.overflows.items()},
+  }
+  return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
+
+
+def _feature_metrics(tree: Any) -> dict[str, jax.Array]:
+  """The keys each feature's state reports (policy wrappers, chained transformations),
+  nested ones included."""
+  reports = lambda x: hasattr(x, "loss_scale_metrics")
+  out = {}
+  for node in jax.tree.leaves(tree, is_leaf=reports):
+    if reports(node):
+      out.update(_feature_metrics(tuple(node)))
+      out.update(node.loss_scale_metrics())
+  return out

@@ -1,0 +1,140 @@
+"""The names of the gradient leaves that were not finite, and of every floating leaf."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_dls._access.find import find_state
+from optax_dls._core import labels as _labels
+from optax_dls._core import record as _localisation
+
+
+def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
+  """Names the gradient leaves that were not finite on the last non-finite step.
+
+  Host side: reads two small arrays from the device. The names are the key
+  paths of the parameter tree (``"params/decoder/layers_3/attn/query/kernel"``),
+  in leaf order.
+
+  Args:
+    opt_state: an optimizer state holding one :class:`LossScaleState`, or the
+      dict :func:`metrics` returns (device or host values).
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only the tree
+      and the dtypes are read), or the list of leaf names.
+
+  Returns:
+    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"``
+    where it held only infinities; empty before any non-finite step.
+
+  Raises:
+    ValueError: ``opt_state`` holds none or several loss-scale states; the
+      floating leaves of ``params`` are not those the state was built for
+      (their names, of which the state and :func:`metrics` keep a checksum;
+      a dict without ``nonfinite_names_digest``, such as a logged row, is
+      checked by the number of leaves only); or
+      the state is stacked (``jax.vmap(tx.init)``, an ensemble): name one
+      member's leaves, ``jax.tree.map(lambda x: x[i], opt_state)``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> params = {'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}}
+    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+    >>> grads = {'dense': {'kernel': jnp.array([1.0, jnp.nan]), 'bias': jnp.ones(1)}}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> optax_dls.nonfinite_leaves(state, params)
+    {'dense/kernel': 'nan'}
+  """
+  digest = None
+  if isinstance(opt_state, dict) and "nonfinite_leaves" in opt_state:
+    words, nan = opt_state["nonfinite_leaves"], opt_state["nonfinite_nan"]
+    digest = opt_state.get("nonfinite_names_digest")
+  else:
+    record = find_state(opt_state).nonfinite
+    words, nan, digest = record.leaves, record.nan, record.names_digest
+  names = _names_of(params)
+  words, nan = np.asarray(jax.device_get(words)), np.asarray(jax.device_get(nan))
+  if words.ndim != 1:
+    raise ValueError(
+      f"opt_state is stacked: its record of non-finite leaves has the shape {words.shape} "
+      f"(one row per member, as jax.vmap(tx.init) makes it), and names are given one member "
+      f"at a time: nonfinite_leaves(jax.tree.map(lambda x: x[i], opt_state), params) for "
+      f"member i of {words.shape[0]}."
+    )
+  if digest is not None and int(np.asarray(jax.device_get(digest))) != _localisation.digest(names):
+    raise ValueError(
+      f"params is not the tree the state was built for: its {len(names)} floating leaves "
+      f"({_some(names)}) do not match the names the state keeps a checksum of (a leaf added, "
+      "removed, renamed or reordered): pass the parameters given to tx.init, or their "
+      "leaf_names."
+    )
+  set_bits = np.flatnonzero(_localisation.unpack(words | nan, words.shape[-1] * 32))
+  if _localisation.num_words(len(names)) != words.shape[-1] or (
+    set_bits.size and set_bits[-1] >= len(names)
+  ):
+    raise ValueError(
+      f"params has {len(names)} floating leaves, which do not fit the record (made for "
+      f"{32 * (words.shape[-1] - 1) + 1} to {32 * words.shape[-1]} leaves; leaf "
+      f"{int(set_bits[-1]) if set_bits.size else 0} is recorded): pass the parameters the "
+      "state was built for."
+    )
+  return _localisation.decode(words, nan, names)
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+  more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+  return ", ".join(names[:shown]) + more
+
+
+def _names_of(params: Any) -> list[str]:
+  """The leaf names of ``params`` (a pytree of arrays, or the list of names)."""
+  if _is_names(params):
+    return list(params)
+  if (
+    params is None
+    or isinstance(params, (str, bytes))
+    or (isinstance(params, (list, tuple)) and any(isinstance(n, str) for n in params))
+  ):
+    raise TypeError(
+      f"params must be the parameters (a pytree of arrays) or the list of their leaf names "
+      f"(strings), got {params!r} of type {type(params).__name__}."
+    )
+  return leaf_names(params)
+
+
+def _is_names(params: Any) -> bool:
+  return (
+    isinstance(params, (list, tuple)) and bool(params) and all(isinstance(n, str) for n in params)
+  )
+
+
+def leaf_names(params: Any) -> list[str]:
+  """The names :func:`nonfinite_leaves` and the metrics writer give the floating leaves of
+  ``params``, in the order of the record's bits: key paths joined by ``/``
+  (``"params/decoder/layers_3/attn/query/kernel"``).
+
+  A leaf is named where it has a bit in the record: where it is floating or
+  complex, by the same test that picks the leaves the finite check reads. A
+  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) is named by its own
+  path, without the ``/value`` of its array (``"linear/kernel"``); an Equinox
+  module's leaves by their attribute paths (``"layers/0/weight"``), its
+  functions and other leaves that are not arrays having no name.
+  Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
+  ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
+  would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.
+
+  Args:
+    params: a pytree of arrays or ``jax.ShapeDtypeStruct``; ``None`` leaves and
+      leaves that are not floating point (integer, bool) have no bit and no name.
+
+  Returns:
+    A list of ``"a/b/c"`` key-path names (``str``), one per floating leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_dls
+    >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
+    ['dense/bias', 'dense/kernel']
+  """
+  return _labels.leaf_names(params)
