@@ -11,10 +11,13 @@ TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
 :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
+import sys as _sys
+
 from optax_dls._util import versions as _versions
 
 _versions.check()  # before the rest: a clear ImportError when jax, jaxlib or optax is too old
 
+from optax_dls import _policies
 from optax_dls import checkpoint as checkpoint  # public submodules
 from optax_dls import compat as compat
 from optax_dls import config as config
@@ -25,10 +28,16 @@ from optax_dls._access.loss import loss_scale, scale_loss
 from optax_dls._access.metrics import metrics
 from optax_dls._access.names import leaf_names, nonfinite_leaves
 from optax_dls._access.reset import reset_scale
+from optax_dls._core import record as _record
+from optax_dls._core import state as _state
 from optax_dls._core.numerics import all_finite
 from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._core.state import LossScaleState
 from optax_dls._core.transform import LossScaledTransformation, apply_step, loss_scaled
+from optax_dls._features import alerts as _alerts
+from optax_dls._features import casting as _casting
+from optax_dls._features import recompute_stats as _recompute_stats
+from optax_dls._features import underflow as _underflow
 from optax_dls._features.alerts import SkipAlerts
 from optax_dls._features.casting import CastPolicy, cast_policy, full_precision
 from optax_dls._features.locate import locate
@@ -36,6 +45,7 @@ from optax_dls._features.precision import select_precision
 from optax_dls._features.recompute import value_and_grad
 from optax_dls._features.recompute_stats import recompute_stats
 from optax_dls._features.underflow import underflow_stats
+from optax_dls._integrations import flax_serialization as _flax_serialization
 from optax_dls._policies import (
   GradStats,
   LossScalePolicy,
@@ -48,6 +58,39 @@ from optax_dls._policies import (
 )
 
 __version__ = "0.1.0"
+
+_state.ON_INIT.append(_flax_serialization.register)  # flax's restore into a LossScaleState
+
+# Every public type, and every type a state holds, pickles as ``optax_dls.<name>``, so that
+# moving a private module never breaks a pickle: the public ones are in ``__all__``, the
+# others resolve through ``__getattr__`` below.
+_HELD_IN_STATES = {
+  t.__name__: t
+  for t in (
+    _record.NonFiniteRecord,
+    _policies.DynamicScaleState,
+    _policies.AmaxScaleState,
+    _policies.FallbackState,
+    _policies.SkipsAtMinScaleState,
+    _underflow.UnderflowState,
+    _recompute_stats.RecomputeState,
+  )
+}
+_PUBLIC_TYPES = (CastPolicy, GradStats, LossScalePolicy, LossScaleState, SkipAlerts)
+for _type in (*_PUBLIC_TYPES, *_HELD_IN_STATES.values()):
+  _type.__module__ = __name__
+
+# The modules that held those types before the package had folders: a pickle made then
+# still loads.
+for _old, _module in {
+  "_state": _state,
+  "_localisation": _record,
+  "_underflow": _underflow,
+  "_recompute_stats": _recompute_stats,
+  "_casting": _casting,
+  "_alerts": _alerts,
+}.items():
+  _sys.modules.setdefault(f"{__name__}.{_old}", _module)
 
 __all__ = [
   "CastPolicy",
@@ -91,6 +134,8 @@ _ON_USE = ("cli", "flax")
 
 
 def __getattr__(name: str) -> object:
+  if name in _HELD_IN_STATES:
+    return _HELD_IN_STATES[name]
   if name in _ON_USE:
     import importlib
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -68,6 +69,12 @@ class LossScaleState(NamedTuple):
   nonfinite: NonFiniteRecord
   policy_state: Any
   inner_state: Any
+
+
+# Called with no arguments at every ``init``, before the state is built: an integration
+# (flax's restore into this state, ``_integrations``) registers itself here, so that the
+# core imports none of them and one registered late still runs.
+ON_INIT: list[Callable[[], None]] = []
 
 
 def init_state(

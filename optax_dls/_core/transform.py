@@ -28,6 +28,7 @@ from optax_dls._core import numerics as _numerics
 from optax_dls._core import record as _localisation
 from optax_dls._core import types as _types
 from optax_dls._core.state import (
+  ON_INIT,
   LossScaleState,
   advance,
   init_state,
@@ -35,7 +36,6 @@ from optax_dls._core.state import (
   settled_scale,
   with_scale,
 )
-from optax_dls._integrations import flax_serialization as _flax_serialization
 from optax_dls._util import model as _model
 
 
@@ -99,7 +99,8 @@ class LossScaler:
   def init(self, params: Any) -> LossScaleState:
     """The state before the first step (see :func:`loss_scaled`)."""
     _model.check_init_params(params)
-    _flax_serialization.register()  # flax's own restore into this state: carried or refused
+    for hook in ON_INIT:  # e.g. flax's own restore into this state: carried or refused
+      hook()
     scale, policy_state = self.policy.init()
     names = _labels.leaf_names(params)
     labels = [] if self.labels is None else self._leaf_labels(params)

@@ -7,6 +7,9 @@ policies and every preset of :mod:`optax_dls.compat`; :mod:`.amax` follows
 the gradients' magnitude. Policy wrappers own state beside the wrapped
 policy's: the float32 fallback (:mod:`.fallback`) and the count of skips at
 the minimum scale (:mod:`.min_scale`).
+
+May import: ``_util`` only; the core applies a policy, a policy knows nothing of the
+core.
 """
 
 from optax_dls._policies.amax import AmaxScaleState, amax_policy

@@ -5,5 +5,6 @@ calling a user's function with its own convention (``calls``), optional extras
 (``optional``), supported versions (``versions``), splitting an Equinox model into
 arrays and the rest (``model``) and the locate report's types (``locate_report``).
 
-Imports nothing else from the package.
+May import: nothing else from the package (and the helpers ``optional`` and
+``locate_report`` import no JAX, for ``_logs``).
 """

@@ -1,0 +1,94 @@
+"""States and public types pickle under their public module path, and a state pickled before
+the package had folders still loads and trains on."""
+
+import pickle
+import pickletools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _params():
+  return {"b": jnp.zeros(2), "w": jnp.ones((2, 3))}
+
+
+def _tx():
+  policy = optax_dls.fp32_fallback(optax_dls.skips_at_min_scale(optax_dls.dynamic_policy()))
+  inner = optax.chain(optax_dls.underflow_stats(), optax_dls.recompute_stats(), optax.adam(1e-2))
+  return optax_dls.loss_scaled(inner, policy)
+
+
+def _trained(tx, params):
+  """What the pickled state went through: one finite step, one with an inf in ``b``."""
+  state = tx.init(params)
+  g = {"b": jnp.ones(2), "w": jnp.full((2, 3), 3.0)}
+  _, state = tx.update(g, state, params)
+  _, state = tx.update({"b": jnp.array([1.0, jnp.inf]), "w": g["w"]}, state, params)
+  return state
+
+
+def _modules(data):
+  """The module paths a pickle names."""
+  found, last = set(), []
+  for op, arg, _ in pickletools.genops(data):
+    if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+      last = [*last[-1:], arg]
+    elif op.name == "STACK_GLOBAL":
+      found.add(last[0])
+  return found
+
+
+def test_a_state_pickles_under_public_paths_only():
+  state = _trained(_tx(), _params())
+  amax = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy()).init(_params())
+  data = pickle.dumps((state, amax))
+  ours = {m for m in _modules(data) if m.startswith("optax_dls")}
+  assert ours == {"optax_dls"}, ours
+  again = pickle.loads(data)
+  assert jax.tree.structure(again) == jax.tree.structure((state, amax))
+
+
+@pytest.mark.parametrize(
+  "value",
+  [
+    optax_dls.cast_policy("p=f32,c=f16,o=f32"),
+    optax_dls.GradStats(jnp.bool_(True), jnp.int32(3), jnp.float32(1.0), jnp.float32(2.0)),
+    optax_dls.SkipAlerts(),
+  ],
+  ids=lambda v: type(v).__name__,
+)
+def test_public_types_pickle_as_optax_dls_names(value):
+  data = pickle.dumps(value)
+  assert {m for m in _modules(data) if m.startswith("optax_dls")} == {"optax_dls"}
+  assert type(pickle.loads(data)) is type(value)
+
+
+def test_a_state_pickled_by_the_flat_layout_loads_and_trains_on():
+  """tests/data/state_flat_layout.pkl was written by the package before its folders
+  (``optax_dls._state.LossScaleState``, ``optax_dls._localisation.NonFiniteRecord``, ...),
+  from the steps of ``_trained``, leaves as numpy arrays (``jax.device_get``)."""
+  saved = pickle.loads((DATA / "state_flat_layout.pkl").read_bytes())
+  tx, params = _tx(), _params()
+  now = _trained(tx, params)
+  old = jax.tree.map(jnp.asarray, saved["dynamic"])
+  assert jax.tree.structure(old) == jax.tree.structure(now)
+  for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(now), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert optax_dls.nonfinite_leaves(old, params) == {"b": "inf"}
+  g = {"b": jnp.ones(2), "w": jnp.ones((2, 3))}
+  old = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), old, now)
+  u_old, _ = tx.update(g, old, params)
+  u_now, _ = tx.update(g, now, params)
+  for a, b in zip(jax.tree.leaves(u_old), jax.tree.leaves(u_now), strict=True):
+    np.testing.assert_array_equal(a, b)
+  amax = jax.tree.map(jnp.asarray, saved["amax"])
+  fresh = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy()).init(params)
+  assert jax.tree.structure(amax) == jax.tree.structure(fresh)
