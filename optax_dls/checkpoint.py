@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from optax_dls._access import find as _find
-from optax_dls._core.state import LossScaleState
+from optax_dls._integrations.carry import into_loss_scaled, like, target_states
 from optax_dls._util import optional as _optional
 from optax_dls._util import tree_paths as _tree_paths
 from optax_dls._util import validation as _validation
@@ -31,16 +31,6 @@ _RETIRED_FIELDS = ("min_scale", "max_scale")
 # Fields an earlier layout lacked: the target's value (made by tx.init for these parameters).
 _NEW_FIELDS = (("nonfinite", "names_digest"),)
 _DYNAMIC_SCALE_KEYS = ("scale", "fin_steps")  # a flax DynamicScale, as checkpoints store it
-
-
-def _is_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
-def _target_states(tree: Any) -> list[_tree_paths.Path]:
-  """The paths of the loss-scale states in a live pytree."""
-  found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]
-  return [_tree_paths.live_path(p) for p, x in found if _is_state(x)]
 
 
 def _stored_nodes(tree: Any, keys: tuple[str, ...], path: _tree_paths.Path = ()) -> list[Any]:
@@ -59,7 +49,7 @@ def _where(paths: list[_tree_paths.Path]) -> str:
 def _advice(saved: Any, target: Any) -> str:
   """What to do about the loss-scale states of the stored tree ``saved`` and of ``target``."""
   in_saved = _stored_nodes(saved, _FIELDS_KEYS)
-  in_target = _target_states(target)
+  in_target = target_states(target)
   dynamic = _stored_nodes(saved, _DYNAMIC_SCALE_KEYS)
   if in_target and not in_saved and dynamic:
     return (
@@ -310,7 +300,7 @@ def _placed(restored: Any, target: Any) -> Any:
   leaves, treedef = jax.tree.flatten(target)
   stored = _tree_paths.stored_leaves(restored)
   paths = list(_tree_paths.live_leaves(target))
-  values = [_like(x, stored[p]) if p in stored else x for p, x in zip(paths, leaves)]
+  values = [like(x, stored[p]) if p in stored else x for p, x in zip(paths, leaves)]
   return jax.tree.unflatten(treedef, values)
 
 
@@ -383,91 +373,3 @@ def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
 
 def _scales(values: np.ndarray) -> str:
   return ", ".join(_validation.scale_text(float(v)) for v in values.reshape(-1))
-
-
-def into_loss_scaled(restored: Any, target: Any) -> Any:
-  """Puts a checkpoint saved without loss scaling into a loss-scaled target.
-
-  ``restored`` is the tree of a checkpoint whose optimizer state has no
-  :class:`~optax_dls.LossScaleState` (a plain optax state), as it comes back without a
-  target: ``manager.restore(step)`` with Orbax, or
-  ``flax.training.checkpoints.restore_checkpoint(directory, target=None)``.
-  ``target`` has the new layout: the same tree, with the optimizer state
-  wrapped by a loss-scaled transformation (e.g. ``{'params': params,
-  'opt_state': tx.init(params)}`` or a flax ``TrainState`` built with that
-  ``tx``). Every leaf of ``restored`` goes to its place in ``target``, the old
-  optimizer state to the loss-scale state's ``inner_state``, each converted to
-  the target leaf's dtype (and placed with its sharding); the loss-scale
-  fields keep the target's values (the scale at ``init_scale``, the counters
-  at 0). Nothing is left at a default: a leaf on one side only, or of another
-  shape, is an error.
-
-  Args:
-    restored: a tree of dicts and lists (or tuples) of arrays and numbers.
-    target: a pytree of arrays (or ``jax.ShapeDtypeStruct``) holding exactly
-      one :class:`~optax_dls.LossScaleState`.
-
-  Returns:
-    ``target`` with the restored values: the same tree structure, dtypes and
-    shardings.
-
-  Raises:
-    ValueError: ``target`` holds no loss-scale state or more than one; or
-      ``restored`` and ``target`` differ other than by that state: the
-      message lists the leaves on one side only and the shapes that differ.
-
-  Example:
-    >>> import numpy as np, jax.numpy as jnp, optax, optax_dls
-    >>> params = {'w': jnp.ones(2)}
-    >>> raw = {'params': {'w': np.ones(2)}, 'opt_state': [  # optax.adam's state, as Orbax stores it
-    ...   {'count': np.int32(3), 'mu': {'w': np.zeros(2)}, 'nu': {'w': np.zeros(2)}}, None]}
-    >>> tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
-    >>> target = {'params': params, 'opt_state': tx.init(params)}
-    >>> state = optax_dls.checkpoint.into_loss_scaled(raw, target)
-    >>> int(state['opt_state'].inner_state[0].count), float(optax_dls.loss_scale(state))
-    (3, 32768.0)
-  """
-  states = _target_states(target)
-  if len(states) != 1:
-    raise ValueError(
-      f"target must hold exactly one LossScaleState (the state of the loss-scaled optimizer "
-      f"to restore into), got {len(states)}: build it with tx.init(params), tx a "
-      "dynamic_loss_scale / loss_scaled optimizer."
-    )
-  (prefix,) = states
-  leaves, treedef = jax.tree.flatten(target)
-  paths = list(_tree_paths.live_leaves(target))
-  sources = [_source(p, prefix) for p in paths]  # where each target leaf comes from
-  stored = _tree_paths.stored_leaves(restored)
-  wanted = {s: leaf for s, leaf in zip(sources, leaves) if s is not None}
-  diff = _tree_paths.difference(stored, wanted)
-  if diff.blocks():
-    raise ValueError(
-      "restored does not have the target's layout once the target's loss-scale state at "
-      f"{_tree_paths.show(prefix)} is replaced by its inner state: {diff.describe()}."
-    )
-  values = [leaf if s is None else _like(leaf, stored[s]) for s, leaf in zip(sources, leaves)]
-  return jax.tree.unflatten(treedef, values)
-
-
-def _source(path: _tree_paths.Path, prefix: _tree_paths.Path) -> _tree_paths.Path | None:
-  """Where the target leaf at ``path`` is in a checkpoint without the loss-scale state at
-  ``prefix``: the same path, the inner state's leaves one level up; None for the loss-scale
-  state's own fields (kept)."""
-  if path[: len(prefix)] != prefix:
-    return path
-  rest = path[len(prefix) :]
-  return (*prefix, *rest[1:]) if rest[0] == "inner_state" else None
-
-
-def _like(target: Any, value: Any) -> Any:
-  """``value`` as the target leaf is: of its dtype and sharding, or of its Python type."""
-  if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
-    array = jax.numpy.asarray(value, target.dtype)
-    sharding = getattr(target, "sharding", None)
-    return array if sharding is None else jax.device_put(array, sharding)
-  if isinstance(target, (np.ndarray, np.generic)):
-    return np.asarray(value, target.dtype)
-  if isinstance(target, (bool, int, float, complex)):
-    return type(target)(np.asarray(value).item())
-  return value

@@ -1,7 +1,9 @@
-"""What ties the state to other libraries' machinery.
+"""Restoring a loss-scale state from the layouts of other libraries and earlier runs.
 
-flax's serialization registry for ``LossScaleState`` (``flax_serialization``) and the
-port of flax's ``DynamicScale`` (``dynamic_scale``).
+A state saved without loss scaling carried into a loss-scaled target (``carry``, behind
+:func:`optax_dls.checkpoint.into_loss_scaled`), flax's own restore into a
+``LossScaleState`` (``flax_serialization``, registered by the package at import) and the
+port of flax's ``DynamicScale`` (``dynamic_scale``). None of them imports flax.
 
 May import: ``_core``, ``_access`` and ``_util``.
 """
