@@ -6,7 +6,8 @@ is written once (:mod:`.dynamic`) and reused by the dynamic, static and no-op
 policies and every preset of :mod:`optax_dls.compat`; :mod:`.amax` follows
 the gradients' magnitude. Policy wrappers own state beside the wrapped
 policy's: the float32 fallback (:mod:`.fallback`) and the count of skips at
-the minimum scale (:mod:`.min_scale`).
+the minimum scale (:mod:`.min_scale`). The presets of :mod:`optax_dls.compat`, each a
+dynamic rule with another framework's settings, are in :mod:`.presets`.
 
 May import: ``_util`` only; the core applies a policy, a policy knows nothing of the
 core.
