@@ -46,7 +46,7 @@ nitpick_ignore_regex = [
 nitpick_ignore = [
   ("py:class", "NonFiniteRecord"),  # LossScaleState's signature, as NamedTuple writes it
   ("py:class", "optax_dls._core.record.NonFiniteRecord"),
-  ("py:class", "optax_dls._core.transform.LossScaler"),
+  ("py:class", "optax_dls._core.scaler.LossScaler"),
 ]
 
 # MyST: the guide pages are plain Markdown; "#anchor" links to headings of other pages.

@@ -33,7 +33,8 @@ from optax_dls._core import state as _state
 from optax_dls._core.numerics import all_finite
 from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._core.state import LossScaleState
-from optax_dls._core.transform import LossScaledTransformation, apply_step, loss_scaled
+from optax_dls._core.apply_step import apply_step
+from optax_dls._core.transform import LossScaledTransformation, loss_scaled
 from optax_dls._features import alerts as _alerts
 from optax_dls._features import casting as _casting
 from optax_dls._features import recompute_stats as _recompute_stats

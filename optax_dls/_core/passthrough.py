@@ -1,0 +1,52 @@
+"""The transformation of a ``passthrough`` policy (:func:`optax_dls.no_loss_scale`): the bare
+optimizer, bit for bit, in the loss-scaled state's layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dls._core.scaler import LossScaler, _Output, check_state
+from optax_dls._core.state import LossScaleState, advance, settled_scale
+
+
+class PassthroughScaler(LossScaler):
+  """The transformation of a ``passthrough`` policy (S = 1 by construction): gradients go
+  to ``inner`` unchanged, nothing is checked or skipped, and the inner state is exactly
+  what ``inner`` makes it (so the result is the bare ``inner``'s bit for bit); the state
+  keeps the loss-scaled layout, its scale 1 after every update (a state restored from
+  another transformation is settled to 1 by ``checkpoint.restore``, or by its first
+  update). ``grad_norm`` is measured only when asked for."""
+
+  passthrough = True
+
+  def __init__(self, *args: Any, track_grad_norm: bool = False) -> None:
+    super().__init__(*args)
+    self.track_grad_norm = track_grad_norm
+
+  def _inner_init(self, params: Any) -> Any:
+    return self.inner.init(params)
+
+  def back_off(
+    self, grads: Any, state: Any, *, loss: Any = None
+  ) -> tuple[jax.Array, LossScaleState]:
+    check_state(state)
+    # Nothing is checked: no overflow to back off from. The scale is 1, as after any update.
+    return jnp.ones([], jnp.bool_), settled_scale(state)
+
+  def _step(
+    self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
+  ) -> tuple[Any, LossScaleState]:
+    check_state(state)
+    norm = state.grad_norm
+    if self.track_grad_norm:
+      norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
+    updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
+    finite = jnp.ones([], jnp.bool_)
+    one = jnp.ones([], jnp.float32)
+    new = advance(
+      state, finite, norm, state.nonfinite, one, state.policy_state, inner_state, self.scale_range
+    )
+    return output.out(params, updates), new
