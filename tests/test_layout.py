@@ -130,3 +130,13 @@ def test_the_log_readers_import_no_jax():
         names = [node.module or ""]
       bad += [f"{module} imports {n}" for n in names if n.split(".")[0] in {"jax", "optax", "flax"}]
   assert not bad, bad
+
+
+def test_the_design_page_draws_these_folders_and_their_imports():
+  """docs/design.md's folder table names every folder and exactly what it may import."""
+  import re
+
+  text = (PACKAGE.parent / "docs" / "design.md").read_text()
+  rows = re.findall(r"^\| `(_\w+)/` \| [^|]+ \| ([^|]+) \|$", text, re.MULTILINE)
+  drawn = {folder: set(re.findall(r"`(_\w+)`", allowed)) for folder, allowed in rows}
+  assert drawn == MAY_IMPORT
