@@ -28,12 +28,15 @@ from optax_dls._access.loss import loss_scale, scale_loss
 from optax_dls._access.metrics import metrics
 from optax_dls._access.names import leaf_names, nonfinite_leaves
 from optax_dls._access.reset import reset_scale
+from optax_dls._core import lowering as _lowering
+from optax_dls._core import passthrough as _passthrough
 from optax_dls._core import record as _record
+from optax_dls._core import scaler as _scaler
 from optax_dls._core import state as _state
+from optax_dls._core.apply_step import apply_step
 from optax_dls._core.numerics import all_finite
 from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._core.state import LossScaleState
-from optax_dls._core.apply_step import apply_step
 from optax_dls._core.transform import LossScaledTransformation, loss_scaled
 from optax_dls._features import alerts as _alerts
 from optax_dls._features import casting as _casting
@@ -57,15 +60,16 @@ from optax_dls._policies import (
   skips_at_min_scale,
   static_policy,
 )
+from optax_dls._util import locate_report as _locate_report
 
 __version__ = "0.1.0"
 
 _state.ON_INIT.append(_flax_serialization.register)  # flax's restore into a LossScaleState
 
-# Every public type, and every type a state holds, pickles as ``optax_dls.<name>``, so that
-# moving a private module never breaks a pickle: the public ones are in ``__all__``, the
-# others resolve through ``__getattr__`` below.
-_HELD_IN_STATES = {
+# Every public type, every type a state holds, and what a pickled transformation or locate
+# report names, pickles as ``optax_dls.<name>``, so that moving a private module never breaks
+# a pickle: the public ones are in ``__all__``, the others resolve through ``__getattr__``.
+_BY_NAME = {
   t.__name__: t
   for t in (
     _record.NonFiniteRecord,
@@ -75,10 +79,24 @@ _HELD_IN_STATES = {
     _policies.SkipsAtMinScaleState,
     _underflow.UnderflowState,
     _recompute_stats.RecomputeState,
+    _scaler.LossScaler,  # what a pickled LossScaledTransformation's methods belong to
+    _passthrough.PassthroughScaler,
+    _lowering.Lowering,
+    _policies.DynamicRule,
+    _locate_report.LocateReport,  # what locate returns
+    _locate_report.Operation,
+    _locate_report.ScopeHeadroom,
   )
 }
-_PUBLIC_TYPES = (CastPolicy, GradStats, LossScalePolicy, LossScaleState, SkipAlerts)
-for _type in (*_PUBLIC_TYPES, *_HELD_IN_STATES.values()):
+_PUBLIC_TYPES = (
+  CastPolicy,
+  GradStats,
+  LossScalePolicy,
+  LossScaleState,
+  LossScaledTransformation,
+  SkipAlerts,
+)
+for _type in (*_PUBLIC_TYPES, *_BY_NAME.values()):
   _type.__module__ = __name__
 
 # The modules that held those types before the package had folders: a pickle made then
@@ -135,8 +153,8 @@ _ON_USE = ("cli", "flax")
 
 
 def __getattr__(name: str) -> object:
-  if name in _HELD_IN_STATES:
-    return _HELD_IN_STATES[name]
+  if name in _BY_NAME:
+    return _BY_NAME[name]
   if name in _ON_USE:
     import importlib
 

@@ -1,8 +1,8 @@
 """States and public types pickle under their public module path, and a state pickled before
 the package had folders still loads and trains on."""
 
+import io
 import pickle
-import pickletools
 from pathlib import Path
 
 import jax
@@ -35,15 +35,28 @@ def _trained(tx, params):
   return state
 
 
+class _Recording(pickle.Unpickler):
+  """Loads a pickle, recording every ``(module, name)`` it looks up."""
+
+  def __init__(self, data):
+    super().__init__(io.BytesIO(data))
+    self.found = set()
+
+  def find_class(self, module, name):
+    self.found.add((module, name))
+    return super().find_class(module, name)
+
+
+def _globals(data):
+  """The ``(module, name)`` pairs a pickle names."""
+  loader = _Recording(data)
+  loader.load()
+  return loader.found
+
+
 def _modules(data):
   """The module paths a pickle names."""
-  found, last = set(), []
-  for op, arg, _ in pickletools.genops(data):
-    if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
-      last = [*last[-1:], arg]
-    elif op.name == "STACK_GLOBAL":
-      found.add(last[0])
-  return found
+  return {m for m, _ in _globals(data)}
 
 
 def test_a_state_pickles_under_public_paths_only():
@@ -92,3 +105,24 @@ def test_a_state_pickled_by_the_flat_layout_loads_and_trains_on():
   amax = jax.tree.map(jnp.asarray, saved["amax"])
   fresh = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy()).init(params)
   assert jax.tree.structure(amax) == jax.tree.structure(fresh)
+
+
+def test_a_transformation_and_a_locate_report_name_only_public_types():
+  """A pickled transformation names its class and its scaler's as optax_dls.<name> (the
+  policy's functions keep their modules); so does the report locate returns."""
+  from tests import _picklable
+
+  tx = optax_dls.dynamic_loss_scale(_picklable.INNER)
+  data = pickle.dumps(tx)
+  classes = {(m, n) for m, n in _globals(data) if m.startswith("optax_dls") and n[:1].isupper()}
+  assert classes and {m for m, _ in classes} == {"optax_dls"}, classes
+  params = {"w": jnp.ones(2)}
+  again = pickle.loads(data)
+  np.testing.assert_array_equal(
+    again.update(params, again.init(params), params)[0]["w"],
+    tx.update(params, tx.init(params), params)[0]["w"],
+  )
+  report = optax_dls.locate(lambda p: jnp.sum(p["w"].astype(jnp.float16) * 1e5), params, scale=1.0)
+  data = pickle.dumps(report)
+  assert {m for m in _modules(data) if m.startswith("optax_dls")} == {"optax_dls"}
+  assert pickle.loads(data) == report

@@ -69,7 +69,7 @@ def locate(
     has_aux: ``fun`` returns ``(loss, aux)``. Default False.
 
   Returns:
-    A :class:`~optax_dls._util.locate_report.LocateReport`: ``first`` (phase, primitive, source,
+    A :class:`~optax_dls.LocateReport`: ``first`` (phase, primitive, source,
     scope, kind, dtype, input_max, note) or None when every value is finite, and
     ``headroom``, one row per scope, closest to overflow first. ``print(report)`` shows
     a table; ``report.to_dict()`` is JSON-ready.
