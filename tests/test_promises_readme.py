@@ -1,9 +1,14 @@
-"""README.md's install table: what `pip install -e .` and each extra bring is what
-pyproject.toml declares."""
+"""README.md's promises: what `pip install -e .` and each extra bring is what
+pyproject.toml declares; `locate` as the README calls it."""
 
 import pathlib
 import re
 import tomllib
+
+import jax.numpy as jnp
+import pytest
+
+import optax_dls
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The README's names for packages whose distribution name differs.
@@ -42,3 +47,21 @@ def test_readme_install_table_is_what_pyproject_declares():
     assert not missing, f"README says the {extra} extra brings {missing}; pyproject does not"
   assert set(extras["test"]) >= {"torch", "jmp", "keras", "megatron-core"}
   assert _names(declared["docs"]) <= _names(declared["test"])  # "the docs' tools"
+
+
+def test_locate_refuses_a_loss_function_that_does_not_return_a_scalar():
+  # README's quick start: locate takes the unscaled loss function; its loss_fn, which
+  # returns (S * loss, loss), would be a vector loss scaled twice. As jax.grad does,
+  # locate refuses a loss that is not a scalar, and says has_aux=True for a pair.
+  params, x = {"w": jnp.ones(3)}, jnp.full(3, 2.0, jnp.float16)
+
+  def model_loss(p, x):
+    return jnp.sum((x * p["w"].astype(jnp.float16)) ** 2).astype(jnp.float32)
+
+  pair = lambda p, x: (model_loss(p, x) * 8.0, model_loss(p, x))
+  with pytest.raises(TypeError, match=r"has_aux=True"):
+    optax_dls.locate(pair, params, x)
+  with pytest.raises(TypeError, match=r"scalar.*\(3,\)"):
+    optax_dls.locate(lambda p, x: x * p["w"], params, x)
+  assert optax_dls.locate(pair, params, x, scale=1.0, has_aux=True).first is None
+  assert optax_dls.locate(model_loss, params, x, scale=8.0).first is None
