@@ -204,6 +204,8 @@ def test_comparison_table_defaults_are_each_library_s_own():
       d["loss_scale"] is inspect.Parameter.empty and _power(init["jmp `DynamicLossScale`"]) is None
     )
     assert d["period"] == _power(interval["jmp `DynamicLossScale`"])
+    floor = jmp.DynamicLossScale.__dataclass_fields__["min_loss_scale"].default_factory()
+    assert float(floor) == float(rows["floor"]["jmp `DynamicLossScale`"])
     checked.append("jmp")
   flax_scale = _optional("flax.training.dynamic_scale")
   if flax_scale is not None:
@@ -231,7 +233,8 @@ def test_comparison_table_defaults_are_each_library_s_own():
       _power(init["Megatron-LM"]),
       _power(interval["Megatron-LM"]),
     )
-    assert d["min_loss_scale"] == 1.0 and d["hysteresis"] == 2
+    assert d["min_loss_scale"] == float(rows["floor"]["Megatron-LM"])
+    assert rows["hysteresis"]["Megatron-LM"].startswith(f"{d['hysteresis']}, ")
     checked.append("megatron")
   if not checked:
     pytest.skip("none of the compared libraries is installed")
@@ -242,3 +245,22 @@ def _optional(name):
     return importlib.import_module(name)
   except Exception:  # noqa: BLE001 - not installed, or not importable here
     return None
+
+
+def test_static_loss_scale_keeps_its_scale_and_still_skips_non_finite_steps():
+  # quickstart.md:The other constructors.
+  tx = optax_dls.static_loss_scale(optax.sgd(1.0), 2.0**8)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  updates, state = update({"w": jnp.array([2.0**8, jnp.inf])}, state, params)
+  assert bool(optax_dls.metrics(state)["skipped"])
+  assert bytes(np.asarray(optax.apply_updates(params, updates)["w"])) == bytes(
+    np.ones(2, np.float32)
+  )
+  updates, state = update({"w": jnp.full(2, 2.0**8)}, state, params)
+  np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+  assert (
+    float(optax_dls.loss_scale(state)) == 2.0**8
+    and int(optax_dls.metrics(state)["skip_count"]) == 1
+  )
