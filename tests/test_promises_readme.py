@@ -65,3 +65,18 @@ def test_locate_refuses_a_loss_function_that_does_not_return_a_scalar():
     optax_dls.locate(lambda p, x: x * p["w"], params, x)
   assert optax_dls.locate(pair, params, x, scale=1.0, has_aux=True).first is None
   assert optax_dls.locate(model_loss, params, x, scale=8.0).first is None
+
+
+def test_pre_commit_runs_ruff_and_mypy_at_the_dev_extra_s_versions():
+  # README.md:Install: the `dev` extra brings the tools CI runs, and
+  # `.pre-commit-config.yaml` runs ruff and mypy on each commit, pinned alike.
+  config = (ROOT / ".pre-commit-config.yaml").read_text()
+  hooks = set(re.findall(r"^\s+- id: ([\w-]+)$", config, re.MULTILINE))
+  assert {"ruff-check", "ruff-format", "mypy"} <= hooks
+  dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+    "dev"
+  ]
+  pins = {req.split("==")[0]: req for req in dev if "==" in req}
+  assert set(pins) >= {"ruff", "mypy"}
+  for tool, pin in pins.items():
+    assert f"{pin}" in config, f"{tool}: dev extra pins {pin}; .pre-commit-config.yaml does not"
