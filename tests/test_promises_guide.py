@@ -264,3 +264,53 @@ def test_static_loss_scale_keeps_its_scale_and_still_skips_non_finite_steps():
     float(optax_dls.loss_scale(state)) == 2.0**8
     and int(optax_dls.metrics(state)["skip_count"]) == 1
   )
+
+
+class _Parsed(Exception):
+  """Raised with the parsed arguments in place of running a benchmark."""
+
+
+def _benchmark_commands():
+  """Every ``python benchmarks/NAME.py ARGS`` that README.md, the performance guide and the
+  design name, and every ``--flag VALUE ...`` given after it in the text, for the script named
+  last (a bare ``--flag`` elsewhere belongs to other commands, such as ``optax-dls inspect``)."""
+  commands, last = [], None
+  for page in (DOCS.parent / "README.md", DOCS / "guide" / "performance.md", DOCS / "design.md"):
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+    for span in re.findall(r"`([^`]+)`", text):
+      span = " ".join(span.split())
+      found = re.match(r"(?:python )?benchmarks/(\w+)\.py((?: --?[\w-]+(?: [\w,.]+)?)*)$", span)
+      if found:
+        last = found.group(1)
+        commands.append((last, found.group(2).split()))
+      elif span.startswith("--") and " " in span and last is not None:  # flags with values
+        commands.append((last, span.split()))
+  return commands
+
+
+def test_the_benchmark_commands_the_docs_name_parse_and_name_real_variants(monkeypatch):
+  # Every number of README.md:Performance and performance.md comes from one of these.
+  import argparse
+  import importlib.util
+
+  commands = _benchmark_commands()
+  assert {name for name, _ in commands} >= {"step_overhead", "train_step_e2e", "gpu_check"}
+  assert ("step_overhead", ["--fresh-compile"]) in commands
+  parse = argparse.ArgumentParser.parse_args
+
+  def parse_and_stop(self, args=None, namespace=None):
+    raise _Parsed(parse(self, args, namespace))
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+  modules = {}
+  for name, argv in commands:
+    if name not in modules:
+      spec = importlib.util.spec_from_file_location(name, DOCS.parent / "benchmarks" / f"{name}.py")
+      modules[name] = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(modules[name])
+    with pytest.raises(_Parsed) as parsed:
+      modules[name].main(argv)
+    args = parsed.value.args[0]
+    if getattr(args, "variants", None):
+      unknown = set(args.variants.split(",")) - set(modules[name].VARIANTS)
+      assert not unknown, f"{name} {argv}: no such variant {unknown}"
