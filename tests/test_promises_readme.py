@@ -80,3 +80,21 @@ def test_pre_commit_runs_ruff_and_mypy_at_the_dev_extra_s_versions():
   assert set(pins) >= {"ruff", "mypy"}
   for tool, pin in pins.items():
     assert f"{pin}" in config, f"{tool}: dev extra pins {pin}; .pre-commit-config.yaml does not"
+
+
+def test_the_main_example_averages_each_step_over_65536_tokens_of_64_replicas():
+  # README.md:The main example: "Each step averages its loss over 65,536 tokens, as
+  # data-parallel training on 64 replicas does", and it trains four runs.
+  import sys
+
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    import train_lm
+  finally:
+    sys.path.remove(str(ROOT / "examples"))
+  args = train_lm.parse_args([])
+  assert args.replicas == 64 and train_lm.tokens_per_step(args) == 65_536
+  table = (ROOT / "README.md").read_text().split("## The main example")[1].split("\n## ")[0]
+  runs = re.findall(r"^\s*(fp[\w-]+)\s+\d", table, re.MULTILINE)
+  assert runs == ["fp32", "fp16", "fp16-dls", "fp16-dls-recompute"]
+  assert runs == list(args.runs)  # the runs the command makes by default
