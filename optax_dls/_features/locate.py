@@ -59,8 +59,8 @@ def locate(
   memory): call it once, on a micro-batch of a skipped step.
 
   Args:
-    fun: the loss function, as given to ``jax.grad``; returns a scalar (and an
-      auxiliary value with ``has_aux=True``).
+    fun: the loss function, as given to ``jax.grad``, not yet multiplied by the
+      scale; returns a scalar (and an auxiliary value with ``has_aux=True``).
     *args: its arguments, e.g. ``params, batch``; float16 leaves stay float16.
     scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)``
       as :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.loss_scale(state))``);
@@ -76,7 +76,8 @@ def locate(
 
   Raises:
     TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not
-      a number, an int, a bool.
+      a number, an int, a bool; the loss ``fun`` returns is not a scalar (a tuple
+      without ``has_aux=True`` among them).
     ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the
       index of one of ``args``.
 
@@ -108,8 +109,15 @@ def locate(
   def scaled(x: Any) -> tuple[Any, Any]:
     x = _model.combine(x, others) if split else x
     out = fun(*args[:argnums], x, *args[argnums + 1 :])
+    if not has_aux and isinstance(out, (tuple, list)):
+      raise TypeError(
+        f"locate: fun returned a {type(out).__name__} of {len(out)}; it must return the "
+        "unscaled scalar loss, or (loss, aux) with has_aux=True"
+      )
     loss, aux = out if has_aux else (out, None)
     loss = jnp.asarray(loss)
+    if loss.shape != ():
+      raise TypeError(f"locate: fun must return a scalar loss, got shape {loss.shape}")
     dtype = jnp.promote_types(loss.dtype, jnp.float32)  # as optax_dls.scale_loss does
     return loss.astype(dtype) * jnp.asarray(scale, dtype), aux
 
