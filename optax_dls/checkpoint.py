@@ -320,7 +320,11 @@ def settled(restored: Any, tx: Any) -> Any:
   (:func:`~optax_dls.no_loss_scale`) the scale becomes 1; under any other a
   scale outside the policy's ``[min_scale, max_scale]`` moves to the nearest
   bound, and one inside it is kept. A warning (``UserWarning``) says in one
-  line what changed; nothing else in ``restored`` changes.
+  line what changed; a kept scale of 1 under a transformation whose
+  ``init_scale`` is larger (most likely the scale of a state saved without
+  loss scaling) is warned about too, naming the :func:`~optax_dls.reset_scale`
+  call that starts from ``init_scale`` instead. Nothing else in ``restored``
+  changes.
 
   Args:
     restored: a pytree holding exactly one :class:`~optax_dls.LossScaleState`
