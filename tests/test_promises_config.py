@@ -27,7 +27,9 @@ def test_a_fallback_key_without_fallback_after_is_refused():
 
 
 def test_static_takes_two_fallback_keys_and_none_takes_none():
-  policy = config.from_config({"kind": "static", "scale": 8, "fallback_after": 3})
+  policy = config.from_config(
+    {"kind": "static", "scale": 8, "fallback_after": 3, "fallback_steps": 2}
+  )
   assert float(policy.init()[0]) == 8.0
   with pytest.raises(ValueError, match="'fallback_scale' for kind='static'"):
     config.from_config({"kind": "static", "scale": 8, "fallback_after": 3, "fallback_scale": 2})
