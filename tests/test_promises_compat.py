@@ -4,12 +4,16 @@ where a reference leaves ``[2**-126, 2**126]``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import optax_dls
 from optax_dls import compat
@@ -113,3 +117,72 @@ def test_flax_policy_takes_a_growth_interval_of_0_and_grows_on_every_finite_step
   assert _scales(compat.flax_policy(scale=4.0, growth_interval=0), [True] * 2) == [8.0, 16.0]
   with pytest.raises(ValueError, match="growth_interval"):
     compat.flax_policy(growth_interval=-1)
+
+
+def _deepspeed_rule(config, overflows):
+  """The rule ``deepspeed_policy``'s docstring states, step by step in Python: a growth by 2
+  when ``stable = cur_iter - last_overflow_iter - 1`` is a positive multiple of
+  ``scale_window``; an overflow spends one unit of hysteresis and, once it is spent, halves
+  the scale (floored at ``min_scale``); a growth refills the hysteresis, or every finite step
+  with ``consecutive_hysteresis``."""
+  scale, last_overflow, left = config["init_scale"], -1, config["delayed_shift"]
+  out = []
+  for it, overflow in enumerate(overflows):
+    if overflow:
+      if left == 1:
+        scale = max(scale / 2, config["min_scale"])
+      else:
+        left -= 1
+      last_overflow = it
+    else:
+      if config["consecutive_hysteresis"]:
+        left = config["delayed_shift"]
+      stable = it - last_overflow - 1
+      if stable > 0 and stable % config["scale_window"] == 0:
+        scale *= 2
+        left = config["delayed_shift"]
+    out.append(scale)
+  return out
+
+
+_DS_CONFIGS = [
+  dict(init_scale=2.0**3, scale_window=2, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=c)
+  for c in (False, True)
+] + [
+  dict(
+    init_scale=2.0**10,
+    scale_window=3,
+    min_scale=0.25,
+    delayed_shift=3,
+    consecutive_hysteresis=False,
+  )
+]
+_DS_LENGTH = 32
+
+
+@functools.cache
+def _deepspeed_scan(index):
+  policy = compat.deepspeed_policy(**_DS_CONFIGS[index])
+
+  def step(carry, finite):
+    scale, state = carry
+    stats = optax_dls.GradStats(
+      finite=finite, step=jnp.zeros([], jnp.int32), grad_norm=jnp.zeros([], jnp.float32)
+    )
+    carry = policy.update(scale, state, stats)
+    return carry, carry[0]
+
+  return jax.jit(lambda finite: jax.lax.scan(step, policy.init(), finite)[1])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+  overflows=st.lists(
+    st.sampled_from([False, False, False, True]), min_size=_DS_LENGTH, max_size=_DS_LENGTH
+  ),
+  index=st.sampled_from(range(len(_DS_CONFIGS))),
+)
+def test_deepspeed_policy_follows_the_rule_its_docstring_states(overflows, index):
+  """Held here without DeepSpeed installed; tests/test_compat.py compares with DeepSpeed itself."""
+  got = _deepspeed_scan(index)(jnp.asarray([not o for o in overflows]))
+  assert [float(s) for s in got] == _deepspeed_rule(_DS_CONFIGS[index], overflows)
