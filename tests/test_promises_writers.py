@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import math
+import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,7 @@ def test_non_finite_values_stay_in_the_json_lines_and_event_rows_come_sorted_by_
   text = (tmp_path / writers.JSONL_NAME).read_text()
   assert '"grad_norm": Infinity' in text
   (events,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
+  assert re.search(rf"\.{os.getpid()}\.[0-9a-f]{{12}}$", events)  # this writer's own file
   assert writers.read_tensorboard(events) == [
     {"step": 2, "grad_norm": 3.0, "x": 2.0},
     {"step": 4, "x": 1.0},
