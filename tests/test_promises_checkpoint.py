@@ -57,3 +57,24 @@ def test_restore_from_a_directory_without_a_checkpoint_is_file_not_found(tmp_pat
   tree = {"params": PARAMS, "opt_state": optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)}
   with pytest.raises(FileNotFoundError, match="no checkpoint in"):
     optax_dls.checkpoint.restore(tmp_path, tree)
+
+
+def test_into_loss_scaled_converts_dtypes_and_refuses_an_abstract_loss_scale_state():
+  raw = {
+    "params": {"w": np.ones(2)},
+    "opt_state": [{"count": np.int64(3), "mu": {"w": np.zeros(2)}, "nu": {"w": np.zeros(2)}}, None],
+  }
+  tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
+  target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+  state = optax_dls.checkpoint.into_loss_scaled(raw, target)
+  assert jax.tree.map(lambda x: x.dtype, state) == jax.tree.map(lambda x: x.dtype, target)
+  abstract_params = target | {
+    "params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), PARAMS)
+  }
+  assert optax_dls.checkpoint.into_loss_scaled(raw, abstract_params)["params"]["w"].tolist() == [
+    1,
+    1,
+  ]
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+  with pytest.raises(TypeError, match=r"loss-scale state must hold arrays .* opt_state.loss_scale"):
+    optax_dls.checkpoint.into_loss_scaled(raw, abstract)
