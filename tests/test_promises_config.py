@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import optax
 import pytest
 
@@ -54,3 +56,14 @@ def test_a_config_or_value_of_the_wrong_type_raises_type_error(cfg, inner, match
 def test_an_empty_loss_scale_section_is_the_default_dynamic_policy():
   policy = config.from_config({"loss_scale": None, "model": {"width": 3}})
   assert float(policy.init()[0]) == float(optax_dls.dynamic_policy().init()[0])
+
+
+def test_the_module_docstring_s_yaml_example_builds_its_policy(tmp_path):
+  block = config.__doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+  path = tmp_path / "train.yaml"
+  path.write_text(textwrap.dedent(block))
+  policy = config.from_config(path)
+  expected = optax_dls.dynamic_policy(
+    **config.preset("text_llm") | dict(init_scale=4096, growth_interval=100, warmup_steps=50)
+  )
+  assert repr(policy) == repr(expected)  # the same rule: every field of it shows
