@@ -94,3 +94,18 @@ def test_from_dynamic_scale_checks_the_scale_against_the_range_it_documents():
     )
   with pytest.raises(ValueError, match="no LossScaleState"):
     dls_flax.from_dynamic_scale({"scale": 2.0, "fin_steps": 1}, {"w": jnp.ones(2)})
+
+
+def test_from_dynamic_scale_sets_every_growth_tracker_and_keeps_the_other_fields():
+  policy = optax_dls.fp32_fallback(optax_dls.compat.flax_policy(growth_interval=10), after=3)
+  state = optax_dls.loss_scaled(optax.sgd(0.1), policy).init({"w": jnp.ones(2)})
+  new = dls_flax.from_dynamic_scale({"scale": 64.0, "fin_steps": 5}, state)
+  assert float(new.loss_scale) == 64.0
+  assert int(new.policy_state.policy_state.growth_tracker) == 5  # inside the fallback's state
+  kept = new._replace(
+    loss_scale=state.loss_scale,
+    policy_state=new.policy_state._replace(policy_state=state.policy_state.policy_state),
+  )
+  assert jax.tree.all(
+    jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b, equal_nan=True)), kept, state)
+  )
