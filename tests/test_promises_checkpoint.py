@@ -78,3 +78,10 @@ def test_into_loss_scaled_converts_dtypes_and_refuses_an_abstract_loss_scale_sta
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
   with pytest.raises(TypeError, match=r"loss-scale state must hold arrays .* opt_state.loss_scale"):
     optax_dls.checkpoint.into_loss_scaled(raw, abstract)
+
+
+@pytest.mark.parametrize("tx", [optax.sgd(0.1), 3])
+def test_restore_names_a_tx_that_is_not_loss_scaled_before_reading(tmp_path, tx):
+  tree = {"params": PARAMS, "opt_state": optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)}
+  with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
+    optax_dls.checkpoint.restore(tmp_path, tree, tx=tx)
