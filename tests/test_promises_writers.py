@@ -75,3 +75,27 @@ def test_tensorboard_leaves_strings_and_none_out_of_the_events(tmp_path):
   (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
   assert row["note"] == "text" and row["missing"] is None and row["big"] == 10**400
   assert math.isnan(row["x"])
+
+
+def test_a_record_that_is_not_an_event_costs_that_record_only(tmp_path):
+  pytest.importorskip("tensorboard")
+  from tensorboard.compat.proto import event_pb2, summary_pb2
+  from tensorboard.summary.writer.record_writer import RecordWriter
+
+  def event(step, value):
+    value = summary_pb2.Summary.Value(tag="x", simple_value=value)
+    return event_pb2.Event(step=step, summary=summary_pb2.Summary(value=[value]))
+
+  path = tmp_path / "events.out.tfevents.1"
+  with path.open("wb") as f:  # records with good checksums; the middle one holds no Event
+    records = RecordWriter(f)
+    for data in (
+      event(0, 1.0).SerializeToString(),
+      b"\xff\xff not an event",
+      event(1, 2.0).SerializeToString(),
+    ):
+      records.write(data)
+  bad = []
+  rows = writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append(offset))
+  assert rows == [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}]
+  assert bad == [16 + len(event(0, 1.0).SerializeToString())]  # the second record starts there
