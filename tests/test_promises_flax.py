@@ -133,3 +133,20 @@ def test_with_axis_name_the_gradients_are_averaged_and_the_loss_is_not():
   loss, grads = f(state, x)
   assert loss.tolist() == x.tolist()  # each device's own loss
   assert grads.tolist() == [4.0 * float(x.mean())] * mesh.size  # S times the mean gradient
+
+
+def test_an_nnx_module_is_differentiated_with_respect_to_the_optimizer_s_wrt():
+  from flax import nnx
+
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  wrt = nnx.All(nnx.Param, nnx.PathContains("bias"))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
+  optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+  grad_fn = dls_flax.value_and_grad(lambda m, x: jnp.sum(m(x)))
+  (_, grads), optimizer = grad_fn(optimizer, model, jnp.ones((3, 2)))
+  pure = nnx.to_pure_dict(grads)
+  assert list(pure) == ["bias"] and pure["bias"].tolist() == [12.0]  # S = 4 times 3 rows
+  kernel = jnp.copy(model.kernel[...])
+  optimizer.update(model, grads)
+  np.testing.assert_allclose(model.bias[...], [-0.3], rtol=1e-6)
+  assert bool(jnp.all(model.kernel[...] == kernel))
