@@ -2,8 +2,9 @@
 and moving a checkpoint saved without loss scaling into a loss-scaled state.
 
 A public submodule: ``optax_dls.checkpoint.restore``,
-``optax_dls.checkpoint.settled`` and ``optax_dls.checkpoint.into_loss_scaled``. Orbax (``orbax-checkpoint``, the
-``checkpoint`` extra) is imported only when :func:`restore` runs.
+``optax_dls.checkpoint.settled`` and ``optax_dls.checkpoint.into_loss_scaled``.
+Orbax (``orbax-checkpoint``, the ``checkpoint`` extra) is imported only when
+:func:`restore` runs.
 """
 
 from __future__ import annotations

@@ -150,3 +150,25 @@ def test_an_nnx_module_is_differentiated_with_respect_to_the_optimizer_s_wrt():
   optimizer.update(model, grads)
   np.testing.assert_allclose(model.bias[...], [-0.3], rtol=1e-6)
   assert bool(jnp.all(model.kernel[...] == kernel))
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside")  # flax 0.12 deprecates it
+@pytest.mark.parametrize("max_tries", [None, 2])
+def test_a_fun_that_sows_into_its_module_is_told_so(max_tries):
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(2, 1, rngs=rngs)
+
+    def __call__(self, x):
+      y = self.lin(x)
+      self.sow(nnx.Intermediate, "y", y)
+      return y
+
+  model = Net(nnx.Rngs(0))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grad_fn = dls_flax.value_and_grad(lambda m, x: jnp.sum(m(x)), max_tries=max_tries)
+  with pytest.raises(ValueError, match=r"fun added variables .*\['y'\].*has_aux=True"):
+    grad_fn(optimizer, model, jnp.ones((3, 2)))
