@@ -47,3 +47,13 @@ def test_main_reads_sys_argv_by_default(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["optax-dls", "inspect", str(tmp_path), "--json"])
   assert cli.main() == 0
   assert "a" in json.loads(capsys.readouterr().out)
+
+
+def test_inspect_raises_no_logs_error_without_readable_logs(tmp_path):
+  (tmp_path / "notes.txt").write_text("nothing here")
+  with pytest.raises(cli.NoLogsError):
+    cli.inspect(tmp_path)
+  _log(tmp_path / "bad", [])
+  (tmp_path / "bad" / "metrics.jsonl").write_text("not json\n")
+  with pytest.raises(cli.NoLogsError):
+    cli.inspect(tmp_path / "bad")
