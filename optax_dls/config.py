@@ -135,7 +135,7 @@ def preset_reason(name: str) -> str:
     name: a name :func:`preset` knows, or its alias.
 
   Returns:
-    The reason, a ``str`` of one paragraph, as ``docs/observability.md`` shows it.
+    The reason, a ``str`` of one paragraph (``docs/observability.md`` gives it in short).
 
   Raises:
     ValueError: an unknown name (the message lists the known ones).
