@@ -57,3 +57,13 @@ def test_inspect_raises_no_logs_error_without_readable_logs(tmp_path):
   (tmp_path / "bad" / "metrics.jsonl").write_text("not json\n")
   with pytest.raises(cli.NoLogsError):
     cli.inspect(tmp_path / "bad")
+
+
+def test_an_unreadable_file_is_skipped_with_a_warning_and_the_others_are_read(tmp_path, capsys):
+  _log(tmp_path / "a", [{"step": 0, "loss_scale": 8.0}])
+  (tmp_path / "b").mkdir()
+  (tmp_path / "b" / "metrics.jsonl").symlink_to(tmp_path / "missing")
+  assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+  captured = capsys.readouterr()
+  assert list(json.loads(captured.out)) == ["a"]
+  assert "metrics.jsonl: unreadable (FileNotFoundError" in captured.err
