@@ -186,3 +186,20 @@ def test_deepspeed_policy_follows_the_rule_its_docstring_states(overflows, index
   """Held here without DeepSpeed installed; tests/test_compat.py compares with DeepSpeed itself."""
   got = _deepspeed_scan(index)(jnp.asarray([not o for o in overflows]))
   assert [float(s) for s in got] == _deepspeed_rule(_DS_CONFIGS[index], overflows)
+
+
+@pytest.mark.parametrize(
+  "preset",
+  [
+    compat.torch_policy,
+    compat.keras_policy,
+    lambda: compat.jmp_policy(2.0**15),
+    compat.flax_policy,
+    compat.megatron_policy,
+    compat.deepspeed_policy,
+  ],
+)
+def test_every_preset_has_the_dynamic_rule_s_state(preset):
+  scale, state = preset().init()
+  assert set(state._fields) == {"growth_tracker", "hysteresis_left"}
+  assert scale.dtype == jnp.float32
