@@ -1,9 +1,10 @@
 """Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs,
 and moving a checkpoint saved without loss scaling into a loss-scaled state.
 
-A public submodule: ``optax_dls.checkpoint.restore`` and
-``optax_dls.checkpoint.into_loss_scaled``. Orbax (``orbax-checkpoint``, the
-``checkpoint`` extra) is imported only when :func:`restore` runs.
+A public submodule: ``optax_dls.checkpoint.restore``,
+``optax_dls.checkpoint.settled`` and ``optax_dls.checkpoint.into_loss_scaled``.
+Orbax (``orbax-checkpoint``, the ``checkpoint`` extra) is imported only when
+:func:`restore` runs.
 """
 
 from __future__ import annotations
@@ -313,7 +314,11 @@ def settled(restored: Any, tx: Any) -> Any:
   (:func:`~optax_dls.no_loss_scale`) the scale becomes 1; under any other a
   scale outside the policy's ``[min_scale, max_scale]`` moves to the nearest
   bound, and one inside it is kept. A warning (``UserWarning``) says in one
-  line what changed; nothing else in ``restored`` changes.
+  line what changed; a kept scale of 1 under a transformation whose
+  ``init_scale`` is larger (most likely the scale of a state saved without
+  loss scaling) is warned about too, naming the :func:`~optax_dls.reset_scale`
+  call that starts from ``init_scale`` instead. Nothing else in ``restored``
+  changes.
 
   Args:
     restored: a pytree holding exactly one :class:`~optax_dls.LossScaleState`

@@ -11,7 +11,7 @@ the lowest / median / highest logged loss scale (exact powers of two as
 parameter group and the non-finite steps by parameter (inf or NaN) where the
 logs carry them, then a diagnosis of the usual symptoms with what to do about
 each. ``--plot out.png`` draws the loss scale and the skips; ``--json`` prints
-the same as JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading
+the summary and diagnosis as JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading
 the logs as they grow and shows the current state of every run until Ctrl-C.
 
 The logs may be written every ``k`` steps. The diagnosis then rests on the

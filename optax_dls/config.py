@@ -111,9 +111,10 @@ def preset(name: str) -> dict[str, Any]:
   or ``{"loss_scale": {"preset": "qlora"}}`` in a configuration.
 
   Args:
-    name: ``"text_llm"``, ``"multimodal"``, ``"preference"`` (alias
-      ``"dpo"``) or ``"qlora"``. See ``docs/observability.md`` for why each
-      value was chosen.
+    name: ``"text_llm"`` (alias ``"llm"``), ``"multimodal"``,
+      ``"preference"`` (aliases ``"dpo"``, ``"alignment"``) or ``"qlora"``
+      (alias ``"lora"``). See ``docs/observability.md`` for why each value
+      was chosen.
 
   Raises:
     ValueError: an unknown name (the message lists the known ones).
@@ -138,7 +139,7 @@ def preset_reason(name: str) -> str:
     name: a name :func:`preset` knows, or its alias.
 
   Returns:
-    The reason, a ``str`` of one paragraph, as ``docs/observability.md`` shows it.
+    The reason, a ``str`` of one paragraph (``docs/observability.md`` gives it in short).
 
   Raises:
     ValueError: an unknown name (the message lists the known ones).
@@ -397,6 +398,8 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
     ``warmup_steps``, ...) for ``dynamic``, or ``scale`` for ``static``;
   * ``fallback_after``, ``fallback_steps``, ``fallback_scale``: wrap the
     policy in :func:`~optax_dls.fp32_fallback` (``after``, ``steps``, ``scale``);
+    kind ``static`` takes the first two (it returns to its own scale), kind
+    ``none`` takes none of them;
   * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of
     :func:`~optax_dls.loss_scaled`, and ``underflow_stats`` (a bool: chain
     :func:`~optax_dls.underflow_stats` first inside, with the same ``axis_name``).
@@ -422,8 +425,9 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
       :class:`~optax_dls.SkipAlerts`), a value out of range, a ``loss_scale`` section
       together with loss-scale keys at the top level, or a YAML file that
       does not parse or repeats a key.
-    TypeError: a value of the wrong type (a number written ``1e4`` that YAML
-      reads as a string gets a hint to write ``1.0e4``).
+    TypeError: ``config`` (or its ``loss_scale`` section) is not a mapping
+      nor a path, or a value of the wrong type (a number written ``1e4``
+      that YAML reads as a string gets a hint to write ``1.0e4``).
   """
   section = _section(config)
   _check_values(section)

@@ -102,7 +102,8 @@ def value_and_grad(
   (``nnx.Param`` by default), with the structure ``optimizer.update``
   expects; any other argument is differentiated as ``jax.value_and_grad``
   does. The ``nnx.Module`` arguments are split with ``nnx.split`` and merged
-  back, so ``fun`` must not add variables to them (``sow``).
+  back, so ``fun`` must not add variables to them (``sow``): a ``ValueError``
+  says so.
 
   **A skipped step leaves the model as it was.** The module arguments'
   variables that the optimizer does not update (``BatchStat``, other
@@ -174,7 +175,8 @@ def value_and_grad(
       arguments than ``argnums`` asks for.
     ValueError: ``max_tries`` out of range, a negative or repeated
       ``argnums``, ``fp32_fun`` without ``max_tries``; when called, an
-      optimizer state with no or several loss-scale states.
+      optimizer state with no or several loss-scale states, or a ``fun``
+      that added variables to its ``nnx.Module`` arguments.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
@@ -342,9 +344,21 @@ class _Modules(NamedTuple):
     if not self.where:
       return
     rng, other = after
+    changed = sorted(_paths(other) ^ _paths(self.other))
+    if changed:
+      raise ValueError(
+        "fun added variables to its nnx.Module arguments (with sow, or by assigning new "
+        f"Variables) or removed some, which value_and_grad cannot merge back: {changed}. "
+        "Return such values as aux (has_aux=True) instead."
+      )
     nnx.update(
       self.modules, rng, jax.tree.map(lambda n, o: jnp.where(finite, n, o), other, self.other)
     )
+
+
+def _paths(state: Any) -> set[str]:
+  """The key paths of the leaves of ``state``, as text."""
+  return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)}
 
 
 def _merge(graphdef: Any, *states: Any) -> Any:

@@ -286,7 +286,8 @@ class MetricsWriter:
         is refused: reading it would be a device-to-host transfer on every
         step.
       metrics: a mapping of scalar values (JAX or NumPy arrays, numbers,
-        bools), e.g. :func:`optax_dls.metrics` of the optimizer state, whose
+        bools; a ``str`` or None is written as it is, to the JSON lines
+        only), e.g. :func:`optax_dls.metrics` of the optimizer state, whose
         ``nonfinite_leaves`` / ``nonfinite_nan`` records (one bit per leaf)
         are written as the names of the non-finite leaves (see the class docstring).
       **extra: more scalars to write, e.g. ``loss=loss``.
@@ -297,7 +298,7 @@ class MetricsWriter:
     Raises:
       TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a
         mapping, a metric name is not a str, or a value is not a real number,
-        bool or str.
+        bool, str or None.
       ValueError: the writer is closed, a value is not a scalar (other than
         the two packed records), a metric is named ``"step"`` or ``"run"``
         (reserved columns of every row), ``nonfinite_leaves`` comes without

@@ -44,6 +44,15 @@ def _is_module(module):
   return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
+def _base(node, package):
+  """The absolute module an ``ImportFrom`` node imports from."""
+  base = node.module or ""
+  if node.level:
+    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+    base = ".".join(up + ([node.module] if node.module else []))
+  return base
+
+
 def _imports(path, module):
   """``(imported module, name or None, line)`` for every import of the package, and every
   attribute read through a module imported by name (``_numerics._own_zero``)."""
@@ -51,30 +60,18 @@ def _imports(path, module):
   package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
   aliases = {}
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:
-        up = package.split(".")[: len(package.split(".")) - node.level + 1]
-        base = ".".join(up + ([node.module] if node.module else []))
-      if not base.startswith("optax_dls"):
-        continue
-      for alias in node.names:
-        full = f"{base}.{alias.name}"
-        if _is_module(full):
-          aliases[alias.asname or alias.name] = full
-          yield full, None, node.lineno
-        else:
-          yield base, alias.name, node.lineno
-    elif isinstance(node, ast.Import):
-      for alias in node.names:
-        if alias.name.startswith("optax_dls"):
-          yield alias.name, None, node.lineno
+    if isinstance(node, ast.Import):
+      yield from ((a.name, None, node.lineno) for a in node.names if a.name.startswith("optax_dls"))
+    if not isinstance(node, ast.ImportFrom) or not _base(node, package).startswith("optax_dls"):
+      continue
+    base = _base(node, package)
+    for alias in node.names:
+      full = f"{base}.{alias.name}"
+      if _is_module(full):
+        aliases[alias.asname or alias.name] = full
+      yield (full, None, node.lineno) if _is_module(full) else (base, alias.name, node.lineno)
   for node in ast.walk(tree):
-    if (
-      isinstance(node, ast.Attribute)
-      and isinstance(node.value, ast.Name)
-      and node.value.id in aliases
-    ):
+    if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in aliases:
       yield aliases[node.value.id], node.attr, node.lineno
 
 
@@ -96,9 +93,9 @@ def test_no_private_name_is_imported_from_another_concern():
   bad = []
   for module, path in _modules():
     for target, name, line in _imports(path, module):
-      if name and name.startswith("_") and not name.startswith("__"):
-        if _concern(target) != _concern(module):
-          bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} uses {target}.{name}")
+      private = name and name.startswith("_") and not name.startswith("__")
+      if private and _concern(target) != _concern(module):
+        bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} uses {target}.{name}")
   assert not bad, "\n".join(bad)
 
 

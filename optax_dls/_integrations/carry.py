@@ -41,8 +41,9 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
 
   Args:
     restored: a tree of dicts and lists (or tuples) of arrays and numbers.
-    target: a pytree of arrays (or ``jax.ShapeDtypeStruct``) holding exactly
-      one :class:`~optax_dls.LossScaleState`.
+    target: a pytree of arrays (or ``jax.ShapeDtypeStruct``, outside the
+      loss-scale state's own fields) holding exactly one
+      :class:`~optax_dls.LossScaleState`.
 
   Returns:
     ``target`` with the restored values: the same tree structure, dtypes and
@@ -52,6 +53,8 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
     ValueError: ``target`` holds no loss-scale state or more than one; or
       ``restored`` and ``target`` differ other than by that state: the
       message lists the leaves on one side only and the shapes that differ.
+    TypeError: a field of the loss-scale state of ``target`` is a
+      ``jax.ShapeDtypeStruct`` (those fields keep the target's values).
 
   Example:
     >>> import numpy as np, jax.numpy as jnp, optax, optax_dls
@@ -82,6 +85,17 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
     raise ValueError(
       "restored does not have the target's layout once the target's loss-scale state at "
       f"{_tree_paths.show(prefix)} is replaced by its inner state: {diff.describe()}."
+    )
+  abstract = [
+    _tree_paths.show(p)
+    for p, s, leaf in zip(paths, sources, leaves)
+    if s is None and isinstance(leaf, jax.ShapeDtypeStruct)
+  ]
+  if abstract:  # the loss-scale fields keep the target's values: it must have some
+    raise TypeError(
+      f"target's loss-scale state must hold arrays (its fields keep the target's values), got "
+      f"jax.ShapeDtypeStruct at {abstract[0]} and {len(abstract) - 1} more field(s): build "
+      "that state with tx.init(params)."
     )
   values = [leaf if s is None else like(leaf, stored[s]) for s, leaf in zip(sources, leaves)]
   return jax.tree.unflatten(treedef, values)

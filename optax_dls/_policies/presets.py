@@ -178,13 +178,15 @@ def flax_policy(
     TypeError: a wrong or traced value, as in :func:`torch_policy`.
   """
   floor = SCALE_MIN if minimum_scale is None else minimum_scale
-  interval = _window("growth_interval", growth_interval, low=0)
+  interval = _validation.count(
+    "growth_interval", growth_interval, low=0, high=_validation.INT32_MAX - 2
+  )
   return _rule(
     init=("scale", scale),
     low=("minimum_scale", floor),
     growth_factor=_validation.growth_factor("growth_factor", growth_factor),
     backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
-    growth_after=min(interval + 1, _validation.INT32_MAX - 1),
+    growth_after=interval + 1,
   )
 
 

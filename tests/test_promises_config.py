@@ -1,0 +1,69 @@
+"""The promises of the ``optax_dls.config`` docstrings not held elsewhere."""
+
+from __future__ import annotations
+
+import textwrap
+
+import optax
+import pytest
+
+import optax_dls
+from optax_dls import config
+
+
+def test_preset_returns_a_new_dict_and_every_alias_names_its_preset():
+  first = config.preset("qlora")
+  first["init_scale"] = 1.0
+  assert config.preset("qlora")["init_scale"] == 2.0**16
+  aliases = {"llm": "text_llm", "dpo": "preference", "alignment": "preference", "lora": "qlora"}
+  for alias, name in aliases.items():
+    assert config.preset(alias) == config.preset(name)
+    assert config.preset_reason(alias) == config.preset_reason(name)
+  with pytest.raises(ValueError, match="known presets.*'multimodal'"):
+    config.preset("vision")
+
+
+def test_a_fallback_key_without_fallback_after_is_refused():
+  with pytest.raises(ValueError, match=r"\['fallback_steps'\] need fallback_after"):
+    config.from_config({"fallback_steps": 3}, optax.sgd(1.0))
+
+
+def test_static_takes_two_fallback_keys_and_none_takes_none():
+  policy = config.from_config(
+    {"kind": "static", "scale": 8, "fallback_after": 3, "fallback_steps": 2}
+  )
+  assert float(policy.init()[0]) == 8.0
+  with pytest.raises(ValueError, match="'fallback_scale' for kind='static'"):
+    config.from_config({"kind": "static", "scale": 8, "fallback_after": 3, "fallback_scale": 2})
+  with pytest.raises(ValueError, match="'fallback_after' for kind='none'"):
+    config.from_config({"kind": "none", "fallback_after": 3})
+
+
+@pytest.mark.parametrize(
+  "cfg, inner, match",
+  [
+    (3, None, "config must be a mapping or a path"),
+    ({"loss_scale": [1]}, None, r"config\['loss_scale'\] must be a mapping"),
+    ({"underflow_stats": 1}, optax.sgd(1.0), "underflow_stats in a configuration must be a bool"),
+    ({"init_scale": "1e4"}, None, "write 1.0e4"),
+  ],
+)
+def test_a_config_or_value_of_the_wrong_type_raises_type_error(cfg, inner, match):
+  with pytest.raises(TypeError, match=match):
+    config.from_config(cfg, inner)
+
+
+def test_an_empty_loss_scale_section_is_the_default_dynamic_policy():
+  policy = config.from_config({"loss_scale": None, "model": {"width": 3}})
+  assert float(policy.init()[0]) == float(optax_dls.dynamic_policy().init()[0])
+
+
+def test_the_module_docstring_s_yaml_example_builds_its_policy(tmp_path):
+  block = config.__doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+  path = tmp_path / "train.yaml"
+  path.write_text(textwrap.dedent(block))
+  policy = config.from_config(path)
+  expected = optax_dls.dynamic_policy(
+    **config.preset("text_llm") | dict(init_scale=4096, growth_interval=100, warmup_steps=50)
+  )
+  assert repr(policy) == repr(expected)  # the same rule: every field of it shows
