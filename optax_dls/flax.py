@@ -131,7 +131,10 @@ def value_and_grad(
   ``lax.pmean``, as flax's ``DynamicScale.value_and_grad(axis_name=...)``
   averages them (the loss is not averaged), so every device checks, retries
   and applies the same gradients. Build the transformation with the same
-  ``axis_name``. Not needed under ``jit`` with ``NamedSharding``.
+  ``axis_name``. Not needed under ``jit`` with ``NamedSharding``. Under
+  ``shard_map`` with ``check_vma=True`` JAX's transpose has already summed the
+  gradient of a replicated parameter over the axis, and ``pmean`` leaves
+  that sum; average the loss in ``fun`` there for the mean.
 
   With a passthrough optimizer (:func:`optax_dls.no_loss_scale`: S = 1 by
   construction) the loss is not multiplied at all: a step is bit for bit a

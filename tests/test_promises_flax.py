@@ -1,0 +1,59 @@
+"""docs/guide/flax.md and docs/integrations.md (Flax), sentence by sentence: the promises no
+other test holds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+
+import optax_dls
+import optax_dls.flax
+
+
+def _train_state(params, axis_name=None):
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4, axis_name=axis_name)
+  return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+
+def test_the_readers_take_an_optimizer_its_opt_state_or_a_train_state_and_give_arrays():
+  """integrations.md: metrics, loss_scale and find_state accept the nnx.Optimizer, its
+  opt_state or the TrainState directly and return plain arrays."""
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax_dls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  state = _train_state({"w": jnp.ones(2)})
+  for holder, scale in [(optimizer, 2.0**15), (optimizer.opt_state, 2.0**15), (state, 2.0**4)]:
+    assert isinstance(optax_dls.loss_scale(holder), jax.Array)
+    assert float(optax_dls.loss_scale(holder)) == scale
+    metrics = optax_dls.metrics(holder)
+    assert all(isinstance(v, jax.Array) for v in metrics.values())
+    found = optax_dls.find_state(holder)
+    assert isinstance(found, optax_dls.LossScaleState)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(found))
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_axis_name_averages_the_gradients_and_not_the_loss(check_vma):
+  """flax.md:Several devices: axis_name averages the gradients over the axis with pmean
+  (the loss is not averaged); under shard_map with check_vma=True JAX's transpose has
+  summed the gradient of a replicated parameter already, and pmean leaves that sum."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
+  x = jnp.arange(1.0, 5.0)
+  state = _train_state({"w": jnp.float32(0.5)}, axis_name="batch")  # as the page says
+  grad_fn = optax_dls.flax.value_and_grad(lambda p, x: jnp.sum(p["w"] * x), axis_name="batch")
+
+  def local(state, x):
+    (loss, grads), _ = grad_fn(state, state.params, x)
+    return loss[None], grads["w"][None]
+
+  spec = jax.tree.map(lambda _: P(), state)
+  f = jax.shard_map(
+    local, mesh=mesh, in_specs=(spec, P("batch")), out_specs=P("batch"), check_vma=check_vma
+  )
+  loss, grads = jax.jit(f)(state, x)
+  np.testing.assert_array_equal(loss, 0.5 * x)  # each device's own loss, unscaled
+  reduced = np.sum(x) if check_vma else np.mean(x)
+  np.testing.assert_array_equal(grads, np.full(4, reduced * 2.0**4))  # scaled, alike
