@@ -1,4 +1,7 @@
-"""docs/guide/bf16.md and migrate_torch.md: the numbers they state."""
+"""docs/guide/bf16.md and the migration guides: the numbers and arguments they state."""
+
+import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +50,30 @@ def test_torch_policy_follows_torch_down_to_2_126_and_stops_there():
     assert ours[-1] == floor and min(ours) == floor
     if floor != 1.0:
       assert ours == [max(s, floor) for s in torch_scales]
+
+
+def _parameters(f, drop=()):
+  return {
+    k: v.default
+    for k, v in inspect.signature(f).parameters.items()
+    if k not in ("self", *drop) and v.kind is not inspect.Parameter.VAR_KEYWORD
+  }
+
+
+def test_the_presets_take_their_reference_s_arguments_with_its_defaults():
+  """migrate_flax.md, migrate_jmp.md, migrate_torch.md: flax_policy, jmp_policy and
+  torch_policy take DynamicScale's, jmp.DynamicLossScale's and GradScaler's arguments."""
+  dynamic_scale = pytest.importorskip("flax.training.dynamic_scale")
+  fields = {f.name: f.default for f in dataclasses.fields(dynamic_scale.DynamicScale)}
+  del fields["fin_steps"]  # the run's state, carried over by optax_dls.flax.from_dynamic_scale
+  assert _parameters(optax_dls.compat.flax_policy) == pytest.approx(fields)
+  torch = pytest.importorskip("torch")
+  assert _parameters(optax_dls.compat.torch_policy) == _parameters(
+    torch.amp.GradScaler.__init__, drop=("device", "enabled")
+  )
+  jmp = pytest.importorskip("jmp")
+  ours = _parameters(optax_dls.compat.jmp_policy)
+  theirs = _parameters(jmp.DynamicLossScale.__init__, drop=("counter",))  # the run's state
+  assert list(ours) == list(theirs)
+  assert (ours["period"], ours["factor"]) == (theirs["period"], theirs["factor"])
+  assert float(jmp.DynamicLossScale(1.0).min_loss_scale) == ours["min_loss_scale"]
