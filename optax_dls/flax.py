@@ -35,7 +35,15 @@ _versions.check_flax()  # before flax is used: a clear ImportError when it is to
 
 from flax import nnx
 
-from optax_dls import _access, _calls, _multi_device, _recompute, _validation, checkpoint
+from optax_dls import (
+  _access,
+  _calls,
+  _multi_device,
+  _recompute,
+  _tree_paths,
+  _validation,
+  checkpoint,
+)
 from optax_dls._transform import apply_step
 
 __all__ = [
@@ -172,7 +180,8 @@ def value_and_grad(
       arguments than ``argnums`` asks for.
     ValueError: ``max_tries`` out of range, a negative or repeated
       ``argnums``, ``fp32_fun`` without ``max_tries``; when called, an
-      optimizer state with no or several loss-scale states.
+      optimizer state with no or several loss-scale states, or a ``fun``
+      that adds variables to its ``nnx.Module`` arguments (``sow``).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
@@ -340,9 +349,29 @@ class _Modules(NamedTuple):
     if not self.where:
       return
     rng, other = after
+    _check_no_variable_added(self.other, other)
     nnx.update(
       self.modules, rng, jax.tree.map(lambda n, o: jnp.where(finite, n, o), other, self.other)
     )
+
+
+def _check_no_variable_added(before: Any, after: Any) -> None:
+  """ValueError naming the variables ``fun`` added to its module arguments (``sow``)."""
+  if jax.tree.structure(before) == jax.tree.structure(after):
+    return
+  paths = (
+    lambda tree: {  # without the module's index and the Variables' "value"
+      _tree_paths.show(tuple(k for k in path[1:] if k != "value"))
+      for path in _tree_paths.live_leaves(tree)
+    }
+  )
+  added = sorted(paths(after) - paths(before)) or sorted(paths(before) ^ paths(after))
+  raise ValueError(
+    f"fun changed the variables of its nnx.Module arguments (added: {', '.join(added)}), "
+    "with sow or a new Variable. optax_dls.flax.value_and_grad splits the modules with "
+    "nnx.split and merges them back, so fun must not add variables: return what it "
+    "records as aux output (has_aux=True) instead."
+  )
 
 
 def _merge(graphdef: Any, *states: Any) -> Any:
