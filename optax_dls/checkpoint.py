@@ -402,13 +402,16 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   Args:
     restored: a tree of dicts and lists (or tuples) of arrays and numbers.
     target: a pytree of arrays (or ``jax.ShapeDtypeStruct``) holding exactly
-      one :class:`~optax_dls.LossScaleState`.
+      one :class:`~optax_dls.LossScaleState`, whose own fields are arrays (its
+      ``inner_state`` may be abstract).
 
   Returns:
     ``target`` with the restored values: the same tree structure, dtypes and
     shardings.
 
   Raises:
+    TypeError: a field of ``target``'s loss-scale state is a
+      ``jax.ShapeDtypeStruct``: it has no value to keep.
     ValueError: ``target`` holds no loss-scale state or more than one; or
       ``restored`` and ``target`` differ other than by that state: the
       message lists the leaves on one side only and the shapes that differ.
@@ -435,6 +438,18 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   leaves, treedef = jax.tree.flatten(target)
   paths = list(_tree_paths.live_leaves(target))
   sources = [_source(p, prefix) for p in paths]  # where each target leaf comes from
+  abstract = [
+    _tree_paths.show(p)
+    for p, s, leaf in zip(paths, sources, leaves)
+    if s is None and isinstance(leaf, jax.ShapeDtypeStruct)
+  ]
+  if abstract:
+    raise TypeError(
+      f"target's loss-scale state at {_tree_paths.show(prefix)} must hold arrays, got "
+      f"jax.ShapeDtypeStruct at {', '.join(abstract[:3])}: its values (the scale at "
+      "init_scale, the counters at 0) are the ones kept, since the checkpoint has none. Build "
+      "it with tx.init(params); the other leaves of target may be abstract."
+    )
   stored = _tree_paths.stored_leaves(restored)
   wanted = {s: leaf for s, leaf in zip(sources, leaves) if s is not None}
   diff = _tree_paths.difference(stored, wanted)

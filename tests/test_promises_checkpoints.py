@@ -132,3 +132,28 @@ def test_under_no_loss_scale_a_state_restored_without_tx_needs_reset_scale_to_on
   np.testing.assert_array_equal(
     first_update(optax_dls.reset_scale(raw["opt_state"], 1.0)), bare["w"]
   )
+
+
+def test_into_loss_scaled_refuses_an_abstract_loss_scale_state_and_takes_abstract_params():
+  """into_loss_scaled docstring: target may hold jax.ShapeDtypeStruct leaves, but the
+  loss-scale state's own fields are kept from it, so they must be arrays: a TypeError says
+  so, never a state of ShapeDtypeStructs."""
+  raw = {
+    "params": {"w": np.ones(3, np.float32)},
+    "opt_state": [{"count": np.int32(3), "mu": {"w": np.zeros(3)}, "nu": {"w": np.zeros(3)}}, None],
+  }
+  tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
+  abstract = lambda tree: jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+  state = tx.init(PARAMS)
+  with pytest.raises(TypeError, match=r"loss-scale state at opt_state must hold arrays"):
+    optax_dls.checkpoint.into_loss_scaled(raw, abstract({"params": PARAMS, "opt_state": state}))
+  target = {
+    "params": abstract(PARAMS),
+    "opt_state": state._replace(inner_state=abstract(state.inner_state)),
+  }
+  moved = optax_dls.checkpoint.into_loss_scaled(raw, target)
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(moved))
+  assert int(moved["opt_state"].inner_state[0].count) == 3
+  assert float(optax_dls.loss_scale(moved)) == 2.0**15
