@@ -424,6 +424,8 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
 
   Raises:
     TypeError: ``state`` has no ``tx``, ``params`` or ``opt_state``.
+    ValueError: ``state.opt_state`` holds no loss-scale state (``state.tx``
+      is a plain optax optimizer), or several.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax

@@ -79,3 +79,14 @@ def test_a_loss_that_adds_variables_with_sow_is_named(max_tries):
   grad_fn = optax_dls.flax.value_and_grad(lambda m, x: jnp.mean(m(x)), max_tries=max_tries)
   with pytest.raises(ValueError, match=r"(?s)added: .*hidden.*sow.*has_aux=True"):
     grad_fn(optimizer, model, jnp.ones((3, 2)))
+
+
+def test_apply_gradients_names_a_state_that_is_not_a_train_state_or_not_loss_scaled():
+  """flax.apply_gradients docstring: TypeError for a state without tx, params or
+  opt_state; ValueError when its opt_state holds no loss-scale state."""
+  grads = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match="state must be a flax TrainState, got dict"):
+    optax_dls.flax.apply_gradients({"params": grads}, grads=grads)
+  plain = train_state.TrainState.create(apply_fn=None, params=grads, tx=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="opt_state holds no LossScaleState"):
+    optax_dls.flax.apply_gradients(plain, grads=grads)
