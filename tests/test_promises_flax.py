@@ -90,3 +90,25 @@ def test_apply_gradients_names_a_state_that_is_not_a_train_state_or_not_loss_sca
   plain = train_state.TrainState.create(apply_fn=None, params=grads, tx=optax.sgd(0.1))
   with pytest.raises(ValueError, match="opt_state holds no LossScaleState"):
     optax_dls.flax.apply_gradients(plain, grads=grads)
+
+
+def test_from_dynamic_scale_checks_its_values_against_the_range_it_knows():
+  """flax.from_dynamic_scale docstring: for a bare optimizer state the scale must lie in
+  [2**-126, 2**126] (the next update brings it into the policy's range); NaN, a
+  fractional or bool fin_steps and a traced value are refused."""
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  state = optax_dls.flax.from_dynamic_scale({"scale": 0.5, "fin_steps": 0}, tx.init(params))
+  assert float(state.loss_scale) == 0.5
+  _, state = tx.update({"w": jnp.ones(2)}, state, params)
+  assert float(state.loss_scale) == 1.0  # the policy's min_scale
+  for scale in (2.0**-127, 2.0**127, float("nan")):
+    with pytest.raises(ValueError, match="dynamic_scale.scale"):
+      optax_dls.flax.from_dynamic_scale({"scale": scale, "fin_steps": 0}, tx.init(params))
+  for steps in (1.5, True):
+    with pytest.raises(TypeError, match="dynamic_scale.fin_steps must be an integer"):
+      optax_dls.flax.from_dynamic_scale({"scale": 2.0, "fin_steps": steps}, tx.init(params))
+  with pytest.raises(TypeError, match="dynamic_scale.scale must be a static Python number"):
+    jax.jit(
+      lambda s: optax_dls.flax.from_dynamic_scale({"scale": s, "fin_steps": 0}, tx.init(params))
+    )(2.0)
