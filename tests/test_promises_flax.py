@@ -112,3 +112,19 @@ def test_from_dynamic_scale_checks_its_values_against_the_range_it_knows():
     jax.jit(
       lambda s: optax_dls.flax.from_dynamic_scale({"scale": s, "fin_steps": 0}, tx.init(params))
     )(2.0)
+
+
+def test_a_float16_loss_comes_back_as_fun_returned_it_and_its_scaled_value_is_no_overflow():
+  """flax.value_and_grad docstring: the loss comes back unscaled, exactly what fun returned
+  (float16 here), and is scaled in float32: 3 * 2**15, past float16's range, is no overflow
+  and the step applies. (The promotion itself: tests/test_access.py, scale_loss.)"""
+  params = {"w": jnp.ones(4, jnp.float32)}
+  fun = lambda p: jnp.sum(p["w"].astype(jnp.float16) * jnp.float16(0.75))  # 3.0 in float16
+  state = _train_state(params)
+  state = state.replace(opt_state=optax_dls.reset_scale(state.opt_state, 2.0**15))
+  (loss, grads), state = optax_dls.flax.value_and_grad(fun)(state, state.params)
+  assert loss.dtype == jnp.float16 and float(loss) == 3.0
+  np.testing.assert_array_equal(grads["w"], np.full(4, 0.75 * 2.0**15, np.float32))
+  state = state.apply_gradients(grads=grads)
+  assert not bool(optax_dls.metrics(state)["skipped"])
+  np.testing.assert_allclose(state.params["w"], np.full(4, 1.0 - 0.1 * 0.75), rtol=1e-6)
