@@ -357,7 +357,7 @@ class _Modules(NamedTuple):
 
 def _check_no_variable_added(before: Any, after: Any) -> None:
   """ValueError naming the variables ``fun`` added to its module arguments (``sow``)."""
-  if jax.tree.structure(before) == jax.tree.structure(after):
+  if jax.tree.structure(before) == jax.tree.structure(after):  # type: ignore[operator]
     return
   paths = (
     lambda tree: {  # without the module's index and the Variables' "value"
