@@ -157,3 +157,12 @@ def test_into_loss_scaled_refuses_an_abstract_loss_scale_state_and_takes_abstrac
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(moved))
   assert int(moved["opt_state"].inner_state[0].count) == 3
   assert float(optax_dls.loss_scale(moved)) == 2.0**15
+
+
+def test_settled_refuses_a_tree_with_no_or_several_loss_scale_states():
+  """settled docstring: ValueError when restored holds none or several loss-scale states."""
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="holds no LossScaleState"):
+    optax_dls.checkpoint.settled(optax.sgd(0.1).init(PARAMS), tx)
+  with pytest.raises(ValueError, match="holds 2 LossScaleStates"):
+    optax_dls.checkpoint.settled((tx.init(PARAMS), tx.init(PARAMS)), tx)
