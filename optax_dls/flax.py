@@ -137,7 +137,10 @@ def value_and_grad(
   ``lax.pmean``, as flax's ``DynamicScale.value_and_grad(axis_name=...)``
   averages them (the loss is not averaged), so every device checks, retries
   and applies the same gradients. Build the transformation with the same
-  ``axis_name``. Not needed under ``jit`` with ``NamedSharding``.
+  ``axis_name``. Not needed under ``jit`` with ``NamedSharding``. Under
+  ``shard_map`` with ``check_vma=True`` JAX's transpose has already summed the
+  gradient of a replicated parameter over the axis, and ``pmean`` leaves
+  that sum; average the loss in ``fun`` there for the mean.
 
   With a passthrough optimizer (:func:`optax_dls.no_loss_scale`: S = 1 by
   construction) the loss is not multiplied at all: a step is bit for bit a
@@ -411,6 +414,8 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
 
   Raises:
     TypeError: ``state`` has no ``tx``, ``params`` or ``opt_state``.
+    ValueError: ``state.opt_state`` holds no loss-scale state (``state.tx``
+      is a plain optax optimizer), or several.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax

@@ -153,10 +153,12 @@ class LossScaler:
     whole = (lambda p: p) if held is None else (lambda p: _model.merge(grads, p, held, static))
 
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
-      p = whole(p)
+      # The inner optimizer sees the parameters as Equinox hands them to optax
+      # (eqx.filter(model, eqx.is_array)): None at the held-out places, no functions as
+      # operands of its own conditionals (optax.MultiSteps).
       unscaled = _numerics.unscale(g, inv_scale, p)
       updates, new_state = self.inner.update(unscaled, inner_state, p, **extra_args)
-      out = output.out(p, updates)
+      out = output.out(whole(p), updates)
       if held is not None and output is PARAMS:
         out = _model.without(grads, out, held)
       return out, jax.tree.map(_types.as_weak_as, new_state, inner_state)

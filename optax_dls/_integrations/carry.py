@@ -93,9 +93,10 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   ]
   if abstract:  # the loss-scale fields keep the target's values: it must have some
     raise TypeError(
-      f"target's loss-scale state must hold arrays (its fields keep the target's values), got "
-      f"jax.ShapeDtypeStruct at {abstract[0]} and {len(abstract) - 1} more field(s): build "
-      "that state with tx.init(params)."
+      f"target's loss-scale state at {_tree_paths.show(prefix)} must hold arrays, got "
+      f"jax.ShapeDtypeStruct at {', '.join(abstract[:3])}: its values (the scale at "
+      "init_scale, the counters at 0) are the ones kept, since the checkpoint has none. Build "
+      "it with tx.init(params); the other leaves of target may be abstract."
     )
   values = [leaf if s is None else like(leaf, stored[s]) for s, leaf in zip(sources, leaves)]
   return jax.tree.unflatten(treedef, values)

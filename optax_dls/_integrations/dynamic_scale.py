@@ -129,7 +129,8 @@ def from_dynamic_scale_checkpoint(restored: Any, target: Any) -> Any:
     ``target`` with every leaf restored.
 
   Raises:
-    TypeError: ``restored`` is not a dict with a ``'dynamic_scale'`` entry.
+    TypeError: ``restored`` is not a dict with a ``'dynamic_scale'`` entry,
+      or a field of ``target``'s loss-scale state is a ``jax.ShapeDtypeStruct``.
     ValueError: ``restored`` and ``target`` differ other than by the
       loss-scale state (the message lists the leaves and shapes), or what
       :func:`from_dynamic_scale` raises.

@@ -1,0 +1,40 @@
+"""docs/guide/equinox.md, sentence by sentence: the promises no other test holds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+eqx = pytest.importorskip("equinox")
+
+
+@pytest.mark.parametrize("path", ["apply_step", "update"])
+def test_multisteps_inside_trains_an_equinox_model_and_drops_a_nan_micro_batch(path):
+  """equinox.md:Accumulation: optax.MultiSteps inside the loss scaling, as for any optax
+  optimizer; its conditional takes the model's arrays, never its functions."""
+  model = eqx.nn.MLP(4, 2, 8, 1, activation=jax.nn.relu, key=jax.random.key(0))
+  inner = optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), every_k_schedule=2)
+  tx = optax_dls.dynamic_loss_scale(inner)
+  state = tx.init(eqx.filter(model, eqx.is_array))
+  grad_fn = optax_dls.value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), tx)
+
+  @eqx.filter_jit
+  def step(model, state, x):
+    (_, grads), state = grad_fn(state, model, x)
+    if path == "apply_step":
+      return optax_dls.apply_step(tx, grads, state, model)
+    updates, state = tx.update(grads, state, model)
+    return eqx.apply_updates(model, updates), state
+
+  x = jnp.ones((3, 4))
+  moved = []
+  for i in range(5):  # the second micro-batch holds an inf: dropped, the window waits
+    before = model.layers[0].weight
+    model, state = step(model, state, x.at[0, 0].set(jnp.inf) if i == 1 else x)
+    moved.append(not np.array_equal(model.layers[0].weight, before))
+    assert model.activation is jax.nn.relu
+  assert moved == [False, False, True, False, True]
+  assert int(optax_dls.metrics(state)["skip_count"]) == 1
