@@ -1,0 +1,107 @@
+"""docs/observability.md: its snippets run in order and print what their comments say,
+and the metrics table gives each key's dtype and shape."""
+
+import contextlib
+import io
+import pathlib
+import re
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "observability.md"
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+  """Runs the page's ```python blocks in one namespace; returns ``(namespace, outputs)``,
+  the printed text of each block."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("observability")))
+    return _run_blocks()
+
+
+def _run_blocks():
+  blocks = re.findall(r"^```python\n(.*?)^```\s*$", PAGE.read_text(), re.DOTALL | re.MULTILINE)
+  namespace, outputs = {"__name__": "docs_observability"}, []
+  for i, block in enumerate(blocks):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(block, f"docs/observability.md (block {i})", "exec", dont_inherit=True), namespace)  # noqa: S102
+    outputs.append(out.getvalue())
+  return namespace, outputs
+
+
+def test_the_snippets_run_and_print_what_the_page_says(page):
+  ns, out = page
+  composed = out[0].splitlines()
+  assert composed[0] == (
+    "[(16.0, False, False), (8.0, True, False), (4.0, True, False), (2.0, True, True), "
+    "(2.0, False, True), (2.0, False, True), (2.0, False, True), (2.0, False, True), "
+    "(16.0, False, False)]"
+  )
+  assert composed[1] == "3 optax_dls: loss scale stuck at its minimum 1"
+  assert composed[2] == "1.0 0.0"  # lora subnormal, base not
+  # "the first alert fires at step 12"; "the skip at step 28 ... raises the stuck alert"
+  assert "at step 12;" in ns["alerts"].fired[0]
+  assert "step 28 was non-finite" in ns["alerts"].fired[-1]
+  assert out[1].split() == ["0.625", "1.0", "0.125", "0.25"]  # underflow statistics
+  assert out[3].split() == ["False", "inf"]  # select_precision: float16 ran
+  assert "stuck at the minimum" in out[5]  # cli.inspect of the logged run
+  keys = eval(out[6].splitlines()[0])  # noqa: S307: the printed sorted list of metric keys
+  assert {"fp32_fallback", "underflow/zero_frac"} <= set(keys)
+  assert "SkipAlerts(alert_after=...)" in out[6].splitlines()[1]
+
+
+def test_the_fractions_are_those_of_the_last_applied_step_23(page):
+  ns, _ = page
+  history = ns["history"]
+  applied = [step for step, (_, skipped, _) in enumerate(history) if not skipped]
+  assert applied[-1] == 23 and all(history[s][1] for s in range(24, 30))
+
+
+def _table_rows():
+  """``(keys cell, dtype, " `[W]`" or "")`` of each row of the Metrics table."""
+  return re.findall(r"^\| `([^|]+)` \| (\w+)( `\[W\]`)? \|", PAGE.read_text(), re.MULTILINE)
+
+
+DTYPES = {"f32": np.float32, "i32": np.int32, "u32": np.uint32, "bool": np.bool_}
+
+
+def test_every_metric_of_the_table_has_its_dtype_and_shape():
+  """All 0-d but the two bit sets ``[W]``, each with the dtype the table gives."""
+  labels = {"base": "base", "lora": "lora"}
+  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy()))
+  inner = optax.chain(optax_dls.underflow_stats(labels), optax_dls.recompute_stats(), optax.sgd(1.0))
+  tx = optax_dls.loss_scaled(inner, policy, labels=labels)
+  params = {"base": jnp.zeros(3), "lora": jnp.zeros(2)}
+  state = tx.init(params)
+  _, state = tx.update({"base": jnp.ones(3), "lora": jnp.full(2, jnp.inf)}, state, params)
+  m = optax_dls.metrics(state)
+  rows = _table_rows()
+  assert len(rows) >= 17, rows
+  seen = set()
+  for cell, dtype, bitset in rows:
+    for key in re.findall(r"[\w/<>]+", cell.replace("`, `", " ")):
+      names = [key.replace("<label>", label) for label in labels] if "<label>" in key else [key]
+      for name in names:
+        assert name in m, name
+        value = np.asarray(m[name])
+        assert value.dtype == DTYPES[dtype], (name, value.dtype)
+        assert value.ndim == (1 if bitset else 0), (name, value.shape)
+        seen.add(name)
+  assert seen == set(m), set(m) ^ seen  # the table lists every key, and no other
+  assert int(m["overflows/lora"]) == 1 and int(m["overflows/base"]) == 0
+  applied = int(m["num_steps"]) - int(m["skip_count"])  # "reached the inner optimizer"
+  assert applied == 0
+
+
+@pytest.mark.parametrize("key", ["alerts", "alert_after"])
+def test_alert_keys_are_refused_naming_skip_alerts(key):
+  with pytest.raises(ValueError, match=r"SkipAlerts\(alert_after=\.\.\.\)"):
+    optax_dls.config.from_config({key: 3})
