@@ -105,3 +105,23 @@ def test_every_metric_of_the_table_has_its_dtype_and_shape():
 def test_alert_keys_are_refused_naming_skip_alerts(key):
   with pytest.raises(ValueError, match=r"SkipAlerts\(alert_after=\.\.\.\)"):
     optax_dls.config.from_config({key: 3})
+
+
+def _pinned(tmp_path, name, scales, skips=0):
+  with optax_dls.writers.MetricsWriter(tmp_path / name, tensorboard=False) as w:
+    for i, scale in enumerate(scales):
+      skip_count = skips if i == len(scales) - 1 else 0
+      w.log(i, {"loss_scale": scale, "skip_count": skip_count, "num_steps": i + 1, "loss": 1.0})
+  found = optax_dls.cli.inspect(str(tmp_path / name))
+  return "scale pinned" in found
+
+
+def test_scale_pinned_is_most_rows_at_the_highest_scale_of_2_to_the_24_or_more_without_a_skip(
+  tmp_path,
+):
+  """The rule of the table's "scale pinned" row, and troubleshooting.md's "Gradients always small"."""
+  assert _pinned(tmp_path, "pinned", [2.0**24] * 60)
+  assert not _pinned(tmp_path, "lower", [2.0**23] * 60)  # below 2**24
+  assert not _pinned(tmp_path, "skipped", [2.0**24] * 60, skips=1)  # a skip
+  assert _pinned(tmp_path, "half", [2.0**20] * 29 + [2.0**25] * 31)  # more than half at the top
+  assert not _pinned(tmp_path, "spread", [2.0**24] * 20 + [2.0**25] * 20 + [2.0**26] * 20)
