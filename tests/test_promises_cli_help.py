@@ -17,7 +17,9 @@ def _help(capsys):
 
 def _log(path, steps=5):
   path.parent.mkdir(parents=True, exist_ok=True)
-  rows = [{"step": i, "loss_scale": 2.0**15, "skip_count": 0, "num_steps": i + 1} for i in range(steps)]
+  rows = [
+    {"step": i, "loss_scale": 2.0**15, "skip_count": 0, "num_steps": i + 1} for i in range(steps)
+  ]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -31,7 +33,9 @@ def test_any_jsonl_file_in_a_nested_folder_is_read(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, interval", [([], 2.0), (["--watch", "0.5"], 0.5)])
-def test_follow_refreshes_every_2_s_and_watch_every_seconds(flags, interval, tmp_path, capsys, monkeypatch):
+def test_follow_refreshes_every_2_s_and_watch_every_seconds(
+  flags, interval, tmp_path, capsys, monkeypatch
+):
   """--follow: "every 2 s"; --watch SECONDS: "like --follow, every SECONDS seconds"."""
   assert "every 2 s" in _help(capsys) and "every SECONDS seconds" in _help(capsys)
   _log(tmp_path / "run" / "metrics.jsonl")

@@ -1,12 +1,14 @@
 """docs/observability.md: its snippets run in order and print what their comments say,
 and the metrics table gives each key's dtype and shape."""
 
+import ast
 import contextlib
 import io
 import pathlib
 import re
 import tempfile
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -32,7 +34,8 @@ def _run_blocks():
   for i, block in enumerate(blocks):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      exec(compile(block, f"docs/observability.md (block {i})", "exec", dont_inherit=True), namespace)  # noqa: S102
+      code = compile(block, f"docs/observability.md (block {i})", "exec", dont_inherit=True)
+      exec(code, namespace)  # noqa: S102
     outputs.append(out.getvalue())
   return namespace, outputs
 
@@ -53,7 +56,7 @@ def test_the_snippets_run_and_print_what_the_page_says(page):
   assert out[1].split() == ["0.625", "1.0", "0.125", "0.25"]  # underflow statistics
   assert out[3].split() == ["False", "inf"]  # select_precision: float16 ran
   assert "stuck at the minimum" in out[5]  # cli.inspect of the logged run
-  keys = eval(out[6].splitlines()[0])  # noqa: S307: the printed sorted list of metric keys
+  keys = ast.literal_eval(out[6].splitlines()[0])  # the printed sorted list of metric keys
   assert {"fp32_fallback", "underflow/zero_frac"} <= set(keys)
   assert "SkipAlerts(alert_after=...)" in out[6].splitlines()[1]
 
@@ -77,7 +80,9 @@ def test_every_metric_of_the_table_has_its_dtype_and_shape():
   """All 0-d but the two bit sets ``[W]``, each with the dtype the table gives."""
   labels = {"base": "base", "lora": "lora"}
   policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy()))
-  inner = optax.chain(optax_dls.underflow_stats(labels), optax_dls.recompute_stats(), optax.sgd(1.0))
+  inner = optax.chain(
+    optax_dls.underflow_stats(labels), optax_dls.recompute_stats(), optax.sgd(1.0)
+  )
   tx = optax_dls.loss_scaled(inner, policy, labels=labels)
   params = {"base": jnp.zeros(3), "lora": jnp.zeros(2)}
   state = tx.init(params)
@@ -119,9 +124,87 @@ def _pinned(tmp_path, name, scales, skips=0):
 def test_scale_pinned_is_most_rows_at_the_highest_scale_of_2_to_the_24_or_more_without_a_skip(
   tmp_path,
 ):
-  """The rule of the table's "scale pinned" row, and troubleshooting.md's "Gradients always small"."""
+  """The table's "scale pinned" row, and troubleshooting.md's "Gradients always small"."""
   assert _pinned(tmp_path, "pinned", [2.0**24] * 60)
   assert not _pinned(tmp_path, "lower", [2.0**23] * 60)  # below 2**24
   assert not _pinned(tmp_path, "skipped", [2.0**24] * 60, skips=1)  # a skip
   assert _pinned(tmp_path, "half", [2.0**20] * 29 + [2.0**25] * 31)  # more than half at the top
   assert not _pinned(tmp_path, "spread", [2.0**24] * 20 + [2.0**25] * 20 + [2.0**26] * 20)
+
+
+PRESETS = {  # the Presets table
+  "text_llm": {"init_scale": 2.0**16, "growth_interval": 1000, "hysteresis": 2},
+  "multimodal": {
+    "init_scale": 2.0**13,
+    "growth_interval": 1000,
+    "warmup_steps": 1000,
+    "hysteresis": 2,
+  },
+  "preference": {
+    "init_scale": 2.0**15,
+    "max_scale": 65536.0,
+    "growth_interval": 1000,
+    "hysteresis": 2,
+  },
+  "qlora": {"init_scale": 2.0**16, "growth_interval": 1000, "max_scale": 2.0**24},
+}
+
+
+def test_each_preset_has_the_values_of_the_table_as_a_new_dict():
+  for name, values in PRESETS.items():
+    assert optax_dls.config.preset(name) == values
+  assert optax_dls.config.preset("dpo") == PRESETS["preference"]
+  optax_dls.config.preset("qlora")["init_scale"] = 1.0  # a new dict each time
+  assert optax_dls.config.preset("qlora") == PRESETS["qlora"]
+
+
+def test_fallback_keys_wrap_the_policy_and_the_last_two_need_the_first():
+  policy = optax_dls.config.from_config(
+    {"init_scale": 8.0, "fallback_after": 2, "fallback_steps": 3, "fallback_scale": 4.0}
+  )
+  expected = optax_dls.fp32_fallback(
+    optax_dls.dynamic_policy(init_scale=8.0), after=2, steps=3, scale=4.0
+  )
+  tx, hand = (
+    optax_dls.loss_scaled(optax.sgd(1.0), policy),
+    optax_dls.loss_scaled(optax.sgd(1.0), expected),
+  )
+  params = {"w": jnp.ones(2)}
+  s, h = tx.init(params), hand.init(params)
+  for g in [jnp.inf, jnp.inf, 1.0, 1.0, 1.0, 1.0]:
+    _, s = tx.update({"w": jnp.full(2, g)}, s, params)
+    _, h = hand.update({"w": jnp.full(2, g)}, h, params)
+    ms, mh = optax_dls.metrics(s), optax_dls.metrics(h)
+    assert (float(ms["loss_scale"]), bool(ms["fp32_fallback"])) == (
+      float(mh["loss_scale"]),
+      bool(mh["fp32_fallback"]),
+    )
+  for key in ("fallback_steps", "fallback_scale"):
+    with pytest.raises(ValueError, match=f"'{key}'.*need fallback_after"):
+      optax_dls.config.from_config({key: 4})
+
+
+def test_metrics_are_device_arrays_read_without_a_transfer_to_the_host():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0))
+  state = tx.init({"w": jnp.ones(2)})
+  with jax.transfer_guard_device_to_host("disallow"):
+    m = optax_dls.metrics(state)
+  assert all(isinstance(v, jax.Array) for v in m.values())
+  assert int(m["num_steps"]) - int(m["skip_count"]) == 0
+
+
+def test_the_composed_step_holds_no_host_callback_and_counts_the_inner_updates(page):
+  """ "none of them puts a host callback into the jitted step"; the updates that reached the
+  inner optimizer are ``num_steps - skip_count``."""
+  ns, _ = page
+  jaxpr = str(jax.make_jaxpr(ns["train_step"])(ns["params"], ns["opt_state"], *ns["batch"](0)))
+  assert "callback" not in jaxpr
+  adam = [
+    s
+    for s in jax.tree.leaves(
+      ns["opt_state"].inner_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+    )
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
+  m = optax_dls.metrics(ns["opt_state"])
+  assert int(adam[0].count) == int(m["num_steps"]) - int(m["skip_count"]) == 21

@@ -23,7 +23,7 @@ def test_the_printed_interface_has_the_real_fields_and_defaults():
   fields = re.findall(r"^  (\w+):", block, re.MULTILINE)
   assert tuple(fields) == optax_dls.LossScalePolicy._fields
   defaults = dict(re.findall(r"^  (\w+): [^=\n]+= ([^#\n]+?)\s*(?:#|$)", block, re.MULTILINE))
-  assert {k: eval(v) for k, v in defaults.items()} == optax_dls.LossScalePolicy._field_defaults  # noqa: S307
+  assert {k: eval(v) for k, v in defaults.items()} == optax_dls.LossScalePolicy._field_defaults
   block = re.search(r"class GradStats\(NamedTuple\):\n(.*?)```", text, re.DOTALL).group(1)
   assert tuple(re.findall(r"^  (\w+):", block, re.MULTILINE)) == optax_dls.GradStats._fields
 
@@ -35,7 +35,7 @@ def _documented_calls():
   for name, args in re.findall(r"^\| `(\w+)\(([^`]*=[^`]*)\)` \|", PAGE.read_text(), re.MULTILINE):
     call = ast.parse(f"f({args})", mode="eval").body
     params = [(a.id, inspect.Parameter.empty) for a in call.args if isinstance(a, ast.Name)]
-    params += [(k.arg, eval(compile(ast.Expression(k.value), "", "eval"))) for k in call.keywords]  # noqa: S307
+    params += [(k.arg, eval(compile(ast.Expression(k.value), "", "eval"))) for k in call.keywords]
     calls.append((name, params))
   return calls
 
@@ -51,7 +51,9 @@ def test_every_signature_the_tables_print_is_the_real_one():
 
 
 def _flags(kinds, after=2, steps=2):
-  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0**10), after=after, steps=steps)
+  policy = optax_dls.fp32_fallback(
+    optax_dls.dynamic_policy(init_scale=2.0**10), after=after, steps=steps
+  )
   tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   params = {"w": jnp.ones(2)}
   state, update, flags = tx.init(params), jax.jit(tx.update), []
