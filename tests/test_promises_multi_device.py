@@ -8,7 +8,15 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import optax_dls
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "multi_device.md"
 
@@ -62,3 +70,44 @@ def test_the_shard_map_snippet_with_axis_name_data_raises_at_trace_time():
   proc = _run(code)
   assert proc.returncode != 0
   assert "ValueError: axis_name='data' does not cover the mapped axes ['model']" in proc.stderr
+
+
+def _shard_map_norm(check_vma):
+  """The stored grad_norm of one update of gradients sharded over 8 devices."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, axis_name="data")
+  params = {"w": jnp.ones(16)}
+  state = tx.init(params)
+
+  def update(grads, state, params):
+    _, state = tx.update(grads, state, params)
+    return state.grad_norm
+
+  step = jax.jit(
+    jax.shard_map(
+      update,
+      mesh=mesh,
+      in_specs=(P("data"), P(), P("data")),
+      out_specs=P(),
+      check_vma=check_vma,
+    )
+  )
+  grads = {"w": jnp.arange(16.0)}
+  return float(step(grads, state, params)), float(jnp.linalg.norm(grads["w"]))
+
+
+def test_the_stored_norm_is_global_with_check_vma_and_global_over_sqrt_n_without():
+  """'the norm of the full gradient' with check_vma=True; 'the global norm divided by
+  sqrt(number of devices)' for sharded gradients with check_vma=False."""
+  norm, full = _shard_map_norm(check_vma=True)
+  np.testing.assert_allclose(norm, full, rtol=1e-6)
+  norm, full = _shard_map_norm(check_vma=False)
+  np.testing.assert_allclose(norm, full / np.sqrt(8), rtol=1e-6)
+
+
+def test_with_the_vmap_axis_name_the_norm_is_the_root_mean_square_of_the_members_norms():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, axis_name="ens")
+  params = {"w": jnp.ones((3, 2))}
+  grads = {"w": jnp.array([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])}  # norms 5, 1, 10
+  _, state = jax.vmap(tx.update, axis_name="ens")(grads, jax.vmap(tx.init)(params), params)
+  np.testing.assert_allclose(state.grad_norm, np.full(3, np.sqrt((25 + 1 + 100) / 3)), rtol=1e-6)
