@@ -75,3 +75,30 @@ def _flags(kinds, after=2, steps=2):
 )
 def test_the_fallback_starts_again_at_once_only_after_skipped_float32_steps(kinds, expected):
   assert _flags(kinds) == expected
+
+
+def _halving_policy():
+  """A user's policy: halve on overflow, never grow; range [1, 2**4]."""
+
+  def init():
+    return jnp.float32(4.0), jnp.zeros([], jnp.int32)
+
+  def update(scale, n, stats):
+    return jnp.where(stats.finite, scale, scale / 2).astype(jnp.float32), n + 1
+
+  return optax_dls.LossScalePolicy(init, update, min_scale=1.0, max_scale=2.0**4)
+
+
+def test_the_policy_wrappers_work_around_a_user_s_policy():
+  """custom_policy.md: fp32_fallback and skips_at_min_scale work around your policy as
+  around the built-in ones; the scale is kept within the policy's range."""
+  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(_halving_policy(), after=2))
+  tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
+  params = {"w": jnp.ones(2)}
+  state, update, seen = tx.init(params), jax.jit(tx.update), []
+  for _ in range(5):
+    _, state = update({"w": jnp.full(2, jnp.inf)}, state, params)
+    m = optax_dls.metrics(state)
+    seen.append((float(m["loss_scale"]), bool(m["fp32_fallback"]), int(m["skips_at_min_scale"])))
+  # 4 -> 2 -> 1, then held at min_scale = 1: skips at the floor counted from the third skip.
+  assert seen == [(2.0, False, 0), (1.0, True, 0), (1.0, True, 1), (1.0, True, 2), (1.0, True, 3)]
