@@ -4,6 +4,7 @@ and the metrics table gives each key's dtype and shape."""
 import ast
 import contextlib
 import io
+import json
 import pathlib
 import re
 import tempfile
@@ -208,3 +209,39 @@ def test_the_composed_step_holds_no_host_callback_and_counts_the_inner_updates(p
   ]
   m = optax_dls.metrics(ns["opt_state"])
   assert int(adam[0].count) == int(m["num_steps"]) - int(m["skip_count"]) == 21
+
+
+def _rows(steps, **extra):
+  return [
+    {"step": i, "loss_scale": 2.0**10, "skip_count": 0, "num_steps": i + 1} | extra for i in steps
+  ]
+
+
+def _write_jsonl(path, rows):
+  path.mkdir(parents=True, exist_ok=True)
+  with open(path / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_rows_without_loss_scale_keys_are_ignored_and_runs_are_told_apart_by_run(tmp_path):
+  """ "rows without loss-scale keys, such as validation rows, are ignored"; "Runs are told
+  apart by the `run` key, else by folder"."""
+  rows = _rows(range(4), run="a") + [{"step": 4, "run": "a", "val_loss": 1.0}]
+  _write_jsonl(tmp_path / "one", rows + _rows(range(6), run="b"))
+  _write_jsonl(tmp_path / "two", _rows(range(3)))
+  report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
+  assert {name: r["summary"]["updates"] for name, r in report.items()} == {"a": 4, "b": 6, "two": 3}
+
+
+def test_tensorboard_tags_are_matched_by_their_last_component(tmp_path):
+  tensorboardX = pytest.importorskip("tensorboardX")
+  pytest.importorskip("tensorboard")
+  writer = tensorboardX.SummaryWriter(str(tmp_path / "tb"))
+  for step in range(5):
+    writer.add_scalar("train/loss_scale", 2.0**10, step)
+    writer.add_scalar("train/skip_count", 0, step)
+    writer.add_scalar("train/num_steps", step + 1, step)
+  writer.close()
+  report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
+  (summary,) = [r["summary"] for r in report.values()]
+  assert summary["updates"] == 5 and summary["scale_max"] == 2.0**10
