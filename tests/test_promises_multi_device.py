@@ -111,3 +111,33 @@ def test_with_the_vmap_axis_name_the_norm_is_the_root_mean_square_of_the_members
   grads = {"w": jnp.array([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])}  # norms 5, 1, 10
   _, state = jax.vmap(tx.update, axis_name="ens")(grads, jax.vmap(tx.init)(params), params)
   np.testing.assert_allclose(state.grad_norm, np.full(3, np.sqrt((25 + 1 + 100) / 3)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis_name", ["i", ("i", "j")])
+def test_axis_name_is_taken_by_every_constructor_and_by_all_finite_and_underflow_stats(axis_name):
+  """ "`axis_name` takes one name or a tuple of names, on `dynamic_loss_scale`,
+  `static_loss_scale`, `no_loss_scale` and `loss_scaled` alike (and on `all_finite` and
+  `underflow_stats`)": under vmap over those axes, one decision for every member (the
+  no-op `no_loss_scale` checks nothing)."""
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  shape = (4,) if len(names) == 1 else (2, 2)
+
+  def mapped(f):
+    for name in reversed(names):
+      f = jax.vmap(f, axis_name=name)
+    return f
+
+  inner = optax.sgd(1.0)
+  stats = optax_dls.underflow_stats(axis_name=axis_name)
+  deciding = [
+    optax_dls.dynamic_loss_scale(inner, axis_name=axis_name),
+    optax_dls.static_loss_scale(inner, 2.0, axis_name=axis_name),
+    optax_dls.loss_scaled(inner, optax_dls.dynamic_policy(), axis_name=axis_name),
+    optax_dls.dynamic_loss_scale(optax.chain(stats, inner), axis_name=axis_name),
+  ]
+  params = {"w": jnp.ones((*shape, 3))}
+  grads = {"w": jnp.ones((*shape, 3)).at[(0,) * len(shape) + (0,)].set(jnp.inf)}  # one member
+  for tx in [*deciding, optax_dls.no_loss_scale(inner, axis_name=axis_name)]:
+    _, state = jax.jit(mapped(tx.update))(grads, mapped(tx.init)(params), params)
+    assert bool(jnp.all(~state.last_step_finite)) == (tx in deciding)
+  assert not bool(jnp.any(mapped(lambda g: optax_dls.all_finite(g, axis_name=axis_name))(grads)))

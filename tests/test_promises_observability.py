@@ -245,3 +245,23 @@ def test_tensorboard_tags_are_matched_by_their_last_component(tmp_path):
   report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
   (summary,) = [r["summary"] for r in report.values()]
   assert summary["updates"] == 5 and summary["scale_max"] == 2.0**10
+
+
+def test_the_json_report_has_the_keys_the_page_lists(tmp_path):
+  """`--json`: `updates`, `applied_updates`, `skips`, and, where the logs carry them,
+  `overflows_by_group` and `nonfinite` with `by_parameter`, `loss_steps` and `last`."""
+  labels = {"a": "a", "b": "b"}
+  tx = optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.dynamic_policy(), labels=labels)
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  state = tx.init(params)
+  with optax_dls.writers.MetricsWriter(tmp_path, tensorboard=False, params=params) as w:
+    for i in range(4):
+      grads = {"a": jnp.full(2, jnp.inf if i == 1 else 1.0), "b": jnp.ones(2)}
+      _, state = tx.update(grads, state, params)
+      w.log(i, optax_dls.metrics(state))
+  (run,) = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True)).values()
+  summary = run["summary"]
+  assert (summary["updates"], summary["applied_updates"], summary["skips"]) == (4, 3, 1)
+  assert summary["overflows_by_group"] == {"a": 1, "b": 0}
+  assert {"by_parameter", "loss_steps", "last"} <= set(summary["nonfinite"])
+  assert summary["nonfinite"]["last"]["leaves"] == {"a": "inf"}
