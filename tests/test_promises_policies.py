@@ -102,3 +102,27 @@ def test_the_policy_wrappers_work_around_a_user_s_policy():
     seen.append((float(m["loss_scale"]), bool(m["fp32_fallback"]), int(m["skips_at_min_scale"])))
   # 4 -> 2 -> 1, then held at min_scale = 1: skips at the floor counted from the third skip.
   assert seen == [(2.0, False, 0), (1.0, True, 0), (1.0, True, 1), (1.0, True, 2), (1.0, True, 3)]
+
+
+def test_each_policy_s_state_is_the_one_the_tables_name():
+  """The "state" column of the policy and wrapper tables: the state's type and fields."""
+  said = re.findall(r"\| `(\w+State)`(?: \(([^)]*)\))? \|$", PAGE.read_text(), re.MULTILINE)
+  said = {name: tuple(re.findall(r"`(\w+)`", fields)) for name, fields in said}
+  built = [
+    optax_dls.dynamic_policy(),
+    optax_dls.amax_policy(),
+    compat.torch_policy(),
+    compat.deepspeed_policy(),
+    optax_dls.static_policy(4.0),
+    optax_dls.noop_policy(),
+    optax_dls.fp32_fallback(optax_dls.dynamic_policy()),
+    optax_dls.skips_at_min_scale(optax_dls.dynamic_policy()),
+  ]
+  seen = set()
+  for policy in built:
+    state = policy.init()[1]
+    name = type(state).__name__
+    assert name in said, name
+    assert said[name] in ((), state._fields), (name, said[name], state._fields)
+    seen.add(name)
+  assert seen == set(said)
