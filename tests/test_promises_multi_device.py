@@ -109,7 +109,7 @@ def test_with_the_vmap_axis_name_the_norm_is_the_root_mean_square_of_the_members
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, axis_name="ens")
   params = {"w": jnp.ones((3, 2))}
   grads = {"w": jnp.array([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])}  # norms 5, 1, 10
-  _, state = jax.vmap(tx.update, axis_name="ens")(grads, jax.vmap(tx.init)(params), params)
+  _, state = jax.jit(jax.vmap(tx.update, axis_name="ens"))(grads, jax.vmap(tx.init)(params), params)
   np.testing.assert_allclose(state.grad_norm, np.full(3, np.sqrt((25 + 1 + 100) / 3)), rtol=1e-6)
 
 
