@@ -265,3 +265,16 @@ def test_the_json_report_has_the_keys_the_page_lists(tmp_path):
   assert summary["overflows_by_group"] == {"a": 1, "b": 0}
   assert {"by_parameter", "loss_steps", "last"} <= set(summary["nonfinite"])
   assert summary["nonfinite"]["last"]["leaves"] == {"a": "inf"}
+
+
+def test_each_alerts_call_returns_what_it_logged_and_fired_keeps_it_all(caplog):
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**4)
+  params = {"w": jnp.ones(2)}
+  state, alerts, returned = tx.init(params), optax_dls.SkipAlerts(alert_after=2), []
+  with caplog.at_level("WARNING", logger="optax_dls"):
+    for step, g in enumerate([jnp.inf, jnp.inf, jnp.inf, 1.0, jnp.inf, jnp.inf]):
+      _, state = tx.update({"w": jnp.full(2, g)}, state, params)
+      returned.append(alerts(step, optax_dls.metrics(state)))
+  logged = [r.getMessage() for r in caplog.records if r.name == "optax_dls"]
+  assert [len(r) for r in returned] == [0, 1, 0, 0, 0, 1]  # once per run of skips
+  assert [m for r in returned for m in r] == logged == alerts.fired
