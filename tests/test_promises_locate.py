@@ -85,3 +85,17 @@ def test_the_guide_s_backward_example_overflows_at_2_to_the_10_and_not_below():
   assert (first.phase, first.scope) == ("backward", "proj")
   rows = optax_dls.locate(sum_loss, params, x, scale=2.0**8).headroom
   assert rows[1].scope == "embed" and round(rows[1].backward_fraction, 2) == 0.10
+
+
+def test_headroom_gives_the_share_of_a_scope_s_entries_below_the_smallest_normal():
+  def loss(w, x):
+    with jax.named_scope("tiny"):
+      h = x * w  # [2**-10, 2**-10, 2**-16, 2**-16]: two of four below 2**-14
+    return jnp.sum(h.astype(jnp.float32))
+
+  w = jnp.full(4, 2.0**-10, F16)
+  x = jnp.array([1.0, 1.0, 2.0**-6, 2.0**-6], F16)
+  (row,) = [r for r in optax_dls.locate(loss, w, x, scale=1.0).headroom if r.scope == "tiny"]
+  # Two subnormal entries (the forward output's) among the scope's eight values, the
+  # others (the backward pass's, 1 and 2**-6) normal.
+  assert row.underflow_share == 0.25
