@@ -162,7 +162,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
   p = sub.add_parser("inspect", help="summarise and diagnose the loss-scale logs of a run folder")
   p.add_argument(
     "run_dir",
-    help="folder with metrics.jsonl files or TensorBoard event files (searched recursively)",
+    help="folder with *.jsonl files (as MetricsWriter writes) or TensorBoard event files "
+    "(searched recursively)",
   )
   p.add_argument(
     "--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image"
