@@ -1,0 +1,392 @@
+"""What the public docstrings (``optax_dls.__all__``) promise: each Raises clause raises the
+exception it names, and the Args/Returns sentences no other test holds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dls
+
+P = {"w": jnp.ones(2)}
+SGD = optax.sgd(1.0)
+
+
+def _tx():
+  return optax_dls.dynamic_loss_scale(SGD)
+
+
+def _state():
+  return _tx().init(P)
+
+
+def _loss(p):
+  return jnp.sum(p["w"])
+
+
+def _policy(init=lambda: (jnp.float32(2.0), ()), update=lambda s, st, g: (s, st), **kw):
+  return optax_dls.LossScalePolicy(init, update, **kw)
+
+
+def _traced_update(policy):
+  tx = optax_dls.loss_scaled(SGD, policy)
+  return tx.update(P, tx.init(P))
+
+
+# (public name, the call, the exception its docstring's Raises names, a part of the message)
+RAISES = [
+  ("CastPolicy", lambda: optax_dls.CastPolicy(3), TypeError, "param_dtype must be a dtype"),
+  ("CastPolicy", lambda: optax_dls.CastPolicy(jnp.int32), ValueError, "floating dtype"),
+  ("cast_policy", lambda: optax_dls.cast_policy(1), TypeError, "must be a string"),
+  ("cast_policy", lambda: optax_dls.cast_policy("p=f32, c=f16"), ValueError, "Unknown key"),
+  ("full_precision", lambda: optax_dls.full_precision(3), TypeError, "fn must be callable"),
+  (
+    "full_precision",
+    lambda: optax_dls.full_precision(_loss, output_dtype=3),
+    TypeError,
+    "output_dtype must be a dtype",
+  ),
+  (
+    "full_precision",
+    lambda: optax_dls.full_precision(_loss, output_dtype=jnp.int32),
+    ValueError,
+    "floating dtype",
+  ),
+  (
+    "LossScalePolicy",
+    lambda: optax_dls.loss_scaled(SGD, _policy(min_scale=4.0)),
+    ValueError,
+    r"\[min_scale, max_scale\]",
+  ),
+  (
+    "LossScalePolicy",
+    lambda: optax_dls.loss_scaled(SGD, _policy(lambda: (jnp.float32(2.0), "x"))),
+    TypeError,
+    "must be a pytree of arrays",
+  ),
+  (
+    "LossScalePolicy",
+    lambda: optax_dls.loss_scaled(SGD, _policy(passthrough=True)),
+    ValueError,
+    "passthrough=True must start at loss scale 1",
+  ),
+  (
+    "LossScalePolicy",
+    lambda: _traced_update(_policy(update=lambda s, st, g: s)),
+    TypeError,
+    r"must return a \(loss_scale, policy_state\) pair",
+  ),
+  (
+    "LossScalePolicy",
+    lambda: _traced_update(_policy(update=lambda s, st, g: (jnp.ones(2), st))),
+    TypeError,
+    "floating loss scale of shape",
+  ),
+  (
+    "LossScalePolicy",
+    lambda: _traced_update(
+      _policy(lambda: (jnp.float32(2.0), jnp.int32(0)), lambda s, n, g: (s, n * 1.0))
+    ),
+    TypeError,
+    "shapes and dtypes of policy.init",
+  ),
+  ("SkipAlerts", lambda: optax_dls.SkipAlerts(True), TypeError, "must be an integer"),
+  ("SkipAlerts", lambda: optax_dls.SkipAlerts(2.0), TypeError, "must be an integer"),
+  ("SkipAlerts", lambda: optax_dls.SkipAlerts(0), ValueError, "alert_after=0"),
+  ("SkipAlerts", lambda: optax_dls.SkipAlerts(2**31), ValueError, "alert_after=2147483648"),
+  ("all_finite", lambda: optax_dls.all_finite({"a": "x"}), TypeError, r"tree\['a'\]"),
+  ("all_finite", lambda: optax_dls.all_finite(P, axis_name=3), TypeError, "axis_name"),
+  ("amax_policy", lambda: optax_dls.amax_policy(margin=65), ValueError, "margin=65"),
+  ("amax_policy", lambda: optax_dls.amax_policy(max_value=1e39), ValueError, "max_value"),
+  ("amax_policy", lambda: optax_dls.amax_policy(history_len=2.0), TypeError, "history_len"),
+  ("apply_step", lambda: optax_dls.apply_step(object(), P, _state(), P), TypeError, "tx must"),
+  ("apply_step", lambda: optax_dls.apply_step(_tx(), P, _state(), None), TypeError, "params"),
+  (
+    "apply_step",
+    lambda: optax_dls.apply_step(_tx(), P, SGD.init(P), P),
+    TypeError,
+    "opt_state must be the state",
+  ),
+  (
+    "dynamic_loss_scale",
+    lambda: optax_dls.dynamic_loss_scale(SGD, hysteresis=0),
+    ValueError,
+    "hysteresis",
+  ),
+  (
+    "dynamic_policy",
+    lambda: optax_dls.dynamic_policy(consecutive_hysteresis=1),
+    TypeError,
+    "must be a bool",
+  ),
+  ("find_state", lambda: optax_dls.find_state(SGD.init(P)), ValueError, "no LossScaleState"),
+  ("find_state", lambda: optax_dls.find_state((_state(), _state())), ValueError, "2 LossScale"),
+  (
+    "find_state",
+    lambda: optax_dls.find_state(optax.MultiSteps(_tx(), 2).init(P)),
+    ValueError,
+    "MultiSteps",
+  ),
+  ("fp32_fallback", lambda: optax_dls.fp32_fallback("x"), TypeError, "LossScalePolicy"),
+  (
+    "fp32_fallback",
+    lambda: optax_dls.fp32_fallback(optax_dls.dynamic_policy(), scale=0.5),
+    ValueError,
+    "scale=0.5",
+  ),
+  ("locate", lambda: optax_dls.locate(3, P), TypeError, "fun must be callable"),
+  ("locate", lambda: optax_dls.locate(_loss, P, scale="1"), TypeError, "scale"),
+  ("locate", lambda: optax_dls.locate(_loss, P, has_aux=1), TypeError, "has_aux"),
+  ("locate", lambda: optax_dls.locate(_loss, P, scale=0.0), ValueError, "scale=0.0"),
+  ("locate", lambda: optax_dls.locate(_loss, P, argnums=1), ValueError, "argnums=1"),
+  ("loss_scale", lambda: optax_dls.loss_scale({}), ValueError, "no LossScaleState"),
+  ("loss_scaled", lambda: optax_dls.loss_scaled(3, optax_dls.noop_policy()), TypeError, "inner"),
+  ("loss_scaled", lambda: optax_dls.loss_scaled(SGD, 3), TypeError, "policy"),
+  (
+    "loss_scaled",
+    lambda: optax_dls.loss_scaled(SGD, optax_dls.noop_policy(), skip_lowering=3),
+    TypeError,
+    "skip_lowering",
+  ),
+  (
+    "loss_scaled",
+    lambda: optax_dls.loss_scaled(SGD, optax_dls.noop_policy(), skip_lowering="x"),
+    ValueError,
+    "skip_lowering",
+  ),
+  (
+    "loss_scaled",
+    lambda: optax_dls.loss_scaled(SGD, optax_dls.dynamic_policy(), labels={"w": 3}),
+    TypeError,
+    "labels must be strings",
+  ),
+  (
+    "loss_scaled",
+    lambda: optax_dls.loss_scaled(SGD, optax_dls.dynamic_policy(), labels={"w": "a/b"}),
+    ValueError,
+    "without '/'",
+  ),
+  (
+    "loss_scaled",
+    lambda: optax_dls.loss_scaled(SGD, optax_dls.dynamic_policy(), labels={"v": "a"}).init(P),
+    ValueError,
+    "do not match",
+  ),
+  ("metrics", lambda: optax_dls.metrics((_state(), _state())), ValueError, "2 LossScale"),
+  ("no_loss_scale", lambda: optax_dls.no_loss_scale(3), TypeError, "inner"),
+  (
+    "no_loss_scale",
+    lambda: optax_dls.no_loss_scale(SGD, track_grad_norm=1),
+    TypeError,
+    "track_grad_norm",
+  ),
+  ("nonfinite_leaves", lambda: optax_dls.nonfinite_leaves(_state(), None), TypeError, "params"),
+  ("nonfinite_leaves", lambda: optax_dls.nonfinite_leaves({}, P), ValueError, "no LossScale"),
+  ("reset_scale", lambda: optax_dls.reset_scale(_state(), float("nan")), ValueError, "NaN"),
+  ("reset_scale", lambda: optax_dls.reset_scale(_state(), 0.0), ValueError, "value=0.0"),
+  ("reset_scale", lambda: optax_dls.reset_scale(_state(), jnp.ones(2)), ValueError, "shape"),
+  (
+    "reset_scale",
+    lambda: optax_dls.reset_scale(_state(), 2.0**25, tx=_tx()),
+    ValueError,
+    "value=33554432.0",
+  ),
+  ("reset_scale", lambda: optax_dls.reset_scale(_state(), "2"), TypeError, "real number"),
+  ("reset_scale", lambda: optax_dls.reset_scale(_state(), 2.0, tx=SGD), TypeError, "tx must"),
+  ("scale_loss", lambda: optax_dls.scale_loss(None, _state()), TypeError, "floating-point"),
+  ("scale_loss", lambda: optax_dls.scale_loss(jnp.float32(1), {}), ValueError, "no LossScale"),
+  ("select_precision", lambda: optax_dls.select_precision(_state(), 3, _loss), TypeError, "fp16"),
+  (
+    "select_precision",
+    lambda: optax_dls.select_precision(_state(), lambda: jnp.ones(2), lambda: jnp.ones(3)),
+    ValueError,
+    "differ in shape",
+  ),
+  (
+    "select_precision",
+    lambda: optax_dls.select_precision(_state(), lambda: (jnp.ones(2),), lambda: [jnp.ones(2)]),
+    ValueError,
+    "same pytree structure",
+  ),
+  ("skips_at_min_scale", lambda: optax_dls.skips_at_min_scale(3), TypeError, "LossScalePolicy"),
+  ("static_loss_scale", lambda: optax_dls.static_loss_scale(SGD, 0.0), ValueError, "scale=0.0"),
+  (
+    "static_policy",
+    lambda: jax.jit(optax_dls.static_policy)(jnp.float32(2.0)),
+    TypeError,
+    "static Python number",
+  ),
+  (
+    "underflow_stats",
+    lambda: optax_dls.underflow_stats({"w": "zero_frac"}),
+    ValueError,
+    "other than",
+  ),
+  ("underflow_stats", lambda: optax_dls.underflow_stats({"w": 3}), TypeError, "strings"),
+  ("underflow_stats", lambda: optax_dls.underflow_stats(axis_name=3), TypeError, "axis_name"),
+  ("value_and_grad", lambda: optax_dls.value_and_grad(3, _tx()), TypeError, "fun must"),
+  ("value_and_grad", lambda: optax_dls.value_and_grad(_loss, SGD), TypeError, "loss-scaled"),
+  (
+    "value_and_grad",
+    lambda: optax_dls.value_and_grad(_loss, _tx(), max_tries=1.0),
+    TypeError,
+    "max_tries",
+  ),
+  (
+    "value_and_grad",
+    lambda: optax_dls.value_and_grad(_loss, _tx(), max_tries=65),
+    ValueError,
+    "max_tries",
+  ),
+  (
+    "value_and_grad",
+    lambda: optax_dls.value_and_grad(_loss, _tx(), argnums=(0, 0)),
+    ValueError,
+    "repeat",
+  ),
+  (
+    "value_and_grad",
+    lambda: optax_dls.value_and_grad(_loss, _tx())(P, _state()),
+    ValueError,
+    "look swapped",
+  ),
+  (
+    "value_and_grad",
+    lambda: optax_dls.value_and_grad(_loss, _tx(), has_aux=True)(_state(), P),
+    TypeError,
+    r"\(loss, aux\) pair",
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "name,call,error,match", RAISES, ids=[f"{r[0]}-{i}" for i, r in enumerate(RAISES)]
+)
+def test_each_raises_clause_of_a_public_docstring_raises_its_exception(name, call, error, match):
+  assert name in optax_dls.__all__
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_value_and_grad_refuses_an_fp32_fun_whose_output_has_another_structure():
+  """``fp32_fun`` returning its ``aux`` in another container (a list for a tuple) is refused
+  as its docstring says, not rebuilt silently in ``fun``'s structure."""
+
+  def fun(p):
+    return jnp.sum(p["w"]), (jnp.ones(2),)
+
+  def fp32_fun(p):
+    return jnp.sum(p["w"]), [jnp.ones(2)]
+
+  grad_fn = optax_dls.value_and_grad(fun, _tx(), has_aux=True, fp32_fun=fp32_fun)
+  with pytest.raises(ValueError, match="fun and fp32_fun must return the same pytree structure"):
+    grad_fn(_state(), P)
+
+
+def test_a_fresh_state_and_its_metrics_read_as_documented():
+  """``LossScaleState`` and ``metrics`` before the first step: applied, no norm, no record;
+  the record has ``ceil(leaves / 32)`` words, at least 1."""
+  state = _state()
+  assert bool(state.last_step_finite) and np.isnan(float(state.grad_norm))
+  assert int(state.nonfinite.step) == 0 and state.nonfinite.overflows == {}
+  m = optax_dls.metrics(state)
+  assert float(m["update_ratio"]) == 1.0 and int(m["nonfinite_step"]) == 0
+  dtypes = {k: v.dtype for k, v in m.items()}
+  assert dtypes["loss_scale"] == jnp.float32 and dtypes["skipped"] == jnp.bool_
+  assert dtypes["nonfinite_leaves"] == dtypes["nonfinite_names_digest"] == jnp.uint32
+  for leaves, words in ((0, 1), (1, 1), (32, 1), (33, 2)):
+    params = {f"p{i}": jnp.ones(1) for i in range(leaves)} | {"i": jnp.ones(1, jnp.int32)}
+    assert optax_dls.metrics(_tx().init(params))["nonfinite_leaves"].shape == (words,)
+
+
+def test_a_replaced_update_has_no_fused_step_and_a_replaced_init_keeps_it():
+  """``LossScaledTransformation``: the fused step and the back-off stay with their ``update``."""
+  tx = _tx()
+  kept = tx._replace(init=tx.init)
+  assert kept.fused_step is not None and kept.back_off is not None and kept.scaler is not None
+  other = tx._replace(update=lambda grads, state, params=None: (grads, state))
+  assert (other.fused_step, other.back_off, other.scaler, other.passthrough) == (
+    None,
+    None,
+    None,
+    False,
+  )
+  assert optax_dls.no_loss_scale(SGD).passthrough and not tx.passthrough
+
+
+def test_a_skipped_step_gives_integer_leaves_plain_zeros_and_floats_negative_zeros():
+  """``loss_scaled`` step 3: the skipped updates have the applied step's types."""
+  tx = optax_dls.static_loss_scale(optax.identity(), 4.0)
+  params = {"f": jnp.ones(2), "i": jnp.array([1], jnp.int32), "n": None}
+  state = tx.init(params)
+  grads = {"f": jnp.array([4.0, 8.0]), "i": jnp.array([3], jnp.int32), "n": None}
+  applied, _ = tx.update(grads, state, params)
+  np.testing.assert_array_equal(applied["f"], [1.0, 2.0])
+  assert applied["i"].dtype == jnp.int32 and int(applied["i"][0]) == 3  # passed through
+  skipped, _ = tx.update(dict(grads, f=jnp.array([jnp.inf, 8.0])), state, params)
+  assert skipped["f"].dtype == jnp.float32 and np.signbit(skipped["f"]).all()
+  assert skipped["i"].dtype == jnp.int32 and not np.any(skipped["i"])
+  assert skipped["n"] is None
+
+
+def test_grad_stats_amax_is_none_unless_the_policy_asks_for_it():
+  seen = []
+
+  def update(scale, state, stats):
+    seen.append(stats.amax)
+    return scale, state
+
+  for stats in ((), ("amax",)):
+    tx = optax_dls.loss_scaled(SGD, _policy(update=update, stats=stats))
+    tx.update({"w": jnp.array([2.0, -6.0])}, tx.init(P))
+  assert seen[0] is None and float(seen[1]) == 6.0  # the scaled gradients' amax
+
+
+def test_underflow_fractions_are_nan_before_the_first_applied_step_and_kept_by_a_skip():
+  tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(), SGD), init_scale=1.0)
+  state = tx.init(P)
+  fractions = lambda s: [
+    float(optax_dls.metrics(s)[f"underflow/{k}_frac"]) for k in ("zero", "subnormal")
+  ]
+  assert np.isnan(fractions(state)).all()
+  _, state = tx.update({"w": jnp.array([0.0, 1e-6])}, state, P)
+  assert fractions(state) == [0.5, 0.5]
+  _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, P)
+  assert fractions(state) == [0.5, 0.5]
+
+
+def test_select_precision_passes_python_values_and_keywords_as_they_are():
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1)
+  state = optax_dls.loss_scaled(SGD, policy).init(P)
+
+  def f16(x, *, tag):
+    return (x * len(tag)).astype(jnp.float16)
+
+  out = optax_dls.select_precision(state, f16, lambda x, *, tag: x, jnp.ones(1), tag="abc")
+  assert out.dtype == jnp.float32 and float(out[0]) == 3.0
+  without = optax_dls.select_precision(_state(), f16, lambda x, *, tag: x, jnp.ones(1), tag="ab")
+  assert float(without[0]) == 2.0  # no fallback wrapper: fp16_fn always runs
+
+
+def test_all_finite_reads_complex_leaves_and_numpy_float64_as_jax_converts_it():
+  """``all_finite``: a complex inf counts; without x64 a NumPy float64 past float32's range
+  becomes inf first."""
+  assert not bool(optax_dls.all_finite({"c": jnp.array([1 + 1j, complex(np.inf, 0.0)])}))
+  assert bool(optax_dls.all_finite({"c": jnp.array([1 + 1j, 3e38 + 0j])}))
+  if not jax.config.jax_enable_x64:
+    with pytest.warns(RuntimeWarning, match="overflow"):  # NumPy's, casting to float32
+      assert not bool(optax_dls.all_finite({"x": np.array([1e39])}))
+
+
+def test_a_logged_row_is_checked_only_as_far_as_its_bits_allow():
+  """``nonfinite_leaves`` on a dict without the names' digest (a logged row): a tree with too
+  few leaves for the bits set is refused; one that fits the bits cannot be told apart."""
+  tx = _tx()
+  _, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, tx.init(P), P)
+  row = {k: v for k, v in jax.device_get(optax_dls.metrics(state)).items()}
+  del row["nonfinite_names_digest"]
+  assert optax_dls.nonfinite_leaves(row, P) == {"w": "inf"}
+  with pytest.raises(ValueError, match="do not fit the record"):
+    optax_dls.nonfinite_leaves(row, {f"p{i}": jnp.ones(1) for i in range(33)})  # 2 words
+  assert optax_dls.nonfinite_leaves(row, {"a": jnp.ones(1), "b": jnp.ones(1)}) == {"a": "inf"}
