@@ -330,43 +330,43 @@ def test_a_skipped_step_gives_integer_leaves_plain_zeros_and_floats_negative_zer
   assert skipped["n"] is None
 
 
-def test_grad_stats_amax_is_none_unless_the_policy_asks_for_it():
-  seen = []
+def test_grad_stats_count_every_step_and_norm_the_unscaled_gradients():
+  """``GradStats``: ``step`` counts the updates before this one, skipped included;
+  ``grad_norm`` is the unscaled gradients' norm (inf on a non-finite step); ``amax`` is the
+  scaled gradients' and ``None`` unless the policy's ``stats`` ask for it."""
+
+  def init():
+    return jnp.float32(4.0), (jnp.int32(-1), jnp.float32(0.0), jnp.float32(0.0))
 
   def update(scale, state, stats):
-    seen.append(stats.amax)
-    return scale, state
+    amax = jnp.float32(-1.0) if stats.amax is None else stats.amax
+    return scale, (stats.step, stats.grad_norm, amax)
 
-  for stats in ((), ("amax",)):
-    tx = optax_dls.loss_scaled(SGD, _policy(update=update, stats=stats))
-    tx.update({"w": jnp.array([2.0, -6.0])}, tx.init(P))
-  assert seen[0] is None and float(seen[1]) == 6.0  # the scaled gradients' amax
-
-
-def test_underflow_fractions_are_nan_before_the_first_applied_step_and_kept_by_a_skip():
-  tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(), SGD), init_scale=1.0)
-  state = tx.init(P)
-  fractions = lambda s: [
-    float(optax_dls.metrics(s)[f"underflow/{k}_frac"]) for k in ("zero", "subnormal")
+  seen = []
+  for asked in ((), ("amax",)):
+    tx = optax_dls.loss_scaled(SGD, _policy(init, update, stats=asked))
+    state = tx.init(P)
+    for grads in ([12.0, -16.0], [np.inf, 1.0], [12.0, -16.0]):
+      _, state = tx.update({"w": jnp.array(grads)}, state)
+      seen.append(tuple(float(x) for x in state.policy_state))
+  assert seen == [
+    (0.0, 5.0, -1.0),
+    (1.0, np.inf, -1.0),
+    (2.0, 5.0, -1.0),
+    (0.0, 5.0, 16.0),
+    (1.0, np.inf, np.inf),
+    (2.0, 5.0, 16.0),
   ]
-  assert np.isnan(fractions(state)).all()
-  _, state = tx.update({"w": jnp.array([0.0, 1e-6])}, state, P)
-  assert fractions(state) == [0.5, 0.5]
-  _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, P)
-  assert fractions(state) == [0.5, 0.5]
 
 
-def test_select_precision_passes_python_values_and_keywords_as_they_are():
-  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=1)
-  state = optax_dls.loss_scaled(SGD, policy).init(P)
-
-  def f16(x, *, tag):
-    return (x * len(tag)).astype(jnp.float16)
-
-  out = optax_dls.select_precision(state, f16, lambda x, *, tag: x, jnp.ones(1), tag="abc")
-  assert out.dtype == jnp.float32 and float(out[0]) == 3.0
-  without = optax_dls.select_precision(_state(), f16, lambda x, *, tag: x, jnp.ones(1), tag="ab")
-  assert float(without[0]) == 2.0  # no fallback wrapper: fp16_fn always runs
+def test_static_policy_is_its_own_range_in_the_dynamic_policy_s_layout():
+  policy = optax_dls.static_policy(4.0)
+  assert policy.min_scale == policy.max_scale == 4.0
+  dynamic = optax_dls.dynamic_policy().init()
+  assert jax.tree.structure(policy.init()) == jax.tree.structure(dynamic)
+  assert [x.dtype for x in jax.tree.leaves(policy.init())] == [
+    x.dtype for x in jax.tree.leaves(dynamic)
+  ]
 
 
 def test_all_finite_reads_complex_leaves_and_numpy_float64_as_jax_converts_it():
@@ -390,3 +390,20 @@ def test_a_logged_row_is_checked_only_as_far_as_its_bits_allow():
   with pytest.raises(ValueError, match="do not fit the record"):
     optax_dls.nonfinite_leaves(row, {f"p{i}": jnp.ones(1) for i in range(33)})  # 2 words
   assert optax_dls.nonfinite_leaves(row, {"a": jnp.ones(1), "b": jnp.ones(1)}) == {"a": "inf"}
+
+
+def test_leaf_names_and_nonfinite_leaves_read_shapes_and_name_only_floating_leaves():
+  """``leaf_names``: complex leaves are named, integer, bool and ``None`` ones are not;
+  ``jax.ShapeDtypeStruct`` stands for an array (``nonfinite_leaves`` too)."""
+  tree = {
+    "c": jnp.ones(1, jnp.complex64),
+    "i": jnp.ones(1, jnp.int32),
+    "b": jnp.array([True]),
+    "n": None,
+    "h": jax.ShapeDtypeStruct((2,), jnp.float16),
+  }
+  assert optax_dls.leaf_names(tree) == ["c", "h"]
+  tx = _tx()
+  _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(P), P)
+  shapes = jax.eval_shape(lambda: P)
+  assert optax_dls.nonfinite_leaves(state, shapes) == {"w": "nan"}
