@@ -331,31 +331,33 @@ def test_a_skipped_step_gives_integer_leaves_plain_zeros_and_floats_negative_zer
 
 
 def test_grad_stats_count_every_step_and_norm_the_unscaled_gradients():
-  """``GradStats``: ``step`` counts the updates before this one, skipped included;
-  ``grad_norm`` is the unscaled gradients' norm (inf on a non-finite step); ``amax`` is the
-  scaled gradients' and ``None`` unless the policy's ``stats`` ask for it."""
+  """``GradStats``: ``finite`` is the step's decision, the loss included; ``step`` counts the
+  updates before this one, skipped included; ``grad_norm`` is the unscaled gradients' norm
+  (inf when they are not finite, finite when the loss alone was not); ``amax`` is the scaled
+  gradients' and ``None`` unless the policy's ``stats`` ask for it."""
 
   def init():
-    return jnp.float32(4.0), (jnp.int32(-1), jnp.float32(0.0), jnp.float32(0.0))
+    return jnp.float32(4.0), (jnp.bool_(True), jnp.int32(-1), jnp.float32(0), jnp.float32(0))
 
   def update(scale, state, stats):
     amax = jnp.float32(-1.0) if stats.amax is None else stats.amax
-    return scale, (stats.step, stats.grad_norm, amax)
+    return scale, (stats.finite, stats.step, stats.grad_norm, amax)
 
+  nan = jnp.float32(np.nan)
   seen = []
   for asked in ((), ("amax",)):
     tx = optax_dls.loss_scaled(SGD, _policy(init, update, stats=asked))
     state = tx.init(P)
-    for grads in ([12.0, -16.0], [np.inf, 1.0], [12.0, -16.0]):
-      _, state = tx.update({"w": jnp.array(grads)}, state)
+    for grads, loss in (([12.0, -16.0], None), ([np.inf, 1.0], None), ([12.0, -16.0], nan)):
+      _, state = tx.update({"w": jnp.array(grads)}, state, loss=loss)
       seen.append(tuple(float(x) for x in state.policy_state))
   assert seen == [
-    (0.0, 5.0, -1.0),
-    (1.0, np.inf, -1.0),
-    (2.0, 5.0, -1.0),
-    (0.0, 5.0, 16.0),
-    (1.0, np.inf, np.inf),
-    (2.0, 5.0, 16.0),
+    (1.0, 0.0, 5.0, -1.0),
+    (0.0, 1.0, np.inf, -1.0),
+    (0.0, 2.0, 5.0, -1.0),
+    (1.0, 0.0, 5.0, 16.0),
+    (0.0, 1.0, np.inf, np.inf),
+    (0.0, 2.0, 5.0, 16.0),
   ]
 
 
@@ -407,3 +409,48 @@ def test_leaf_names_and_nonfinite_leaves_read_shapes_and_name_only_floating_leav
   _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(P), P)
   shapes = jax.eval_shape(lambda: P)
   assert optax_dls.nonfinite_leaves(state, shapes) == {"w": "nan"}
+
+
+@pytest.mark.parametrize(
+  "labels",
+  [{"enc": "e", "dec": "d"}, lambda p: {"enc": {"a": "e", "b": "e"}, "dec": "d"}],
+  ids=["prefix", "callable"],
+)
+def test_labels_count_the_non_finite_steps_of_each_group(labels):
+  """``loss_scaled(labels=)``: ``overflows/<label>`` counts the skipped steps in which a leaf
+  of that group was not finite; a non-finite loss alone counts in no group."""
+  params = {"enc": {"a": jnp.ones(2), "b": jnp.ones(1)}, "dec": jnp.ones(3)}
+  tx = optax_dls.dynamic_loss_scale(SGD, labels=labels)
+  state = tx.init(params)
+  ones = jax.tree.map(jnp.ones_like, params)
+  steps = [
+    (dict(ones, dec=jnp.array([np.inf, 1.0, 1.0])), None),
+    (dict(ones, enc={"a": jnp.array([np.nan, 1.0]), "b": jnp.array([np.inf])}), None),
+    (ones, jnp.float32(np.nan)),
+    (ones, None),
+    (jax.tree.map(lambda x: x * np.inf, ones), None),
+  ]
+  seen = []
+  for grads, loss in steps:
+    _, state = tx.update(grads, state, params, loss=loss)
+    m = optax_dls.metrics(state)
+    seen.append((bool(m["skipped"]), int(m["overflows/e"]), int(m["overflows/d"])))
+  assert seen == [(True, 0, 1), (True, 1, 1), (True, 1, 1), (False, 1, 1), (True, 2, 2)]
+
+
+def test_locate_multiplies_a_float16_loss_by_the_scale_in_float32():
+  """``locate``'s ``scale``: multiplied as ``scale_loss`` does, so ``S * loss`` past float16's
+  range is no overflow of its own."""
+  w = jnp.full(4, 250.0, jnp.float16)  # loss 1000 in float16; S * loss = 2**15 * 1000
+  assert not bool(jnp.isfinite(jnp.sum(w) * jnp.float16(2.0**15)))
+  assert optax_dls.locate(lambda w: jnp.sum(w), w, scale=2.0**15).first is None
+
+
+def test_reset_scale_checks_a_train_state_against_its_own_tx():
+  """``reset_scale``'s ``tx`` defaults to a flax ``TrainState``'s own."""
+  train_state = pytest.importorskip("flax.training.train_state")
+  tx = optax_dls.dynamic_loss_scale(SGD, max_scale=2.0**16)
+  state = train_state.TrainState.create(apply_fn=None, params=P, tx=tx)
+  with pytest.raises(ValueError, match=r"value=1048576.0"):
+    optax_dls.reset_scale(state, 2.0**20)
+  assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, 8.0))) == 8.0
