@@ -173,6 +173,12 @@ RAISES = [
     ValueError,
     "do not match",
   ),
+  (
+    "loss_scaled",
+    lambda: jax.jit(optax_dls.dynamic_loss_scale(SGD, axis_name="data").update)(P, _state(), P),
+    ValueError,
+    "'data' is not a mapped axis",
+  ),
   ("metrics", lambda: optax_dls.metrics((_state(), _state())), ValueError, "2 LossScale"),
   ("no_loss_scale", lambda: optax_dls.no_loss_scale(3), TypeError, "inner"),
   (
