@@ -271,7 +271,8 @@ def _feature_metrics(tree: Any) -> dict[str, jax.Array]:
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
-  Host side: reads two small arrays from the device. The names are the key
+  Host side: reads the record's small arrays from the device (its two bit
+  sets and the names' checksum). The names are the key
   paths of the parameter tree (``"params/decoder/layers_3/attn/query/kernel"``),
   in leaf order.
 

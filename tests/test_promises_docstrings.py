@@ -460,3 +460,34 @@ def test_reset_scale_checks_a_train_state_against_its_own_tx():
   with pytest.raises(ValueError, match=r"value=1048576.0"):
     optax_dls.reset_scale(state, 2.0**20)
   assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, 8.0))) == 8.0
+
+
+def _steps(tx):
+  params = {"w": jnp.ones(2)}
+  state, out = tx.init(params), []
+  for g in ([1.0, 2.0], [np.inf, 1.0], [1.0, 2.0], [1.0, 2.0]):
+    updates, state = tx.update({"w": jnp.array(g) * optax_dls.loss_scale(state)}, state, params)
+    out.append(updates["w"])
+  return jax.device_get((out, state))
+
+
+def test_dynamic_and_static_loss_scale_are_shorthands_for_loss_scaled():
+  """``dynamic_loss_scale(inner, **kw)`` is ``loss_scaled(inner, dynamic_policy(**kw))``, and
+  ``static_loss_scale(inner, s)`` is ``loss_scaled(inner, static_policy(s))``: same updates,
+  same states, bit for bit."""
+  kw = dict(init_scale=8.0, growth_interval=2, hysteresis=1, max_scale=16.0)
+  pairs = [
+    (
+      optax_dls.dynamic_loss_scale(SGD, **kw),
+      optax_dls.loss_scaled(SGD, optax_dls.dynamic_policy(**kw)),
+    ),
+    (
+      optax_dls.static_loss_scale(SGD, 4.0),
+      optax_dls.loss_scaled(SGD, optax_dls.static_policy(4.0)),
+    ),
+  ]
+  for short, long in pairs:
+    a, b = _steps(short), _steps(long)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
