@@ -491,3 +491,17 @@ def test_dynamic_and_static_loss_scale_are_shorthands_for_loss_scaled():
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+@pytest.mark.parametrize(
+  "name,refused,accepted",
+  [
+    ("growth_factor", 1 + 5e-8, 1 + 7e-8),  # "not within ~6e-8 of 1"
+    ("backoff_factor", 1 - 2.9e-8, 1 - 3.1e-8),  # "not within ~3e-8 of 1"
+    ("backoff_factor", 0.6e-45, 1e-45),  # "nor below ~1e-45"
+  ],
+)
+def test_dynamic_policy_factor_bounds_are_where_its_docstring_puts_them(name, refused, accepted):
+  with pytest.raises(ValueError, match=f"{name}=.*in float32"):
+    optax_dls.dynamic_policy(**{name: refused})
+  optax_dls.dynamic_policy(**{name: accepted})
