@@ -505,3 +505,40 @@ def test_dynamic_policy_factor_bounds_are_where_its_docstring_puts_them(name, re
   with pytest.raises(ValueError, match=f"{name}=.*in float32"):
     optax_dls.dynamic_policy(**{name: refused})
   optax_dls.dynamic_policy(**{name: accepted})
+
+
+def test_metrics_keys_of_every_feature_have_their_documented_dtypes_and_shapes():
+  """``metrics``: every value is a 0-d array except the two bit sets, each key of the dtype
+  its docstring gives, the features' keys included."""
+  policy = optax_dls.fp32_fallback(optax_dls.skips_at_min_scale(optax_dls.dynamic_policy()))
+  inner = optax.chain(optax_dls.underflow_stats({"w": "a"}), optax_dls.recompute_stats(), SGD)
+  tx = optax_dls.loss_scaled(inner, policy, labels={"w": "g"})
+  m = optax_dls.metrics(tx.init(P))
+  f32, i32, u32, b = jnp.float32, jnp.int32, jnp.uint32, jnp.bool_
+  documented = {
+    "loss_scale": f32,
+    "skipped": b,
+    "skip_count": i32,
+    "consecutive_skips": i32,
+    "num_steps": i32,
+    "update_ratio": f32,
+    "grad_norm": f32,
+    "nonfinite_step": i32,
+    "nonfinite_loss": b,
+    "nonfinite_leaves": u32,
+    "nonfinite_nan": u32,
+    "nonfinite_names_digest": u32,
+    "overflows/g": i32,
+    "fp32_fallback": b,
+    "skips_at_min_scale": i32,
+    "underflow/zero_frac": f32,
+    "underflow/subnormal_frac": f32,
+    "underflow/a/zero_frac": f32,
+    "underflow/a/subnormal_frac": f32,
+    "recomputed_steps": i32,
+    "recompute_tries": i32,
+  }
+  assert {k: v.dtype for k, v in m.items()} == documented
+  bits = ("nonfinite_leaves", "nonfinite_nan")
+  assert all(v.shape == () for k, v in m.items() if k not in bits)
+  assert all(m[k].shape == (1,) for k in bits)
