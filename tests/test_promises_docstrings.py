@@ -542,3 +542,21 @@ def test_metrics_keys_of_every_feature_have_their_documented_dtypes_and_shapes()
   bits = ("nonfinite_leaves", "nonfinite_nan")
   assert all(v.shape == () for k, v in m.items() if k not in bits)
   assert all(m[k].shape == (1,) for k in bits)
+
+
+def test_the_end_of_the_fp32_fallback_restarts_the_wrapped_policy_s_state():
+  """``fp32_fallback``: on the update that ends the fallback the scale restarts at ``scale``
+  and the wrapped policy's state at its initial value (the hysteresis refilled)."""
+  dynamic = optax_dls.dynamic_policy(init_scale=64.0, hysteresis=3)
+  policy = optax_dls.fp32_fallback(dynamic, after=3, steps=2, scale=8.0)
+  tx = optax_dls.loss_scaled(SGD, policy)
+  state = tx.init(P)
+  seen = []
+  for g in [np.inf] * 3 + [1.0] * 2:
+    _, state = tx.update({"w": jnp.full(2, g)}, state, P)
+    fallback = state.policy_state
+    inner = fallback.policy_state
+    seen.append((float(state.loss_scale), bool(fallback.fp32_fallback), int(inner.hysteresis_left)))
+  assert seen[2] == (32.0, True, 0)  # the third skip backs off and starts the fallback
+  assert seen[-1] == (8.0, False, 3)
+  assert int(inner.growth_tracker) == int(dynamic.init()[1].growth_tracker) == 0
