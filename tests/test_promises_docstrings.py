@@ -560,3 +560,24 @@ def test_the_end_of_the_fp32_fallback_restarts_the_wrapped_policy_s_state():
   assert seen[2] == (32.0, True, 0)  # the third skip backs off and starts the fallback
   assert seen[-1] == (8.0, False, 3)
   assert int(inner.growth_tracker) == int(dynamic.init()[1].growth_tracker) == 0
+
+
+def test_value_and_grad_traces_fun_three_times_and_compiles_once():
+  """``value_and_grad``'s Cost: ``fun`` is traced for its output types, the first pass and the
+  loop (twice when no retry can run), and the step compiles once over steps that overflow
+  and steps that do not."""
+  traces = []
+
+  def loss(p, x):
+    traces.append(1)
+    return jnp.sum(p["w"].astype(jnp.float16) * x.astype(jnp.float16))
+
+  for max_tries, expected in ((3, 3), (0, 2)):
+    traces.clear()
+    tx = optax_dls.dynamic_loss_scale(SGD, init_scale=2.0**15)
+    grad_fn = jax.jit(optax_dls.value_and_grad(loss, tx, max_tries=max_tries))
+    state = tx.init(P)
+    for x in (1.0, 4.0, 1.0):  # the float16 gradient 4 * 2**15 overflows
+      (_, _), state = grad_fn(state, P, jnp.float32(x))
+    assert len(traces) == expected and grad_fn._cache_size() == 1
+    assert float(optax_dls.loss_scale(state)) < 2.0**15  # an overflow was taken
