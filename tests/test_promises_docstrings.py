@@ -580,4 +580,5 @@ def test_value_and_grad_traces_fun_three_times_and_compiles_once():
     for x in (1.0, 4.0, 1.0):  # the float16 gradient 4 * 2**15 overflows
       (_, _), state = grad_fn(state, P, jnp.float32(x))
     assert len(traces) == expected and grad_fn._cache_size() == 1
-    assert float(optax_dls.loss_scale(state)) < 2.0**15  # an overflow was taken
+    if max_tries:
+      assert float(optax_dls.loss_scale(state)) < 2.0**15  # the overflow was recomputed
