@@ -582,3 +582,18 @@ def test_value_and_grad_traces_fun_three_times_and_compiles_once():
     assert len(traces) == expected and grad_fn._cache_size() == 1
     if max_tries:
       assert float(optax_dls.loss_scale(state)) < 2.0**15  # the overflow was recomputed
+
+
+def test_find_state_of_an_nnx_optimizer_is_a_new_state_of_plain_arrays():
+  """``find_state``: an ``nnx.Optimizer`` or its ``opt_state`` holds the state in
+  ``nnx.Variable``s; it comes back as plain arrays, and ``opt_state`` is left as it was."""
+  nnx = pytest.importorskip("flax.nnx")
+  optimizer = nnx.Optimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _tx(), wrt=nnx.Param)
+  for held in (optimizer, optimizer.opt_state):
+    state = optax_dls.find_state(held)
+    assert isinstance(state, optax_dls.LossScaleState)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+  assert any(
+    isinstance(x, nnx.Variable)
+    for x in jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
