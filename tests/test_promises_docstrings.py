@@ -597,3 +597,15 @@ def test_find_state_of_an_nnx_optimizer_is_a_new_state_of_plain_arrays():
     isinstance(x, nnx.Variable)
     for x in jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   )
+
+
+def test_all_finite_reads_each_leaf_once_and_the_entries_only_in_a_cond():
+  """``all_finite``'s Cost: outside its one ``cond``, a sum of squares and no entry-by-entry
+  check."""
+  tree = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.float16)}
+  eqns = jax.make_jaxpr(optax_dls.all_finite)(tree).eqns
+  names = [e.primitive.name for e in eqns]
+  assert names.count("cond") == 1
+  assert names.count("is_finite") == 1  # of the sum, not of the entries
+  finite_of = next(e for e in eqns if e.primitive.name == "is_finite")
+  assert finite_of.invars[0].aval.shape == ()
