@@ -609,3 +609,13 @@ def test_all_finite_reads_each_leaf_once_and_the_entries_only_in_a_cond():
   assert names.count("is_finite") == 1  # of the sum, not of the entries
   finite_of = next(e for e in eqns if e.primitive.name == "is_finite")
   assert finite_of.invars[0].aval.shape == ()
+
+
+def test_a_traced_nan_reset_makes_the_next_step_skip_and_restart_at_the_initial_scale():
+  """``reset_scale``: a traced NaN is not refused; the next update skips and restarts."""
+  tx = optax_dls.dynamic_loss_scale(SGD, init_scale=8.0)
+  state = jax.jit(optax_dls.reset_scale)(tx.init(P), jnp.float32(np.nan))
+  assert np.isnan(float(state.loss_scale))
+  updates, state = tx.update(P, state, P)
+  assert not bool(state.last_step_finite) and not np.any(updates["w"])
+  assert float(state.loss_scale) == 8.0
