@@ -23,7 +23,7 @@ class GradStats(NamedTuple):
   Attributes:
     finite: bool ``()``. True when the loss scale was valid, every floating
       entry of the unscaled gradients is finite and, when the loss is given
-      (``update(..., loss=)``, :func:`value_and_grad`), the loss is finite
+      (``update(..., loss=)``, :func:`optax_dls.value_and_grad`), the loss is finite
       too (reduced over ``axis_name`` when one is given): the step was applied.
     step: int32 ``()``. Number of updates before this one, skipped included.
     grad_norm: float32 ``()``, global L2 norm of the *unscaled* gradients
