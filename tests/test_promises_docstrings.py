@@ -619,3 +619,18 @@ def test_a_traced_nan_reset_makes_the_next_step_skip_and_restart_at_the_initial_
   updates, state = tx.update(P, state, P)
   assert not bool(state.last_step_finite) and not np.any(updates["w"])
   assert float(state.loss_scale) == 8.0
+
+
+def test_the_unscale_multiplies_by_the_float32_reciprocal_of_the_scale():
+  """``loss_scaled`` step 1: ``u = grads * (1/S)`` in float32, cast to the leaf's dtype; with
+  S = 3 that differs from ``grads / S`` in a third of the entries."""
+  rng = np.random.default_rng(0)
+  g32 = (rng.standard_normal(300) * 100).astype(np.float32)
+  g16 = (rng.standard_normal(300) * 100).astype(np.float16)
+  tx = optax_dls.static_loss_scale(optax.identity(), 3.0)
+  params = {"a": jnp.zeros(300), "b": jnp.zeros(300, jnp.float16)}
+  u, _ = tx.update({"a": jnp.asarray(g32), "b": jnp.asarray(g16)}, tx.init(params), params)
+  inv = np.float32(1.0 / 3.0)
+  np.testing.assert_array_equal(u["a"], g32 * inv)
+  np.testing.assert_array_equal(u["b"], (g16.astype(np.float32) * inv).astype(np.float16))
+  assert u["b"].dtype == jnp.float16 and not np.array_equal(u["a"], g32 / np.float32(3.0))
