@@ -216,6 +216,30 @@ RAISES = [
     "same pytree structure",
   ),
   ("skips_at_min_scale", lambda: optax_dls.skips_at_min_scale(3), TypeError, "LossScalePolicy"),
+  (
+    "skips_at_min_scale",
+    lambda: optax_dls.skips_at_min_scale(_policy(passthrough=1)),
+    TypeError,
+    "policy.passthrough must be a bool",
+  ),
+  (
+    "skips_at_min_scale",
+    lambda: optax_dls.skips_at_min_scale(_policy(stats=("foo",))),
+    ValueError,
+    "policy.stats",
+  ),
+  (
+    "skips_at_min_scale",
+    lambda: optax_dls.skips_at_min_scale(_policy(min_scale=0.0)),
+    ValueError,
+    "policy.min_scale",
+  ),
+  (
+    "skips_at_min_scale",
+    lambda: optax_dls.skips_at_min_scale(_policy(min_scale=4.0)),
+    ValueError,
+    r"policy.init\(\)",
+  ),
   ("static_loss_scale", lambda: optax_dls.static_loss_scale(SGD, 0.0), ValueError, "scale=0.0"),
   (
     "static_policy",
