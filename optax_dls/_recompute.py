@@ -170,8 +170,8 @@ def value_and_grad(
   one forward and backward pass plus one read of the gradients, and the step
   compiles once (``fun`` is traced three times: for its output types, for
   the first pass and for the loop; twice when no retry can run). The policy
-  sees every overflow: each failed try counts for growth
-  and hysteresis as a skipped step would, and ``tx.update`` then sees the
+  sees every overflow: each failed try counts for growth and hysteresis as
+  a skipped step would, and ``tx.update`` then sees the
   final gradients (finite, or, when every try overflowed, non-finite: the
   step is skipped as usual). The result equals a step run directly at the
   final scale, up to the rounding of the scaled loss and gradients (none
