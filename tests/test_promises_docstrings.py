@@ -658,3 +658,21 @@ def test_the_unscale_multiplies_by_the_float32_reciprocal_of_the_scale():
   np.testing.assert_array_equal(u["a"], g32 * inv)
   np.testing.assert_array_equal(u["b"], (g16.astype(np.float32) * inv).astype(np.float16))
   assert u["b"].dtype == jnp.float16 and not np.array_equal(u["a"], g32 / np.float32(3.0))
+
+
+def test_amax_history_is_newest_first_and_an_overflow_enters_max_value_over_s():
+  """``amax_policy``: the history holds the unscaled statistic, newest first, 0 in an empty
+  slot; a finite step with ``T < S`` backs off to ``T`` at once; an overflow at S backs off
+  and enters ``max_value / S``."""
+  policy = optax_dls.amax_policy(init_scale=2.0**15, margin=2, history_len=4)
+  tx = optax_dls.loss_scaled(SGD, policy)
+  state = tx.init(P)
+  np.testing.assert_array_equal(state.policy_state.amax_history, [0.0] * 4)
+  _, state = tx.update({"w": jnp.array([2.0**15 * 4.0, 0.0])}, state)  # unscaled amax 4
+  # T = pow2_floor(65504 / 2**2 / 4) = 2**11
+  np.testing.assert_array_equal(state.policy_state.amax_history, [4.0, 0.0, 0.0, 0.0])
+  assert float(state.loss_scale) == 2.0**11
+  _, state = tx.update({"w": jnp.array([np.inf, 0.0])}, state)
+  np.testing.assert_array_equal(state.policy_state.amax_history, [65504.0 / 2**11, 4.0, 0, 0])
+  assert float(state.loss_scale) == 2.0**10
+  assert state.policy_state.amax_history.dtype == jnp.float32
