@@ -24,7 +24,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     before any).
   - ``grad_norm`` (float32): global L2 norm of the last step's unscaled
     gradients (NaN before the first step, and with :func:`no_loss_scale`
-    unless it tracks the norm; inf or NaN on a non-finite step).
+    unless it tracks the norm; inf or NaN when the gradients were not finite).
   - ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
     the last non-finite step; 0 before any.
   - ``nonfinite_loss`` (bool): whether the loss of that step was itself not

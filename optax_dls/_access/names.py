@@ -15,7 +15,8 @@ from optax_dls._core import record as _localisation
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
-  Host side: reads two small arrays from the device. The names are the key
+  Host side: reads the record's small arrays from the device (its two bit
+  sets and the names' checksum). The names are the key
   paths of the parameter tree (``"params/decoder/layers_3/attn/query/kernel"``),
   in leaf order.
 
@@ -30,11 +31,14 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     where it held only infinities; empty before any non-finite step.
 
   Raises:
+    TypeError: ``params`` is neither a pytree of arrays nor a list of names.
     ValueError: ``opt_state`` holds none or several loss-scale states; the
       floating leaves of ``params`` are not those the state was built for
       (their names, of which the state and :func:`metrics` keep a checksum;
-      a dict without ``nonfinite_names_digest``, such as a logged row, is
-      checked by the number of leaves only); or
+      a dict without ``nonfinite_names_digest``, such as a logged row, keeps
+      no count of its leaves either: it is checked only as far as its bits
+      allow, ``params`` needing as many 32-bit words and a leaf for every
+      bit set); or
       the state is stacked (``jax.vmap(tx.init)``, an ensemble): name one
       member's leaves, ``jax.tree.map(lambda x: x[i], opt_state)``.
 

@@ -44,7 +44,7 @@ class LossScaleState(NamedTuple):
     last_step_finite: bool ``()``. Whether the last step was applied (True
       before the first step).
     grad_norm: float32 ``()``. Global L2 norm of the unscaled gradients of the
-      last step (inf or NaN on a non-finite step; NaN before the first step);
+      last step (inf or NaN when they were not finite; NaN before the first step);
       under ``pmap`` / ``shard_map`` with ``axis_name``, the norm over every
       device and the same on each (see ``docs/multi_device.md``).
     nonfinite: the record of the last non-finite step, a ``NonFiniteRecord``

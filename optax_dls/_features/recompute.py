@@ -167,9 +167,10 @@ def value_and_grad(
   ``lax.cond`` only after an overflow, which carries only the scale, the
   policy state and the last try's outputs. The common case (no overflow) is
   one forward and backward pass plus one read of the gradients, and the step
-  compiles once (``fun`` is traced twice: for the first pass and for the
-  loop). The policy sees every overflow: each failed try counts for growth
-  and hysteresis as a skipped step would, and ``tx.update`` then sees the
+  compiles once (``fun`` is traced three times: for its output types, for
+  the first pass and for the loop; twice when no retry can run). The policy
+  sees every overflow: each failed try counts for growth and hysteresis as
+  a skipped step would, and ``tx.update`` then sees the
   final gradients (finite, or, when every try overflowed, non-finite: the
   step is skipped as usual). The result equals a step run directly at the
   final scale, up to the rounding of the scaled loss and gradients (none
@@ -338,11 +339,13 @@ def _passes(
   the array leaves of ``fun``'s output; and the function that puts its other leaves (a
   string or a Python number in ``aux``, as ``jax.value_and_grad`` passes them) back."""
   statics: list[Callable[[Any], Any]] = []  # from the first trace: the same in every pass
+  trees: dict[str, Any] = {}  # the tree structure of each function's whole output
 
-  def raw(grads_of: Callable[..., Any]) -> Pass:
+  def raw(grads_of: Callable[..., Any], name: str) -> Pass:
     def run(at: LossScaleState) -> tuple[Any, Any]:
       grads, full = grads_of(at.loss_scale, *args, **kwargs)
       out, rebuild = _calls.split_arrays(full)
+      trees.setdefault(name, jax.tree.structure(full))
       if not statics:
         statics.append(rebuild)
       if plan.axis_name is not None:
@@ -351,11 +354,19 @@ def _passes(
 
     return run
 
-  fp16 = raw(plan.fp16)
+  fp16 = raw(plan.fp16, "fun")
   types = jax.eval_shape(fp16, state)
   if plan.fp32 is not None:
-    fp32 = raw(plan.fp32)
-    types = _calls.promoted(types, jax.eval_shape(fp32, state), ("fun", "fp32_fun"))
+    fp32 = raw(plan.fp32, "fp32_fun")
+    fp32_types = jax.eval_shape(fp32, state)
+    # Compared whole, the containers of aux and its leaves that are not arrays included: the
+    # passes return only the array leaves, in fun's structure.
+    if trees["fun"] != trees["fp32_fun"]:
+      raise ValueError(
+        f"fun and fp32_fun must return the same pytree structure, got {trees['fun']} and "
+        f"{trees['fp32_fun']}."
+      )
+    types = _calls.promoted(types, fp32_types, ("fun", "fp32_fun"))
   typed = lambda p: lambda at: _calls.cast(p(at), types)
   return typed(fp16), (None if plan.fp32 is None else typed(fp32)), statics[0]
 

@@ -21,12 +21,14 @@ class GradStats(NamedTuple):
   """What a policy learns about one step's gradients.
 
   Attributes:
-    finite: bool ``()``. True when the loss scale was valid and every
-      floating entry of the unscaled gradients is finite (reduced over
-      ``axis_name`` when one is given): the step was applied.
+    finite: bool ``()``. True when the loss scale was valid, every floating
+      entry of the unscaled gradients is finite and, when the loss is given
+      (``update(..., loss=)``, :func:`optax_dls.value_and_grad`), the loss is finite
+      too (reduced over ``axis_name`` when one is given): the step was applied.
     step: int32 ``()``. Number of updates before this one, skipped included.
     grad_norm: float32 ``()``, global L2 norm of the *unscaled* gradients
-      (inf or NaN on a non-finite step). With ``axis_name`` it is reduced
+      (inf or NaN when they are not finite; a step skipped for its loss
+      alone has a finite norm). With ``axis_name`` it is reduced
       over those axes, the same on every device.
     amax: float32 ``()``, largest absolute value of the *scaled* gradients as
       they arrived (maximised over ``axis_name`` when one is given), or
