@@ -1,5 +1,8 @@
 """The one-read finite check stays exact at its edges: huge finite values, scales below 1."""
 
+import ast
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +212,20 @@ def test_unscale_into_the_parameter_dtype_skips_none_and_mismatched_trees():
   out = _numerics.unscale(grads, inv, params)
   assert out["a"].dtype == jnp.float32 and out["f"] is None
   assert _numerics.unscale(grads, inv, {"other": 1.0})["a"].dtype == jnp.float16
+
+
+def _imported_modules(source: str) -> set[str]:
+  """Every module and name an ``import`` / ``from ... import`` of ``source`` names."""
+  names = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      names |= {node.module or ""} | {a.name for a in node.names}
+  return names
+
+
+def test_the_finite_check_does_not_know_the_records_layout():
+  # The check returns plain per-leaf flags; the non-finite record packs them into its words.
+  source = inspect.getsource(inspect.getmodule(optax_dls.all_finite))
+  assert not any("_localisation" in name for name in _imported_modules(source))

@@ -12,7 +12,6 @@ import numpy as np
 from jax import lax
 
 from optax_dls._core import multi_device as _multi_device
-from optax_dls._core import record as _localisation
 from optax_dls._util import validation as _validation
 
 
@@ -353,14 +352,15 @@ class Check(NamedTuple):
       unscaled gradients is finite (reduced over the named axes).
     grad_norm: float32 ``()``: the global L2 norm of the unscaled gradients (inf
       or NaN on a non-finite step).
-    leaves: uint32 ``[W]``: one bit per floating gradient leaf, set where the
-      leaf is not finite (all clear on a finite step).
-    nan: uint32 ``[W]``: set where the leaf holds a NaN.
+    nonfinite: bool ``[n]``: one flag per floating gradient leaf (``n`` of them, in
+      ``jax.tree.leaves`` order), set where the leaf is not finite (all clear on a
+      finite step).
+    nan: bool ``[n]``: set where the leaf holds a NaN.
   """
 
   finite: jax.Array
   grad_norm: jax.Array
-  leaves: jax.Array
+  nonfinite: jax.Array
   nan: jax.Array
 
 
@@ -371,7 +371,7 @@ def _check(
   device of the named axes."""
   codes = _multi_device.pmax(codes, axis_name)
   finite = valid & ~jnp.any(codes > 0)
-  return Check(finite, norm, _localisation.pack(codes > 0), _localisation.pack(codes == 2))
+  return Check(finite, norm, codes > 0, codes == 2)
 
 
 def leaf_codes(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
@@ -421,10 +421,9 @@ def finite_and_norm(
   leaves = float_leaves(grads)
   sq = sum_squares(grads, axis_name)
   fast = jnp.isfinite(sq) & (inv <= 1)
-  words = _localisation.num_words(len(leaves))
 
   def quick(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
-    clear = jnp.zeros([words], jnp.uint32)
+    clear = jnp.zeros([len(g)], jnp.bool_)
     return Check(jnp.bool_(True), jnp.sqrt(s) * i, clear, clear)
 
   def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:

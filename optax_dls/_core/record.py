@@ -159,16 +159,18 @@ def recorded(
   record: NonFiniteRecord,
   finite: jax.Array,
   step: jax.Array,
-  leaves: jax.Array,
+  nonfinite: jax.Array,
   nan: jax.Array,
   loss_bad: jax.Array,
   masks: dict[str, np.ndarray],
 ) -> NonFiniteRecord:
   """``record`` after an update numbered ``step``: unchanged on a finite step; on a
-  non-finite one the new bits, and ``loss`` True when ``loss_bad`` or when the record
+  non-finite one the new bits, packed here from the check's per-leaf flags (``nonfinite``
+  and ``nan``, bool ``[n]``), and ``loss`` True when ``loss_bad`` or when the record
   already says so for this very step (set before ``update`` by a recomputation that
   saw the loss not finite)."""
   keep = lambda old, new: jnp.where(finite, old, new)
+  leaves, nan = pack(nonfinite), pack(nan)
   loss = loss_bad | (record.loss & (record.step == step))
   overflows = {
     label: jnp.where(

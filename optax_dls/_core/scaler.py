@@ -208,7 +208,7 @@ class LossScaler:
       )
     step = optax.safe_increment(state.num_steps)
     return _localisation.recorded(
-      state.nonfinite, finite, step, check.leaves, check.nan, loss_bad, masks
+      state.nonfinite, finite, step, check.nonfinite, check.nan, loss_bad, masks
     )
 
   def _leaf_labels(self, tree: Any) -> list[str]:
