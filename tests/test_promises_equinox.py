@@ -38,3 +38,29 @@ def test_multisteps_inside_trains_an_equinox_model_and_drops_a_nan_micro_batch(p
     assert model.activation is jax.nn.relu
   assert moved == [False, False, True, False, True]
   assert int(optax_dls.metrics(state)["skip_count"]) == 1
+
+
+@pytest.mark.parametrize("path", ["apply_step", "update"])
+def test_multisteps_inside_no_loss_scale_trains_an_equinox_model(path):
+  """equinox.md:Accumulation, under no_loss_scale (bfloat16) too: the passthrough step also
+  hands MultiSteps the model's arrays, never its functions."""
+  model = eqx.nn.MLP(4, 2, 8, 1, activation=jax.nn.relu, key=jax.random.key(0))
+  tx = optax_dls.no_loss_scale(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
+  state = tx.init(eqx.filter(model, eqx.is_array))
+  grad_fn = optax_dls.value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), tx)
+
+  @eqx.filter_jit
+  def step(model, state, x):
+    (_, grads), state = grad_fn(state, model, x)
+    if path == "apply_step":
+      return optax_dls.apply_step(tx, grads, state, model)
+    updates, state = tx.update(grads, state, model)
+    return eqx.apply_updates(model, updates), state
+
+  moved = []
+  for _ in range(4):
+    before = model.layers[0].weight
+    model, state = step(model, state, jnp.ones((3, 4)))
+    moved.append(not np.array_equal(model.layers[0].weight, before))
+    assert model.activation is jax.nn.relu
+  assert moved == [False, True, False, True]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from optax_dls._core.scaler import LossScaler, _Output, check_state
 from optax_dls._core.state import LossScaleState, advance, settled_scale
+from optax_dls._util import model as _model
 
 
 class PassthroughScaler(LossScaler):
@@ -43,7 +44,11 @@ class PassthroughScaler(LossScaler):
     norm = state.grad_norm
     if self.track_grad_norm:
       norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
-    updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
+    # As in LossScaler._step: the inner optimizer sees None where the gradient is None (an
+    # Equinox model's functions), as eqx.filter(model, eqx.is_array) hands them to optax.
+    held = _model.held_out(grads, params)
+    inner_params = params if held is None else _model.split(grads, params, held)[0]
+    updates, inner_state = self.inner.update(grads, state.inner_state, inner_params, **extra_args)
     finite = jnp.ones([], jnp.bool_)
     one = jnp.ones([], jnp.float32)
     new = advance(
