@@ -45,8 +45,8 @@ nitpick_ignore_regex = [
 # describe their fields. Only these exact names are let through.
 nitpick_ignore = [
   ("py:class", "NonFiniteRecord"),  # LossScaleState's signature, as NamedTuple writes it
-  ("py:class", "optax_dls.NonFiniteRecord"),
-  ("py:class", "optax_dls.LossScaler"),
+  ("py:class", "optax_dls._core.record.NonFiniteRecord"),
+  ("py:class", "optax_dls._core.scaler.LossScaler"),
 ]
 
 # MyST: the guide pages are plain Markdown; "#anchor" links to headings of other pages.

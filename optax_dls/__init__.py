@@ -11,7 +11,9 @@ TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
 :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
+import copyreg as _copyreg
 import sys as _sys
+from typing import Any as _Any
 
 from optax_dls._util import versions as _versions
 
@@ -28,10 +30,7 @@ from optax_dls._access.loss import loss_scale, scale_loss
 from optax_dls._access.metrics import metrics
 from optax_dls._access.names import leaf_names, nonfinite_leaves
 from optax_dls._access.reset import reset_scale
-from optax_dls._core import lowering as _lowering
-from optax_dls._core import passthrough as _passthrough
 from optax_dls._core import record as _record
-from optax_dls._core import scaler as _scaler
 from optax_dls._core import state as _state
 from optax_dls._core.apply_step import apply_step
 from optax_dls._core.numerics import all_finite
@@ -61,17 +60,19 @@ from optax_dls._policies import (
   static_policy,
 )
 from optax_dls._util import locate_report as _locate_report
+from optax_dls._util.locate_report import LocateReport, Operation, ScopeHeadroom
 
 __version__ = "0.1.0"
 
 _state.ON_INIT.append(_flax_serialization.register)  # flax's restore into a LossScaleState
 
-# Every public type, every type a state holds, and what a pickled transformation or locate
-# report names, pickles as ``optax_dls.<name>``, so that moving a private module never breaks
-# a pickle: the public ones are in ``__all__``, the others resolve through ``__getattr__``.
-_BY_NAME = {
+# The data types (every type a state holds, and the public ones a user keeps) pickle by
+# name through ``optax_dls._new``, whatever module defines them, so that moving a private
+# module never breaks such a pickle; their ``__module__`` stays where they are written.
+_PICKLED = {
   t.__name__: t
   for t in (
+    LossScaleState,
     _record.NonFiniteRecord,
     _policies.DynamicScaleState,
     _policies.AmaxScaleState,
@@ -79,27 +80,33 @@ _BY_NAME = {
     _policies.SkipsAtMinScaleState,
     _underflow.UnderflowState,
     _recompute_stats.RecomputeState,
-    _scaler.LossScaler,  # what a pickled LossScaledTransformation's methods belong to
-    _passthrough.PassthroughScaler,
-    _lowering.Lowering,
-    _policies.DynamicRule,
-    _locate_report.LocateReport,  # what locate returns
-    _locate_report.Operation,
-    _locate_report.ScopeHeadroom,
+    GradStats,
+    CastPolicy,
+    SkipAlerts,
+    LocateReport,
+    Operation,
+    ScopeHeadroom,
   )
 }
-_PUBLIC_TYPES = (
-  CastPolicy,
-  GradStats,
-  LossScalePolicy,
-  LossScaleState,
-  LossScaledTransformation,
-  SkipAlerts,
-)
-for _type in (*_PUBLIC_TYPES, *_BY_NAME.values()):
-  _type.__module__ = __name__
 
-# The modules that held those types before the package had folders: a pickle made then
+
+def _new(name: str, *args: _Any) -> _Any:
+  """The object of the pickled type ``name`` (a key of ``_PICKLED``), as ``__new__`` makes it;
+  pickle then restores its state."""
+  cls = _PICKLED[name]
+  return cls.__new__(cls, *args)
+
+
+def _by_name(obj: _Any) -> tuple[_Any, ...]:
+  """``obj``'s own reduction, with its class named for :func:`_new` instead of by module."""
+  _newobj, (cls, *args), *rest = obj.__reduce_ex__(4)
+  return (_new, (cls.__name__, *args), *rest)
+
+
+for _type in _PICKLED.values():
+  _copyreg.pickle(_type, _by_name)
+
+# The modules that held the data types before the package had folders: a state pickled then
 # still loads.
 for _old, _module in {
   "_state": _state,
@@ -108,15 +115,20 @@ for _old, _module in {
   "_recompute_stats": _recompute_stats,
   "_casting": _casting,
   "_alerts": _alerts,
+  "_headroom": _locate_report,
 }.items():
   _sys.modules.setdefault(f"{__name__}.{_old}", _module)
+  globals().setdefault(_old, _module)
 
 __all__ = [
   "CastPolicy",
   "GradStats",
+  "LocateReport",
   "LossScalePolicy",
   "LossScaleState",
   "LossScaledTransformation",
+  "Operation",
+  "ScopeHeadroom",
   "SkipAlerts",
   "all_finite",
   "amax_policy",
@@ -153,8 +165,6 @@ _ON_USE = ("cli", "flax")
 
 
 def __getattr__(name: str) -> object:
-  if name in _BY_NAME:
-    return _BY_NAME[name]
   if name in _ON_USE:
     import importlib
 

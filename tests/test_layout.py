@@ -17,7 +17,7 @@ MAY_IMPORT = {
   "_features": {"_util", "_core", "_access", "_policies"},
   "_logs": {"_util"},
 }
-JAX_FREE = {"_logs"}  # read logs where JAX is not installed
+JAX_FREE = {"_logs"}  # the log readers import no JAX themselves
 # The helpers a JAX-free concern may use: themselves JAX-free.
 JAX_FREE_HELPERS = {"optax_dls._util.optional", "optax_dls._util.locate_report"}
 
