@@ -69,7 +69,7 @@ _state.ON_INIT.append(_flax_serialization.register)  # flax's restore into a Los
 # The data types (every type a state holds, and the public ones a user keeps) pickle by
 # name through ``optax_dls._new``, whatever module defines them, so that moving a private
 # module never breaks such a pickle; their ``__module__`` stays where they are written.
-_PICKLED = {
+_PICKLED: dict[str, _Any] = {
   t.__name__: t
   for t in (
     LossScaleState,
