@@ -331,7 +331,8 @@ def settled(restored: Any, tx: Any) -> Any:
 
   Raises:
     TypeError: ``tx`` is not a loss-scaled transformation.
-    ValueError: ``restored`` holds none or several loss-scale states.
+    ValueError: ``restored`` holds none or several loss-scale states, or its
+      policy state is not of ``tx``'s policy (a state of another policy).
 
   Example:
     >>> import warnings, jax.numpy as jnp, optax, optax_dls
@@ -349,6 +350,8 @@ def settled(restored: Any, tx: Any) -> Any:
 def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
   """:func:`settled`, its warning pointing ``stacklevel`` frames up."""
   state = _find.find_state(restored)
+  if not tx.scaler.passthrough:
+    tx.scaler.check_policy_state(state)
   low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
   scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
   new = np.clip(scale, np.float32(low), np.float32(high))

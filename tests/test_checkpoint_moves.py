@@ -260,3 +260,22 @@ def test_a_state_of_other_labels_is_refused_naming_both():
     labelled.update(grads, plain.init(p2), p2)
   with pytest.raises(ValueError, match=r"groups \['d', 'e'\], and this transformation labels none"):
     plain.update(grads, labelled.init(p2), p2)
+
+
+def test_a_state_of_another_policy_is_refused_naming_the_fix():
+  """A state of amax_policy handed to a dynamic transformation (or settled for one) is
+  refused before anything reads its policy state, naming how to start over."""
+  import warnings
+
+  params = {"w": jnp.ones(2)}
+  amax_state = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy()).init(params)
+  dynamic = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"AmaxScaleState.*DynamicScaleState.*tx.init\(params\)"):
+    dynamic.update(params, amax_state, params)
+  with pytest.raises(ValueError, match="not of this transformation's policy"):
+    optax_dls.apply_step(dynamic, params, amax_state, params)
+  with warnings.catch_warnings(), pytest.raises(ValueError, match="another policy"):
+    warnings.simplefilter("ignore")
+    optax_dls.checkpoint.settled(amax_state, dynamic)
+  static_state = optax_dls.static_loss_scale(optax.sgd(0.1), 8.0).init(params)
+  dynamic.update(params, static_state, params)  # the same rule's layout: accepted

@@ -181,12 +181,28 @@ class LossScaler:
     over as ``loss=``, or recorded for this step by :func:`value_and_grad`), and the step's
     finite flag (false for either)."""
     check_state(state)
+    self.check_policy_state(state)
     loss = checked_loss(loss)
     leaves = _numerics.float_leaves(grads) + ([] if loss is None else [loss])
     _multi_device.check_axis_coverage(leaves, state.loss_scale, self.axis_name)
     check = self.lowering.check(grads, state.loss_scale, self.axis_name)
     loss_bad = loss_not_finite(loss, self.axis_name) | pending_loss(state)
     return check, loss_bad, check.finite & ~loss_bad
+
+  def check_policy_state(self, state: LossScaleState) -> None:
+    """ValueError when ``state``'s policy state is not of this transformation's policy (a
+    state built, or restored, under another policy), before anything reads it."""
+    mine = jax.tree.structure(self.policy.init()[1])
+    theirs = jax.tree.structure(state.policy_state)
+    if theirs != mine:
+      raise ValueError(
+        f"opt_state's policy state ({type(state.policy_state).__name__}) is not of this "
+        f"transformation's policy, which keeps a {type(self.policy.init()[1]).__name__}: the "
+        "state was built, or restored, under another policy (amax_policy, fp32_fallback, "
+        "skips_at_min_scale or a policy of your own differ from the dynamic rule). Build the "
+        "state with this transformation (tx.init(params)), or keep only the optimizer's "
+        "state: tx.init(params)._replace(inner_state=old.inner_state)."
+      )
 
   def _record(
     self,

@@ -168,7 +168,8 @@ def loss_scaled(
       ``init``: they do not match the parameters). At trace time, under ``shard_map`` (with
       ``check_vma=True``), when the gradients vary over a mesh axis that
       ``axis_name`` leaves out, or ``axis_name`` names an axis that is not
-      mapped where ``update`` runs.
+      mapped where ``update`` runs; or when the state's policy state is not of
+      this transformation's policy (a state built or restored under another).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
