@@ -326,12 +326,24 @@ class _Modules(NamedTuple):
       for j, i in enumerate(self.where):
         full[i] = merged[j]
       loss, aux = _calls.loss_and_aux(f, has_aux, f(*full, **kwargs))
-      return loss, (
-        aux,
-        nnx.split(merged, self.is_diff, nnx.RngState, ...)[2:] if self.where else None,
-      )
+      if not self.where:
+        return loss, (aux, None)
+      graphdef, *states = nnx.split(merged, self.is_diff, nnx.RngState, ...)  # type: ignore[misc]
+      if graphdef != self.graphdef:  # at trace time: the modules' structure changed
+        self._changed(states)
+      return loss, (aux, tuple(states[1:]))
 
     return run
+
+  def _changed(self, states: list[Any]) -> None:
+    """ValueError naming what ``fun`` added to or removed from its module arguments."""
+    changed = sorted(_paths(states) ^ _paths([self.params, self.rng, self.other]))
+    raise ValueError(
+      "fun added variables to its nnx.Module arguments (with sow, or by assigning new "
+      "Variables or attributes) or removed some, which value_and_grad cannot merge back: "
+      f"{changed or 'the modules changed structure'}. Return such values as aux "
+      "(has_aux=True) instead."
+    )
 
   def _merged(self, args: tuple[Any, ...]) -> Any:
     if not self.where:
@@ -347,21 +359,19 @@ class _Modules(NamedTuple):
     if not self.where:
       return
     rng, other = after
-    changed = sorted(_paths(other) ^ _paths(self.other))
-    if changed:
-      raise ValueError(
-        "fun added variables to its nnx.Module arguments (with sow, or by assigning new "
-        f"Variables) or removed some, which value_and_grad cannot merge back: {changed}. "
-        "Return such values as aux (has_aux=True) instead."
-      )
     nnx.update(
       self.modules, rng, jax.tree.map(lambda n, o: jnp.where(finite, n, o), other, self.other)
     )
 
 
-def _paths(state: Any) -> set[str]:
-  """The key paths of the leaves of ``state``, as text."""
-  return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)}
+def _paths(states: Any) -> set[str]:
+  """The variables of ``states`` (the modules' differentiated, RNG and other states, each
+  keyed by module), named ``"lin/bias"`` as :func:`optax_dls.leaf_names` names them."""
+  key = lambda k: str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+  return {
+    "/".join(key(k) for k in path[2:] if key(k) != "value")
+    for path, _ in jax.tree_util.tree_leaves_with_path(states)
+  }
 
 
 def _merge(graphdef: Any, *states: Any) -> Any:

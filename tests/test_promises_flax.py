@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import PartitionSpec as P
 
@@ -170,5 +171,35 @@ def test_a_fun_that_sows_into_its_module_is_told_so(max_tries):
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   grad_fn = dls_flax.value_and_grad(lambda m, x: jnp.sum(m(x)), max_tries=max_tries)
-  with pytest.raises(ValueError, match=r"fun added variables .*\['y'\].*has_aux=True"):
+  with pytest.raises(ValueError, match=r"fun added variables .*\['y/0'\].*has_aux=True"):
+    grad_fn(optimizer, model, jnp.ones((3, 2)))
+
+
+class _Changes(nnx.Module):
+  def __init__(self, mode):
+    self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.mode = mode
+
+  def __call__(self, x):
+    y = self.lin(x)
+    if self.mode == "param":
+      self.extra = nnx.Param(jnp.ones(2))
+    elif self.mode == "delete":
+      del self.lin.bias
+    elif self.mode == "attribute":
+      self.cache = jnp.ones(2)
+    return y
+
+
+@pytest.mark.parametrize(
+  ("mode", "named"), [("param", "extra"), ("delete", "lin/bias"), ("attribute", "structure")]
+)
+@pytest.mark.parametrize("max_tries", [None, 2])
+def test_a_fun_that_adds_or_removes_any_variable_is_told_so(mode, named, max_tries):
+  """A Param added, a variable deleted or a new attribute: each changes the module's
+  structure, which value_and_grad cannot merge back; never silently dropped."""
+  model = _Changes(mode)
+  optimizer = nnx.Optimizer(model, optax_dls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  grad_fn = dls_flax.value_and_grad(lambda m, x: jnp.mean(m(x)), max_tries=max_tries)
+  with pytest.raises(ValueError, match=rf"(?s)fun added variables.*{named}.*has_aux=True"):
     grad_fn(optimizer, model, jnp.ones((3, 2)))
