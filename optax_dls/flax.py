@@ -328,7 +328,7 @@ class _Modules(NamedTuple):
       loss, aux = _calls.loss_and_aux(f, has_aux, f(*full, **kwargs))
       if not self.where:
         return loss, (aux, None)
-      graphdef, *states = nnx.split(merged, self.is_diff, nnx.RngState, ...)  # type: ignore[misc]
+      graphdef, *states = nnx.split(merged, self.is_diff, nnx.RngState, ...)
       if graphdef != self.graphdef:  # at trace time: the modules' structure changed
         self._changed(states)
       return loss, (aux, tuple(states[1:]))

@@ -194,7 +194,7 @@ class LossScaler:
     state built, or restored, under another policy), before anything reads it."""
     mine = jax.tree.structure(self.policy.init()[1])
     theirs = jax.tree.structure(state.policy_state)
-    if theirs != mine:
+    if theirs != mine:  # type: ignore[operator]
       raise ValueError(
         f"opt_state's policy state ({type(state.policy_state).__name__}) is not of this "
         f"transformation's policy, which keeps a {type(self.policy.init()[1]).__name__}: the "
