@@ -120,3 +120,27 @@ def test_value_and_grad_differentiates_only_floating_arrays_of_a_model_with_drop
   np.testing.assert_allclose(grads.lin.weight / 2.0**15, ref_grads.lin.weight, rtol=1e-6)
   new = optax_dls.apply_step(tx, grads, state, net)[0]
   assert new.temp == 2.0 and isinstance(new.temp, float)
+
+
+class _WithDropout(eqx.Module):
+  lin: eqx.nn.Linear
+  drop: eqx.nn.Dropout
+
+  def __call__(self, x):
+    return self.drop(self.lin(x), inference=True)
+
+
+def test_a_model_with_python_number_fields_names_only_its_arrays_and_is_refused_by_init():
+  """Dropout's p (a float) and inference (a bool) are not parameters: the whole model names
+  the leaves its arrays name, so nonfinite_leaves and the writer take it; init refuses it
+  as it refuses a model holding a function."""
+  model = _WithDropout(eqx.nn.Linear(3, 2, key=jax.random.key(0)), eqx.nn.Dropout(0.1))
+  params = eqx.filter(model, eqx.is_array)
+  assert optax_dls.leaf_names(model) == optax_dls.leaf_names(params) == ["lin/weight", "lin/bias"]
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
+  state = tx.init(params)
+  bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
+  _, state = tx.update(bad, state, params)
+  assert optax_dls.nonfinite_leaves(state, model) == {"lin/weight": "inf", "lin/bias": "inf"}
+  with pytest.raises(TypeError, match=r"drop.*eqx.filter\(model, eqx.is_array\)"):
+    tx.init(model)

@@ -9,6 +9,7 @@ import numpy as np
 
 from optax_dls._access.find import find_state
 from optax_dls._core import labels as _labels
+from optax_dls._util import model as _model
 from optax_dls._core import record as _localisation
 
 
@@ -124,7 +125,9 @@ def leaf_names(params: Any) -> list[str]:
   flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) is named by its own
   path, without the ``/value`` of its array (``"linear/kernel"``); an Equinox
   module's leaves by their attribute paths (``"layers/0/weight"``), its
-  functions and other leaves that are not arrays having no name.
+  functions and other leaves that are not arrays (Python numbers and bools such
+  as ``Dropout.p``) having no name, as ``eqx.filter(model, eqx.is_array)``
+  leaves them out: the whole model and its arrays name the same leaves.
   Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
   ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
   would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.
@@ -141,4 +144,4 @@ def leaf_names(params: Any) -> list[str]:
     >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
     ['dense/bias', 'dense/kernel']
   """
-  return _labels.leaf_names(params)
+  return _labels.leaf_names(_model.arrays_of_modules(params))

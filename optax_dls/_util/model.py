@@ -4,6 +4,7 @@ out of the step and passed through untouched, as ``eqx.apply_updates`` does."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -54,11 +55,39 @@ def without(grads: Any, tree: Any, held: list[bool]) -> Any:
   return split(grads, tree, held)[0]
 
 
+def _is_module(x: Any) -> bool:
+  eqx = sys.modules.get("equinox")  # never imported here: without it, no Equinox module
+  return eqx is not None and isinstance(x, eqx.Module)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def arrays_of_modules(tree: Any) -> Any:
+  """``tree`` with None at every leaf of an Equinox module that is not an array (its
+  functions, Python numbers and bools), as ``eqx.filter(model, eqx.is_array)`` gives a
+  model's parameters; ``tree`` itself where it holds no Equinox module."""
+  if sys.modules.get("equinox") is None:
+    return tree
+  arrays = lambda node: jax.tree.map(lambda x: x if _is_array(x) else None, node)
+  return jax.tree.map(lambda n: arrays(n) if _is_module(n) else n, tree, is_leaf=_is_module)
+
+
 def check_init_params(params: Any) -> None:
-  """TypeError naming the leaf and the fix where ``params`` holds a function or a string
-  (a whole Equinox model): ``init`` takes the arrays alone."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    if callable(leaf) or isinstance(leaf, (str, bytes)):
+  """TypeError naming the leaf and the fix where ``params`` holds a function or a string,
+  or an Equinox module holds a leaf that is not an array (a whole Equinox model, whose
+  Python numbers and bools, such as ``Dropout.p``, are not parameters): ``init`` takes the
+  arrays alone."""
+  marked = jax.tree.map(
+    lambda n: jax.tree.map(lambda _: True, n) if _is_module(n) else False,
+    params,
+    is_leaf=_is_module,
+  )
+  inside = jax.tree.leaves(marked)
+  for (path, leaf), in_module in zip(jax.tree_util.tree_leaves_with_path(params), inside):
+    bad = callable(leaf) or isinstance(leaf, (str, bytes))
+    if bad or (in_module and not _is_array(leaf)):
       raise TypeError(
         f"init takes the parameters' arrays, got the leaf {leaf!r} of type "
         f"{type(leaf).__name__} at params{jax.tree_util.keystr(path)}: for an Equinox "
