@@ -9,8 +9,8 @@ import numpy as np
 
 from optax_dls._access.find import find_state
 from optax_dls._core import labels as _labels
-from optax_dls._util import model as _model
 from optax_dls._core import record as _localisation
+from optax_dls._util import model as _model
 
 
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
