@@ -4,6 +4,7 @@ overflows at ``2**10`` and not below."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import optax_dls
 
@@ -99,3 +100,19 @@ def test_headroom_gives_the_share_of_a_scope_s_entries_below_the_smallest_normal
   # Two subnormal entries (the forward output's) among the scope's eight values, the
   # others (the backward pass's, 1 and 2**-6) normal.
   assert row.underflow_share == 0.25
+
+
+@pytest.mark.parametrize(
+  ("fun", "has_aux", "match"),
+  [
+    (lambda p: jnp.int32(1), False, "real floating-point loss"),
+    (lambda p: jnp.sum(p["w"]) > 0, False, "real floating-point loss"),
+    (lambda p: jnp.sum(p["w"]).astype(jnp.complex64), False, "real floating-point loss"),
+    (lambda p: jnp.sum(p["w"]), True, r"must return a \(loss, aux\) pair"),
+    (lambda p: (jnp.sum(p["w"]), 1, 2), True, r"must return a \(loss, aux\) pair"),
+    (lambda p: {"loss": jnp.sum(p["w"])}, False, "scalar loss, got a dict"),
+  ],
+)
+def test_locate_refuses_a_loss_jax_grad_would_refuse(fun, has_aux, match):
+  with pytest.raises(TypeError, match=match):
+    optax_dls.locate(fun, {"w": jnp.ones(2)}, has_aux=has_aux, scale=1.0)

@@ -76,8 +76,9 @@ def locate(
 
   Raises:
     TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not
-      a number, an int, a bool; the loss ``fun`` returns is not a scalar (a tuple
-      without ``has_aux=True`` among them).
+      a number, an int, a bool; the loss ``fun`` returns is not a real floating
+      scalar (a tuple without ``has_aux=True``, an integer or complex loss), or,
+      with ``has_aux=True``, ``fun`` returns no ``(loss, aux)`` pair.
     ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the
       index of one of ``args``.
 
@@ -114,10 +115,17 @@ def locate(
         f"locate: fun returned a {type(out).__name__} of {len(out)}; it must return the "
         "unscaled scalar loss, or (loss, aux) with has_aux=True"
       )
-    loss, aux = out if has_aux else (out, None)
+    loss, aux = _calls.loss_and_aux(fun, has_aux, out)
+    if not (hasattr(loss, "dtype") or isinstance(loss, (int, float, complex))):
+      raise TypeError(f"locate: fun must return a scalar loss, got a {type(loss).__name__}")
     loss = jnp.asarray(loss)
     if loss.shape != ():
       raise TypeError(f"locate: fun must return a scalar loss, got shape {loss.shape}")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+      raise TypeError(
+        f"locate: fun must return a real floating-point loss (as jax.grad needs), got dtype "
+        f"{loss.dtype}"
+      )
     dtype = jnp.promote_types(loss.dtype, jnp.float32)  # as optax_dls.scale_loss does
     return loss.astype(dtype) * jnp.asarray(scale, dtype), aux
 
