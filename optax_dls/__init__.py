@@ -6,8 +6,8 @@ Public submodules: :mod:`optax_dls.compat` (policies that reproduce other
 frameworks' scale trajectories), :mod:`optax_dls.writers` (JSONL /
 TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
 :mod:`optax_dls.group_scale` (per-group gradient scaling),
-:mod:`optax_dls.config` (presets and configuration files),
-:mod:`optax_dls.cli` (the ``optax-dls`` command), and, imported on use,
+:mod:`optax_dls.config` (presets and configuration files), and, imported on
+first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
 :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
