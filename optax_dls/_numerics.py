@@ -299,87 +299,6 @@ def tiny_square_sums(leaves: list[jax.Array], k: jax.Array | None = None) -> lis
   return out
 
 
-# Entries per row when the exact path reads the leaves of one compute dtype together.
-_ROW = 128
-
-
-def _on_one_device(leaves: list[jax.Array], axis_name: _multi_device.AxisName) -> bool:
-  """Whether no leaf is typed with a mesh and no axis is named: the leaves can be read
-  together (joined, they add no collective)."""
-  if axis_name is not None:
-    return False
-  for x in leaves:
-    mesh = getattr(getattr(_multi_device.typeof(x), "sharding", None), "mesh", None)
-    if mesh is None or not getattr(mesh, "empty", False):
-      return False
-  return True
-
-
-# Leaves of at most this many entries (biases, norms' scales) are read as one group.
-_SMALL = 4096
-
-
-def grouped_square_sums(leaves: list[jax.Array]) -> list[jax.Array]:
-  """float32 ``()`` parts whose sum is :func:`sum_squares` of ``leaves`` (no named axes),
-  one read of each leaf: a leaf of more than :data:`_SMALL` entries on its own, the smaller
-  ones of each compute dtype joined into one vector and read in one reduction (a copy of a
-  few kilobytes), so that a model's many small leaves compile to one operation."""
-  small: dict[Any, list[jax.Array]] = {}
-  big = []
-  for x in leaves:
-    if x.size <= _SMALL:
-      small.setdefault(compute_dtype(x.dtype), []).append(x)
-    else:
-      big.append(x)
-  joined = [jnp.concatenate([x.astype(ct).reshape(-1) for x in xs]) for ct, xs in small.items()]
-  return square_sums(big + joined, {})
-
-
-def joined_tiny_square_sums(leaves: list[jax.Array], k: jax.Array) -> list[jax.Array]:
-  """:func:`tiny_square_sums` of ``leaves`` (with ``k``), the leaves of one compute dtype
-  read together: each flattened and padded with zeros to whole rows of :data:`_ROW`
-  entries, the rows of all stacked into one array, reduced row by row and the rows' sums
-  added per leaf (a segment sum). A few operations per dtype instead of one reduction per
-  leaf, at the cost of one copy of the leaves: for the exact path, which runs only on a
-  rare step (:func:`small_joined_tiny_square_sums` joins the small leaves only). Finite,
-  NaN or +inf exactly as :func:`tiny_square_sums`; the finite sums
-  equal it to rounding."""
-  out: list[Any] = [None] * len(leaves)
-  groups: dict[Any, list[int]] = {}
-  for i, leaf in enumerate(leaves):
-    groups.setdefault(compute_dtype(leaf.dtype), []).append(i)
-  for ct, idx in groups.items():
-    real = jnp.finfo(ct).dtype
-    rows, ids = [], []
-    for j, i in enumerate(idx):
-      x = leaves[i].astype(ct).reshape(-1)
-      n = -(-x.size // _ROW)
-      rows.append(jnp.pad(x, (0, n * _ROW - x.size)).reshape(n, _ROW))
-      ids += [j] * n
-    u = jnp.concatenate(rows) * k.astype(real)
-    v = u * jnp.asarray(_TINY[jnp.dtype(real)], real)
-    per_row = jnp.sum(jnp.real(v * jnp.conj(v)), axis=1)
-    ids_ = jnp.asarray(np.asarray(ids, np.int32))
-    sums = jax.ops.segment_sum(per_row, ids_, num_segments=len(idx), indices_are_sorted=True)
-    for j, i in enumerate(idx):
-      out[i] = sums[j]
-  return out
-
-
-def small_joined_tiny_square_sums(leaves: list[jax.Array], k: jax.Array) -> list[jax.Array]:
-  """:func:`tiny_square_sums` of ``leaves``, those of at most :data:`_SMALL` entries read
-  together (:func:`joined_tiny_square_sums`: a copy of them only), each larger one alone
-  (no copy)."""
-  small = [i for i, x in enumerate(leaves) if x.size <= _SMALL]
-  big = [i for i, x in enumerate(leaves) if x.size > _SMALL]
-  out: list[Any] = [None] * len(leaves)
-  parts = tiny_square_sums([leaves[i] for i in big], k)
-  parts += joined_tiny_square_sums([leaves[i] for i in small], k)
-  for i, v in zip(big + small, parts, strict=True):
-    out[i] = v
-  return out
-
-
 def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
   """bool ``()``: whether unscaling by ``k`` (> 1) overflows a leaf of a dtype narrower
   than its compute dtype (float16, bfloat16): its largest product reaches the value that
@@ -499,14 +418,7 @@ def finite_and_norm(
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
   leaves = float_leaves(grads)
-  # On one device the small leaves are read as one group, and the exact path reads the
-  # leaves together: each compiles to a few operations, not one reduction per leaf (on a
-  # mesh, joining leaves could move them).
-  joined = _on_one_device(leaves, axis_name)
-  if joined:
-    sq = sum(grouped_square_sums(leaves), jnp.zeros([], jnp.float32))
-  else:
-    sq = sum_squares(grads, axis_name)
+  sq = sum_squares(grads, axis_name)
   fast = jnp.isfinite(sq) & (inv <= 1)
 
   def quick(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
@@ -515,7 +427,7 @@ def finite_and_norm(
 
   def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
     k = jnp.where(i > 1, i, 1.0).astype(jnp.float32)  # a loss scale below 1: check u itself
-    tiny = small_joined_tiny_square_sums(g, k) if joined else tiny_square_sums(g, k)
+    tiny = tiny_square_sums(g, k)
     codes = _codes_by_dtype(tiny)
     norm = jnp.where(jnp.isfinite(s), jnp.sqrt(s) * i, tiny_norm(g, tiny, i / k, axis_name))
     # Unscaling a float16 or bfloat16 leaf rounds it back to its dtype, where it overflows
