@@ -192,7 +192,7 @@ class _Changes(nnx.Module):
 
 
 @pytest.mark.parametrize(
-  ("mode", "named"), [("param", "extra"), ("delete", "lin/bias"), ("attribute", "structure")]
+  ("mode", "named"), [("param", "extra"), ("delete", "lin/bias"), ("attribute", "cache|structure")]
 )
 @pytest.mark.parametrize("max_tries", [None, 2])
 def test_a_fun_that_adds_or_removes_any_variable_is_told_so(mode, named, max_tries):
@@ -201,5 +201,5 @@ def test_a_fun_that_adds_or_removes_any_variable_is_told_so(mode, named, max_tri
   model = _Changes(mode)
   optimizer = nnx.Optimizer(model, optax_dls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
   grad_fn = dls_flax.value_and_grad(lambda m, x: jnp.mean(m(x)), max_tries=max_tries)
-  with pytest.raises(ValueError, match=rf"(?s)fun added variables.*{named}.*has_aux=True"):
+  with pytest.raises(ValueError, match=rf"(?s)fun added variables.*({named}).*has_aux=True"):
     grad_fn(optimizer, model, jnp.ones((3, 2)))
