@@ -10,7 +10,8 @@ class DataError(ValueError):
 
 
 def default_text() -> str:
-  """The Python reference manual, ``pydoc_data.topics`` (about 465 KB of English prose)."""
+  """The Python reference manual, ``pydoc_data.topics`` (about 465 KB of English prose on
+  Python 3.11; its size follows the Python version)."""
   from pydoc_data import topics
 
   return "\n".join(topics.topics.values())
