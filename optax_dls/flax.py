@@ -102,8 +102,9 @@ def value_and_grad(
   (``nnx.Param`` by default), with the structure ``optimizer.update``
   expects; any other argument is differentiated as ``jax.value_and_grad``
   does. The ``nnx.Module`` arguments are split with ``nnx.split`` and merged
-  back, so ``fun`` must not add variables to them (``sow``): a ``ValueError``
-  says so.
+  back, so ``fun`` must not change their structure (add variables with
+  ``sow``, assign a new ``Variable`` or attribute, delete one): a ``ValueError``
+  names what changed.
 
   **A skipped step leaves the model as it was.** The module arguments'
   variables that the optimizer does not update (``BatchStat``, other
