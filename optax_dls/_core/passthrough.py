@@ -46,8 +46,7 @@ class PassthroughScaler(LossScaler):
       norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
     # As in LossScaler._step: the inner optimizer sees None where the gradient is None (an
     # Equinox model's functions), as eqx.filter(model, eqx.is_array) hands them to optax.
-    held = _model.held_out(grads, params)
-    inner_params = params if held is None else _model.split(grads, params, held)[0]
+    _, inner_params, _ = _model.held_apart(grads, params)
     updates, inner_state = self.inner.update(grads, state.inner_state, inner_params, **extra_args)
     finite = jnp.ones([], jnp.bool_)
     one = jnp.ones([], jnp.float32)

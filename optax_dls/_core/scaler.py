@@ -91,7 +91,10 @@ class LossScaler:
   ) -> None:
     self.inner, self.policy, self.axis_name = inner, policy, axis_name
     self.lowering, self.labels = lowering, labels
-    self.init_scale = policy.init()[0]
+    self.init_scale, initial = policy.init()
+    # What this policy's state looks like: a state of another policy is refused by it.
+    self.policy_state_def = jax.tree.structure(initial)
+    self.policy_state_type = type(initial).__name__
     self.scale_range = (policy.min_scale, policy.max_scale)
 
   def init(self, params: Any) -> LossScaleState:
@@ -148,8 +151,7 @@ class LossScaler:
 
     # Parameters whose gradient is None (an Equinox model's functions and other non-array
     # leaves) stay out of the skip's operands and outputs and pass through untouched.
-    held = _model.held_out(grads, params)
-    kept, static = (params, []) if held is None else _model.split(grads, params, held)
+    held, kept, static = _model.held_apart(grads, params)
     whole = (lambda p: p) if held is None else (lambda p: _model.merge(grads, p, held, static))
 
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
@@ -192,12 +194,10 @@ class LossScaler:
   def check_policy_state(self, state: LossScaleState) -> None:
     """ValueError when ``state``'s policy state is not of this transformation's policy (a
     state built, or restored, under another policy), before anything reads it."""
-    mine = jax.tree.structure(self.policy.init()[1])
-    theirs = jax.tree.structure(state.policy_state)
-    if theirs != mine:  # type: ignore[operator]
+    if jax.tree.structure(state.policy_state) != self.policy_state_def:  # type: ignore[operator]
       raise ValueError(
         f"opt_state's policy state ({type(state.policy_state).__name__}) is not of this "
-        f"transformation's policy, which keeps a {type(self.policy.init()[1]).__name__}: the "
+        f"transformation's policy, which keeps a {self.policy_state_type}: the "
         "state was built, or restored, under another policy (amax_policy, fp32_fallback, "
         "skips_at_min_scale or a policy of your own differ from the dynamic rule). Build the "
         "state with this transformation (tx.init(params)), or keep only the optimizer's "

@@ -40,6 +40,16 @@ def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
   return jax.tree.unflatten(treedef, kept), [s for s, h in zip(subs, held, strict=True) if h]
 
 
+def held_apart(grads: Any, params: Any) -> tuple[list[bool] | None, Any, list[Any]]:
+  """``(held, kept, static)``: :func:`held_out`, and :func:`split` where something is held
+  out (``params`` itself and no subtrees where nothing is)."""
+  held = held_out(grads, params)
+  if held is None:
+    return None, params, []
+  kept, static = split(grads, params, held)
+  return held, kept, static
+
+
 def merge(grads: Any, kept: Any, held: list[bool], out: list[Any]) -> Any:
   """The inverse of :func:`split`: ``kept`` with the held-out subtrees ``out`` back."""
   treedef = jax.tree.structure(grads, is_leaf=_NONE)
