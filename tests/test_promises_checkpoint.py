@@ -45,14 +45,6 @@ def test_settled_keeps_a_scale_in_range_silently_and_changes_nothing_else():
   assert jax.tree.all(same)  # only the scale moved
 
 
-@pytest.mark.parametrize("count", [0, 2])
-def test_settled_refuses_a_tree_with_none_or_several_loss_scale_states(count):
-  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
-  tree = {"params": PARAMS, "opt_state": [state] * count}
-  with pytest.raises(ValueError, match="LossScaleState"):
-    optax_dls.checkpoint.settled(tree, optax_dls.dynamic_loss_scale(optax.sgd(0.1)))
-
-
 def test_restore_from_a_directory_without_a_checkpoint_is_file_not_found(tmp_path):
   tree = {"params": PARAMS, "opt_state": optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)}
   with pytest.raises(FileNotFoundError, match="no checkpoint in"):

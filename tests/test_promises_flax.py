@@ -9,7 +9,6 @@ import optax
 import pytest
 from flax import nnx
 from flax.training.train_state import TrainState
-from jax.sharding import PartitionSpec as P
 
 import optax_dls
 import optax_dls.flax as dls_flax
@@ -112,28 +111,6 @@ def test_from_dynamic_scale_sets_every_growth_tracker_and_keeps_the_other_fields
   assert jax.tree.all(
     jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b, equal_nan=True)), kept, state)
   )
-
-
-def test_with_axis_name_the_gradients_are_averaged_and_the_loss_is_not():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, axis_name="data")
-  state = TrainState.create(apply_fn=None, params={"w": jnp.ones(())}, tx=tx)
-  grad_fn = dls_flax.value_and_grad(lambda p, x: jnp.sum(p["w"] * x), axis_name="data")
-
-  def local(state, x):
-    (loss, grads), _ = grad_fn(state, state.params, x)
-    return loss[None], grads["w"][None]
-
-  spec = jax.tree.map(lambda _: P(), state)
-  f = jax.jit(
-    jax.shard_map(
-      local, mesh=mesh, in_specs=(spec, P("data")), out_specs=P("data"), check_vma=False
-    )
-  )
-  x = jnp.arange(mesh.size, dtype=jnp.float32)
-  loss, grads = f(state, x)
-  assert loss.tolist() == x.tolist()  # each device's own loss
-  assert grads.tolist() == [4.0 * float(x.mean())] * mesh.size  # S times the mean gradient
 
 
 def test_an_nnx_module_is_differentiated_with_respect_to_the_optimizer_s_wrt():

@@ -59,28 +59,6 @@ def test_axis_name_averages_the_gradients_and_not_the_loss(check_vma):
   np.testing.assert_array_equal(grads, np.full(4, reduced * 2.0**4))  # scaled, alike
 
 
-class _Sows(nnx.Module):
-  def __init__(self):
-    self.dense = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-
-  def __call__(self, x):
-    y = self.dense(x)
-    self.sow(nnx.Intermediate, "hidden", y)
-    return y
-
-
-@pytest.mark.parametrize("max_tries", [None, 2])
-@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)'")
-def test_a_loss_that_adds_variables_with_sow_is_named(max_tries):
-  """flax.md: the nnx.Module arguments are split and merged back, so the loss must not add
-  variables to them (sow): a ValueError says so, naming the variable."""
-  model = _Sows()
-  optimizer = nnx.Optimizer(model, optax_dls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
-  grad_fn = optax_dls.flax.value_and_grad(lambda m, x: jnp.mean(m(x)), max_tries=max_tries)
-  with pytest.raises(ValueError, match=r"(?s)added variables.*sow.*hidden.*has_aux=True"):
-    grad_fn(optimizer, model, jnp.ones((3, 2)))
-
-
 def test_apply_gradients_names_a_state_that_is_not_a_train_state_or_not_loss_scaled():
   """flax.apply_gradients docstring: TypeError for a state without tx, params or
   opt_state; ValueError when its opt_state holds no loss-scale state."""
