@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from optax_dls._core import types as _types
@@ -73,7 +72,7 @@ def selected_at_definition(
 
 
 def _select(finite: jax.Array, new: Any, old: Any) -> Any:
-  return jnp.where(finite, new, _types.like(old, new))
+  return _types.select(finite, new, _types.like(old, new))
 
 
 def _evaluate(

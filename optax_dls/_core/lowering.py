@@ -88,10 +88,10 @@ def by_where(
   ``skipped(params, out)`` on a skipped step. Equal to selecting at the end: on a
   finite step every selection is the identity; on a skipped step the outputs are
   replaced and the state is the old one."""
-  safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  safe = jax.tree.map(lambda g: _types.select(finite, g, jnp.zeros_like(g)), grads)
   out, new_s = _jaxpr_select.selected_at_definition(finite, apply, safe, inner_state, params)
   replaced = skipped(params, out)
-  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), out, replaced), new_s
+  return jax.tree.map(lambda new, old: _types.select(finite, new, old), out, replaced), new_s
 
 
 class Lowering(NamedTuple):

@@ -51,13 +51,26 @@ def as_weak_as(new: Any, old: Any) -> Any:
   return new if weak(old) else strong(new)
 
 
+def select(pred: jax.Array, new: Any, old: Any) -> Any:
+  """``jnp.where(pred, new, old)`` for a bool ``()`` ``pred``: one ``lax.select_n`` where
+  ``new`` and ``old`` are arrays of one shape, dtype and weak type (``jnp.where`` is traced
+  once for each new shape, several times the cost), ``jnp.where`` otherwise."""
+  if (
+    isinstance(new, jax.Array)
+    and isinstance(old, jax.Array)
+    and new.shape == old.shape
+    and new.dtype == old.dtype
+    and weak(new) == weak(old)
+  ):
+    return lax.select_n(pred, old, new)
+  return jnp.where(pred, new, old)
+
+
 def negative_zeros_like(target: Any) -> Any:
   """``-0.0`` of ``target``'s type: shape, dtype, sharding (``Explicit`` mesh axes included)
   and the mesh axes it varies over; plain zeros for integer and bool leaves.
 
   The updates of a skipped step: ``p + (-0.0)`` is ``p`` bit for bit for every ``p``,
   ``-0.0`` included, where ``p + 0.0`` turns ``-0.0`` into ``+0.0``."""
-  zeros = jnp.zeros_like(target)
-  if jnp.issubdtype(zeros.dtype, jnp.inexact):
-    zeros = -zeros
-  return _multi_device.vary_like(zeros, target)
+  zero = -0.0 if jnp.issubdtype(jnp.result_type(target), jnp.inexact) else 0
+  return _multi_device.vary_like(lax.full_like(target, zero), target)
