@@ -37,6 +37,38 @@ def compute_dtype(dtype: Any) -> Any:
   return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
+def _as(x: Any, dtype: Any) -> jax.Array:
+  """``x`` in ``dtype``, strongly typed (``x.astype(dtype)``, one primitive)."""
+  return lax.convert_element_type(x, dtype)
+
+
+def _abs2(x: jax.Array) -> jax.Array:
+  """``|x|**2`` entry by entry, in ``x``'s real dtype."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    re, im = lax.real(x), lax.imag(x)
+    return lax.add(lax.mul(re, re), lax.mul(im, im))
+  return lax.mul(x, x)
+
+
+def _total(x: jax.Array) -> jax.Array:
+  """The sum of every entry of ``x``, a ``()``."""
+  return lax.reduce_sum(x, tuple(range(x.ndim)))
+
+
+def _top(x: jax.Array) -> jax.Array:
+  """The largest entry of ``x`` (NaN if one is), a ``()``."""
+  return lax.reduce_max(x, tuple(range(x.ndim)))
+
+
+def _added(parts: list[jax.Array]) -> jax.Array:
+  """float32 ``()``: ``0 + parts[0] + parts[1] + ...`` in that order."""
+  return functools.reduce(lax.add, parts, jnp.zeros([], jnp.float32))
+
+
+# The per-leaf functions below use ``lax`` primitives rather than ``jnp``'s functions: a
+# ``jnp`` function is traced once for each new leaf shape, several times the cost.
+
+
 def all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Array:
   """Returns whether every floating-point entry of ``tree`` is finite.
 
@@ -111,7 +143,7 @@ def unscale(tree: Any, inv_scale: jax.Array, params: Any = None) -> Any:
     if not is_float(x):
       return x
     ct = compute_dtype(x.dtype)
-    return (x.astype(ct) * inv_scale.astype(ct)).astype(x.dtype)
+    return _as(lax.mul(_as(x, ct), _as(inv_scale, ct)), x.dtype)
 
   return jax.tree.map(one, widened(tree, params))
 
@@ -159,7 +191,7 @@ def global_amax(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Arra
   amax = jnp.zeros([], jnp.float32)
   for x in float_leaves(tree):
     if x.size:
-      amax = jnp.maximum(amax, jnp.max(jnp.abs(x)).astype(jnp.float32))
+      amax = lax.max(amax, _as(_top(lax.abs(x)), jnp.float32))
   return _multi_device.pmax(amax, axis_name)
 
 
@@ -178,7 +210,7 @@ def sum_squares(tree: Any, axis_name: _multi_device.AxisName = None) -> jax.Arra
   first, so it is counted once (see :func:`finite_and_norm`).
   """
   parts = square_sums(float_leaves(tree), _multi_device.axis_sizes(axis_name))
-  return _multi_device.psum(sum(parts, jnp.zeros([], jnp.float32)), axis_name)
+  return _multi_device.psum(_added(parts), axis_name)
 
 
 def square_sums(leaves: list[jax.Array], sizes: dict[str, int]) -> list[jax.Array]:
@@ -186,8 +218,7 @@ def square_sums(leaves: list[jax.Array], sizes: dict[str, int]) -> list[jax.Arra
   devices of the named axes (``sizes``) that hold the same copy of the leaf."""
   parts = []
   for leaf in leaves:
-    x = leaf.astype(compute_dtype(leaf.dtype))
-    part = jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32)
+    part = _as(_total(_abs2(_as(leaf, compute_dtype(leaf.dtype)))), jnp.float32)
     copies = _multi_device.replicas(leaf, sizes)
     parts.append(part / copies if copies > 1 else part)
   return parts
@@ -207,13 +238,12 @@ def leaf_amax(leaves: list[jax.Array]) -> list[jax.Array]:
   propagates it), +inf when it holds an infinity and no NaN, finite otherwise."""
   out = []
   for x in leaves:
-    part = jnp.real(x).dtype
     if not x.size:
-      out.append(jnp.zeros([], part))
+      out.append(jnp.zeros([], jnp.real(x).dtype))
     elif jnp.issubdtype(x.dtype, jnp.complexfloating):
-      out.append(jnp.maximum(jnp.max(jnp.abs(jnp.real(x))), jnp.max(jnp.abs(jnp.imag(x)))))
+      out.append(lax.max(_top(lax.abs(lax.real(x))), _top(lax.abs(lax.imag(x)))))
     else:
-      out.append(jnp.max(jnp.abs(x)))
+      out.append(_top(lax.abs(x)))
   return out
 
 
@@ -270,6 +300,11 @@ def _own_zero(x: jax.Array) -> jax.Array:
   static slice, not ``x.reshape(-1)[0]``: on a leaf sharded over ``Auto`` mesh axes the
   reshape made the compiler gather the whole leaf; the slice costs one element's
   broadcast. A leaf sharded over ``Explicit`` mesh axes gets a plain zero.
+
+  The factor costs a kernel of its own per leaf: worth it on a read every step runs
+  (:func:`finite_and_norm_fused`), not on the rare exact path, where the written product
+  (one leaf's worth of scratch memory, reused leaf after leaf) compiles faster than the
+  fused reduction.
   """
   real = jnp.real(x).dtype
   spec = getattr(getattr(_multi_device.typeof(x), "sharding", None), "spec", None)
@@ -279,24 +314,39 @@ def _own_zero(x: jax.Array) -> jax.Array:
   return jnp.isnan(first).astype(real) * 0
 
 
-def tiny_square_sums(leaves: list[jax.Array], k: jax.Array | None = None) -> list[jax.Array]:
-  """Per leaf, the sum of ``|u * _TINY|**2`` in the leaf's compute dtype, one fused read,
-  with ``u`` the leaf times ``k`` (a float32 ``()`` >= 1, default 1; the compute dtype's
+def tiny_square_sums(
+  leaves: list[jax.Array], k: jax.Array | None = None, fused: bool = False
+) -> list[jax.Array]:
+  """Per leaf, the sum of ``|u * _TINY|**2`` in the leaf's compute dtype, one read, with
+  ``u`` the leaf times ``k`` (a float32 ``()`` >= 1, default 1; the compute dtype's
   product, as :func:`unscale` forms it). Finite exactly when every entry of ``u`` is
   finite, NaN when one is NaN, +inf when one is infinite and none NaN; and, brought to
-  float32 (:func:`tiny_norm`), the norm without overflow."""
+  float32 (:func:`tiny_norm`), the norm without overflow. ``fused``: the factors are
+  computed from each leaf (:func:`_own_zero`), so that XLA's CPU backend fuses the
+  product into the read instead of writing it out."""
+  # The factor must not be a constant XLA can see: it would rewrite (x * t)**2 as
+  # x**2 * t**2, and t**2 is not a float32 number (0: inf * 0 = NaN).
+  opaque: dict[Any, jax.Array] = {}
   out = []
   for leaf in leaves:
     ct = compute_dtype(leaf.dtype)
-    real = jnp.finfo(ct).dtype
-    x = leaf.astype(ct)
-    if not x.size:
+    real = jnp.dtype(jnp.finfo(ct).dtype)
+    if not leaf.size:
       out.append(jnp.zeros([], real))
       continue
-    zero = _own_zero(x)
-    u = x if k is None else x * (k.astype(real) + zero)
-    v = u * (jnp.asarray(_TINY[jnp.dtype(real)], real) + zero)
-    out.append(jnp.sum(jnp.real(v * jnp.conj(v))))
+    x = _as(leaf, ct)
+    if fused:
+      zero = _own_zero(x)
+      if k is not None:
+        x = lax.mul(x, _as(lax.add(_as(k, real), zero), ct))
+      factor = lax.add(zero, np.asarray(_TINY[real], real))
+    else:
+      if k is not None:
+        x = lax.mul(x, _as(k, ct))
+      if real not in opaque:
+        opaque[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
+      factor = opaque[real]
+    out.append(_total(_abs2(lax.mul(x, _as(factor, ct)))))
   return out
 
 
@@ -309,9 +359,7 @@ def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
     ct = compute_dtype(leaf.dtype)
     if jnp.dtype(leaf.dtype) == jnp.dtype(ct) or not leaf.size:
       continue
-    x = leaf.astype(ct)
-    zero = _own_zero(x)
-    top = leaf_amax([x * (k.astype(jnp.finfo(ct).dtype) + zero)])[0]
+    top = leaf_amax([lax.mul(_as(leaf, ct), _as(k, ct))])[0]
     bad = bad | ~jnp.isfinite(top.astype(leaf.dtype))  # rounds to the leaf's dtype as unscale
   return bad
 
@@ -422,12 +470,15 @@ def finite_and_norm(
   sq = sum_squares(grads, axis_name)
   fast = jnp.isfinite(sq) & (inv <= 1)
 
-  def quick(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
+  # A loss scale below 1: the exact path checks u itself, the leaves times k. (k is an
+  # operand of the conditional: computed inside it, XLA's CPU fusion writes each product out.)
+  k = jnp.where(inv > 1, inv, 1.0).astype(jnp.float32)
+
+  def quick(g: list[jax.Array], i: jax.Array, s: jax.Array, k: jax.Array) -> Check:
     clear = jnp.zeros([len(g)], jnp.bool_)
     return Check(jnp.bool_(True), jnp.sqrt(s) * i, clear, clear)
 
-  def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
-    k = jnp.where(i > 1, i, 1.0).astype(jnp.float32)  # a loss scale below 1: check u itself
+  def exact(g: list[jax.Array], i: jax.Array, s: jax.Array, k: jax.Array) -> Check:
     tiny = tiny_square_sums(g, k)
     codes = _codes_by_dtype(tiny)
     norm = jnp.where(jnp.isfinite(s), jnp.sqrt(s) * i, tiny_norm(g, tiny, i / k, axis_name))
@@ -443,7 +494,7 @@ def finite_and_norm(
       codes = lax.cond(overflow, exact_codes, lambda: codes)
     return _check(codes, jnp.bool_(True), norm, axis_name)
 
-  check = lax.cond(fast, quick, exact, leaves, inv, sq)
+  check = lax.cond(fast, quick, exact, leaves, inv, sq, k)
   return check._replace(finite=check.finite & valid)
 
 
@@ -466,11 +517,11 @@ def finite_and_norm_fused(
   leaves = float_leaves(grads)
   names = _multi_device.axis_names(axis_name)
   parts = square_sums(leaves, _multi_device.axis_sizes(axis_name))
-  sq = _multi_device.psum(sum(parts, jnp.zeros([], jnp.float32)), names)
+  sq = _multi_device.psum(_added(parts), names)
   norm = jnp.where(
     jnp.isfinite(sq),
     jnp.sqrt(sq) * inv,
-    tiny_norm(leaves, tiny_square_sums(leaves), inv, axis_name),
+    tiny_norm(leaves, tiny_square_sums(leaves, fused=True), inv, axis_name),
   )
   # A NaN shows in its leaf's sum of squares whatever the reduction's order; a maximum
   # taken across devices may drop it.
