@@ -314,6 +314,11 @@ def _own_zero(x: jax.Array) -> jax.Array:
   return jnp.isnan(first).astype(real) * 0
 
 
+# The exact path writes out the products of leaves up to this many entries (1 MiB of
+# float32), a kernel fewer each to compile; a larger leaf's are fused into its read.
+_WRITTEN_OUT_MAX = 2**18
+
+
 def tiny_square_sums(
   leaves: list[jax.Array], k: jax.Array | None = None, fused: bool = False
 ) -> list[jax.Array]:
@@ -323,7 +328,9 @@ def tiny_square_sums(
   finite, NaN when one is NaN, +inf when one is infinite and none NaN; and, brought to
   float32 (:func:`tiny_norm`), the norm without overflow. ``fused``: the factors are
   computed from each leaf (:func:`_own_zero`), so that XLA's CPU backend fuses the
-  product into the read instead of writing it out."""
+  product into the read instead of writing it out; otherwise only for leaves of more
+  than ``_WRITTEN_OUT_MAX`` entries (a smaller leaf's product is written out: at most
+  a few MiB of scratch memory, and a faster compile)."""
   # The factor must not be a constant XLA can see: it would rewrite (x * t)**2 as
   # x**2 * t**2, and t**2 is not a float32 number (0: inf * 0 = NaN).
   opaque: dict[Any, jax.Array] = {}
@@ -335,7 +342,7 @@ def tiny_square_sums(
       out.append(jnp.zeros([], real))
       continue
     x = _as(leaf, ct)
-    if fused:
+    if fused or leaf.size > _WRITTEN_OUT_MAX:
       zero = _own_zero(x)
       if k is not None:
         x = lax.mul(x, _as(lax.add(_as(k, real), zero), ct))
@@ -353,13 +360,17 @@ def tiny_square_sums(
 def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
   """bool ``()``: whether unscaling by ``k`` (> 1) overflows a leaf of a dtype narrower
   than its compute dtype (float16, bfloat16): its largest product reaches the value that
-  rounds to inf in the leaf's dtype. One read of each such leaf."""
+  rounds to inf in the leaf's dtype. One read of each such leaf (written out as in
+  :func:`tiny_square_sums`)."""
   bad = jnp.zeros([], jnp.bool_)
   for leaf in leaves:
     ct = compute_dtype(leaf.dtype)
     if jnp.dtype(leaf.dtype) == jnp.dtype(ct) or not leaf.size:
       continue
-    top = leaf_amax([lax.mul(_as(leaf, ct), _as(k, ct))])[0]
+    x = _as(leaf, ct)
+    real = jnp.finfo(ct).dtype
+    factor = _as(k, real) if leaf.size <= _WRITTEN_OUT_MAX else lax.add(_as(k, real), _own_zero(x))
+    top = leaf_amax([lax.mul(x, _as(factor, ct))])[0]
     bad = bad | ~jnp.isfinite(top.astype(leaf.dtype))  # rounds to the leaf's dtype as unscale
   return bad
 
@@ -446,14 +457,18 @@ def finite_and_norm(
   ``lax.cond`` that runs only then: a sum of squares that is not finite (a
   non-finite entry, or finite entries whose squares overflow), or a loss scale
   below 1, where unscaling can overflow a finite gradient (a float16 leaf past
-  65504). The exact path reads each leaf once more for its largest magnitude
-  (:func:`leaf_codes`: it tells each leaf finite, holding an inf, or holding a
-  NaN, and catches the overflow of unscaling) and, only for a finite step whose
-  squares overflow float32, once more for the norm (:func:`robust_norm`). No path
-  writes an array of a leaf's size.
+  65504). The exact path reads each leaf once more for the sum of its squares
+  times 2**-100 (:func:`tiny_square_sums`: finite exactly when every entry is, NaN
+  when one is NaN; it tells each leaf finite, holding an inf, or holding a NaN, and
+  gives the norm without overflow); a float16 or bfloat16 leaf below a scale of 1
+  is read once more, for its largest magnitude once unscaled. The common path
+  writes nothing of a leaf's size; the exact path writes out the products of the
+  leaves of at most 2**18 entries before summing them (on the CPU, a few MiB of
+  scratch memory at most, reused leaf after leaf): fewer kernels to compile than a
+  read that fuses the product, as a larger leaf's does.
 
   The norm is ``sqrt(sum_squares(grads)) / scale``, or, when the squares overflow
-  float32, :func:`robust_norm`; inf or NaN when some entry is not finite or the
+  float32, :func:`tiny_norm`; inf or NaN when some entry is not finite or the
   scale is not valid. Without ``axis_name`` it is local. With it, the norm is that
   of the whole gradient as the devices hold it together: a leaf that varies over a
   named axis (``shard_map(check_vma=True)`` types say so) is taken to be sharded
@@ -470,15 +485,12 @@ def finite_and_norm(
   sq = sum_squares(grads, axis_name)
   fast = jnp.isfinite(sq) & (inv <= 1)
 
-  # A loss scale below 1: the exact path checks u itself, the leaves times k. (k is an
-  # operand of the conditional: computed inside it, XLA's CPU fusion writes each product out.)
-  k = jnp.where(inv > 1, inv, 1.0).astype(jnp.float32)
-
-  def quick(g: list[jax.Array], i: jax.Array, s: jax.Array, k: jax.Array) -> Check:
+  def quick(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
     clear = jnp.zeros([len(g)], jnp.bool_)
     return Check(jnp.bool_(True), jnp.sqrt(s) * i, clear, clear)
 
-  def exact(g: list[jax.Array], i: jax.Array, s: jax.Array, k: jax.Array) -> Check:
+  def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
+    k = jnp.where(i > 1, i, 1.0).astype(jnp.float32)  # a loss scale below 1: check u itself
     tiny = tiny_square_sums(g, k)
     codes = _codes_by_dtype(tiny)
     norm = jnp.where(jnp.isfinite(s), jnp.sqrt(s) * i, tiny_norm(g, tiny, i / k, axis_name))
@@ -494,7 +506,7 @@ def finite_and_norm(
       codes = lax.cond(overflow, exact_codes, lambda: codes)
     return _check(codes, jnp.bool_(True), norm, axis_name)
 
-  check = lax.cond(fast, quick, exact, leaves, inv, sq, k)
+  check = lax.cond(fast, quick, exact, leaves, inv, sq)
   return check._replace(finite=check.finite & valid)
 
 
