@@ -332,7 +332,8 @@ def tiny_square_sums(
   than ``_WRITTEN_OUT_MAX`` entries (a smaller leaf's product is written out: at most
   a few MiB of scratch memory, and a faster compile)."""
   # The factor must not be a constant XLA can see: it would rewrite (x * t)**2 as
-  # x**2 * t**2, and t**2 is not a float32 number (0: inf * 0 = NaN).
+  # x**2 * t**2, and t**2 is not a float32 number (0: inf * 0 = NaN). A zero computed from
+  # the leaf does not hide it: XLA's GPU backend folds it away.
   opaque: dict[Any, jax.Array] = {}
   out = []
   for leaf in leaves:
@@ -342,17 +343,16 @@ def tiny_square_sums(
       out.append(jnp.zeros([], real))
       continue
     x = _as(leaf, ct)
+    if real not in opaque:
+      opaque[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
+    factor = opaque[real]
     if fused or leaf.size > _WRITTEN_OUT_MAX:
       zero = _own_zero(x)
       if k is not None:
         x = lax.mul(x, _as(lax.add(_as(k, real), zero), ct))
-      factor = lax.add(zero, np.asarray(_TINY[real], real))
-    else:
-      if k is not None:
-        x = lax.mul(x, _as(k, ct))
-      if real not in opaque:
-        opaque[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
-      factor = opaque[real]
+      factor = lax.add(zero, factor)
+    elif k is not None:
+      x = lax.mul(x, _as(k, ct))
     out.append(_total(_abs2(lax.mul(x, _as(factor, ct)))))
   return out
 
