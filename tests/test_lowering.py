@@ -233,6 +233,7 @@ def _temp_bytes(tx, n=1 << 16, leaves=8):
   return lowered.compile(compiler_options=XLA_DEFAULTS).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what XLA's CPU backend compiles")
 def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
   build = lambda k: optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering=k)
   assert "conditional" in _compiled(build("cond")) and "conditional" not in _compiled(
@@ -256,6 +257,7 @@ def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
   assert "conditional" not in _compiled(build("auto"))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what XLA's CPU backend compiles")
 def test_exact_path_scratch_memory_is_bounded_by_small_leaves():
   """The exact path writes out the products of leaves of at most 2**18 entries (a few
   MiB of scratch, reused leaf after leaf); a larger leaf's product stays fused: no
