@@ -43,10 +43,11 @@ def _as(x: Any, dtype: Any) -> jax.Array:
 
 
 def _abs2(x: jax.Array) -> jax.Array:
-  """``|x|**2`` entry by entry, in ``x``'s real dtype."""
+  """``|x|**2`` entry by entry, in ``x``'s real dtype. A complex leaf as ``real(x *
+  conj(x))``: XLA's CPU backend fuses that into the sum, where ``real(x)**2 + imag(x)**2``
+  writes each part out."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    re, im = lax.real(x), lax.imag(x)
-    return lax.add(lax.mul(re, re), lax.mul(im, im))
+    return jnp.real(x * jnp.conj(x))
   return lax.mul(x, x)
 
 
@@ -461,11 +462,13 @@ def finite_and_norm(
   times 2**-100 (:func:`tiny_square_sums`: finite exactly when every entry is, NaN
   when one is NaN; it tells each leaf finite, holding an inf, or holding a NaN, and
   gives the norm without overflow); a float16 or bfloat16 leaf below a scale of 1
-  is read once more, for its largest magnitude once unscaled. The common path
-  writes nothing of a leaf's size; the exact path writes out the products of the
-  leaves of at most 2**18 entries before summing them (on the CPU, a few MiB of
-  scratch memory at most, reused leaf after leaf): fewer kernels to compile than a
-  read that fuses the product, as a larger leaf's does.
+  is read once more, for its largest magnitude once unscaled. For float32 leaves
+  the common path writes nothing of a leaf's size, and the exact path writes out
+  the products of the leaves of at most 2**18 entries before summing them (on the
+  CPU, a few MiB of scratch memory at most, reused leaf after leaf): fewer kernels
+  to compile than a read that fuses the product, as a larger leaf's does. (XLA's
+  CPU backend writes out the float32 squares of float16, bfloat16 and complex
+  leaves on either path.)
 
   The norm is ``sqrt(sum_squares(grads)) / scale``, or, when the squares overflow
   float32, :func:`tiny_norm`; inf or NaN when some entry is not finite or the
