@@ -304,7 +304,7 @@ def _own_zero(x: jax.Array) -> jax.Array:
 
   The factor costs a kernel of its own per leaf: worth it on a read every step runs
   (:func:`finite_and_norm_fused`), not on the rare exact path, where the written product
-  (one leaf's worth of scratch memory, reused leaf after leaf) compiles faster than the
+  (two small leaves' worth of scratch memory, reused leaf after leaf) compiles faster than the
   fused reduction.
   """
   real = jnp.real(x).dtype
