@@ -410,8 +410,10 @@ class Check(NamedTuple):
   Attributes:
     finite: bool ``()``: the loss scale is valid and every floating entry of the
       unscaled gradients is finite (reduced over the named axes).
-    grad_norm: float32 ``()``: the global L2 norm of the unscaled gradients (inf
-      or NaN on a non-finite step).
+    grad_norm: float32 ``()``: the global L2 norm of the unscaled gradients in
+      float32 (inf or NaN when an entry is not finite; finite when a float16 or
+      bfloat16 entry overflows only once unscaled below a scale of 1, as the
+      step's float32 norm is).
     nonfinite: bool ``[n]``: one flag per floating gradient leaf (``n`` of them, in
       ``jax.tree.leaves`` order), set where the leaf is not finite (all clear on a
       finite step).
