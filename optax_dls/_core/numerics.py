@@ -320,6 +320,18 @@ def _own_zero(x: jax.Array) -> jax.Array:
 _WRITTEN_OUT_MAX = 2**18
 
 
+def _fused_zero(x: jax.Array, fused: bool) -> jax.Array | None:
+  """:func:`_own_zero` of ``x`` where a product with ``x`` must be fused into its read:
+  always when ``fused``, otherwise for a leaf of more than ``_WRITTEN_OUT_MAX`` entries;
+  None where the product may be written out."""
+  return _own_zero(x) if fused or x.size > _WRITTEN_OUT_MAX else None
+
+
+def _factor(s: jax.Array, zero: jax.Array | None) -> jax.Array:
+  """The scalar ``s`` as a factor of a read: plus ``zero`` (:func:`_fused_zero`) where given."""
+  return s if zero is None else lax.add(s, zero)
+
+
 def tiny_square_sums(
   leaves: list[jax.Array], k: jax.Array | None = None, fused: bool = False
 ) -> list[jax.Array]:
@@ -344,17 +356,12 @@ def tiny_square_sums(
       out.append(jnp.zeros([], real))
       continue
     x = _as(leaf, ct)
+    zero = _fused_zero(x, fused)
+    if k is not None:
+      x = lax.mul(x, _as(_factor(_as(k, real), zero), ct))
     if real not in opaque:
       opaque[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
-    factor = opaque[real]
-    if fused or leaf.size > _WRITTEN_OUT_MAX:
-      zero = _own_zero(x)
-      if k is not None:
-        x = lax.mul(x, _as(lax.add(_as(k, real), zero), ct))
-      factor = lax.add(zero, factor)
-    elif k is not None:
-      x = lax.mul(x, _as(k, ct))
-    out.append(_total(_abs2(lax.mul(x, _as(factor, ct)))))
+    out.append(_total(_abs2(lax.mul(x, _as(_factor(opaque[real], zero), ct)))))
   return out
 
 
@@ -369,8 +376,7 @@ def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
     if jnp.dtype(leaf.dtype) == jnp.dtype(ct) or not leaf.size:
       continue
     x = _as(leaf, ct)
-    real = jnp.finfo(ct).dtype
-    factor = _as(k, real) if leaf.size <= _WRITTEN_OUT_MAX else lax.add(_as(k, real), _own_zero(x))
+    factor = _factor(_as(k, jnp.finfo(ct).dtype), _fused_zero(x, False))
     top = leaf_amax([lax.mul(x, _as(factor, ct))])[0]
     bad = bad | ~jnp.isfinite(top.astype(leaf.dtype))  # rounds to the leaf's dtype as unscale
   return bad
