@@ -15,16 +15,18 @@ compilations of the same optimizer).
   ``optax.apply_updates`` path XLA cannot fuse them with the parameter update.
   On a GPU a conditional may read its predicate back to the host unless the
   runtime captures it in a graph.
-* ``"where"``: no conditional. The check's reductions are siblings of one read
+* ``"where"``: no conditional. The check is one variadic reduction of each leaf
   (:func:`optax_dls._core.numerics.finite_and_norm_fused`); the inner update always
   runs, on gradients replaced by zeros on a skipped step, and ``jnp.where``
-  keeps the old value of every output, each new state value selected where
-  the inner update computes it (:mod:`optax_dls._core.jaxpr_select`), so the
-  updates fuse with whatever consumes them and nothing is copied.
+  at the end keeps the old value of every output, which XLA's GPU backend fuses
+  into the optimizer's own kernels (one extra read of the gradients in all, the
+  floor). On the CPU this copies the state.
 
 ``"auto"`` picks per platform with ``lax.platform_dependent``, from
 measurements (see ``docs/guide/performance.md``): on the CPU the check of
-``"cond"`` and the skip of ``"where"``; ``"where"`` everywhere else. The
+``"cond"`` and the skip of ``"where"`` with each new state value selected where
+the inner update computes it (:mod:`optax_dls._core.jaxpr_select`: XLA's CPU
+backend copies the state for a selection at the end); ``"where"`` everywhere else. The
 platform is the one the program is lowered for (``jax.export`` for another
 platform gets that platform's choice).
 """
@@ -44,10 +46,12 @@ from optax_dls._core import numerics as _numerics
 from optax_dls._core import types as _types
 
 LOWERINGS = ("auto", "cond", "where")
-# What "auto" takes on each platform, as (check, skip); any other platform gets "where"'s.
-# On the CPU: the one-read check of "cond" (a conditional costs nothing there, the
-# sibling reductions of the fused check are separate reads) and the skip of "where".
-AUTO = {"cpu": ("cond", "where")}
+# What "auto" takes on each platform, as (check, skip); any other platform (a GPU, a TPU)
+# gets "where", the plain program XLA's GPU backend fuses best. On the CPU: the one-read
+# check of "cond" (a conditional costs nothing there) and the "where" skip with each new
+# state value selected where the inner update computes it (XLA's CPU backend copies the
+# state for a selection at the end).
+AUTO = {"cpu": ("cond", "at_definition")}
 
 # ``apply(grads, inner_state, params) -> (out, inner_state)``, the step's work, and
 # ``skipped(params, out) -> out``, what it returns instead on a skipped step.
@@ -80,25 +84,50 @@ def by_cond(
   return lax.cond(finite, apply, skip, grads, inner_state, params)
 
 
+def _selected_at_the_end(
+  finite: jax.Array, apply: Apply, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
+  """``apply`` as it is, its new state selected at the end: ``jnp.where(finite, new, old)``."""
+  out, new_s = apply(grads, inner_state, params)
+  keep = lambda new, old: _types.select(finite, new, _types.like(old, new))
+  return out, jax.tree.map(keep, new_s, inner_state)
+
+
 def by_where(
   finite: jax.Array, apply: Apply, skipped: Skipped, grads: Any, inner_state: Any, params: Any
 ) -> tuple[Any, Any]:
   """The skip as a selection: ``apply`` always runs, on zeros where the step is not
-  finite, each new state value selected where it is computed; the outputs are
-  ``skipped(params, out)`` on a skipped step. Equal to selecting at the end: on a
-  finite step every selection is the identity; on a skipped step the outputs are
-  replaced and the state is the old one."""
+  finite, and ``jnp.where(finite, new, old)`` at the end keeps the old state and gives
+  ``skipped(params, out)`` on a skipped step. XLA's GPU backend fuses each selection into
+  the kernel that computes the new value."""
+  safe = jax.tree.map(lambda g: _types.select(finite, g, jnp.zeros_like(g)), grads)
+  out, new_s = apply(safe, inner_state, params)
+  keep = lambda new, old: _types.select(finite, new, _types.like(old, new))
+  return _replaced(finite, skipped, params, out), jax.tree.map(keep, new_s, inner_state)
+
+
+def by_where_at_definition(
+  finite: jax.Array, apply: Apply, skipped: Skipped, grads: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any]:
+  """:func:`by_where` with each new state value selected where ``apply`` computes it
+  (:mod:`optax_dls._core.jaxpr_select`): the same values, and on the CPU no copy of the
+  state."""
   safe = jax.tree.map(lambda g: _types.select(finite, g, jnp.zeros_like(g)), grads)
   out, new_s = _jaxpr_select.selected_at_definition(finite, apply, safe, inner_state, params)
+  return _replaced(finite, skipped, params, out), new_s
+
+
+def _replaced(finite: jax.Array, skipped: Skipped, params: Any, out: Any) -> Any:
+  """``out`` on a finite step, ``skipped(params, out)`` otherwise."""
   replaced = skipped(params, out)
-  return jax.tree.map(lambda new, old: _types.select(finite, new, old), out, replaced), new_s
+  return jax.tree.map(lambda new, old: _types.select(finite, new, old), out, replaced)
 
 
 class Lowering(NamedTuple):
   """How the check and the skip are compiled.
 
   Attributes:
-    check: ``(grads, scale, axis_name) -> Check``.
+    check: ``(grads, scale, axis_name, want_amax) -> Check``.
     select: ``(finite, apply, skipped, grads, inner_state, params) -> (out, inner_state)``.
   """
 
@@ -109,29 +138,35 @@ class Lowering(NamedTuple):
 COND = Lowering(_numerics.finite_and_norm, by_cond)
 WHERE = Lowering(_numerics.finite_and_norm_fused, by_where)
 _BY_NAME = {"cond": COND, "where": WHERE}
+# The parts "auto" chooses from: checks and skips by name.
+_CHECKS = {"cond": COND.check, "where": WHERE.check}
+_SKIPS = {"cond": by_cond, "where": by_where, "at_definition": by_where_at_definition}
 
 
 def _branches(part: int, run: Callable[..., Any]) -> dict[str, Any]:
-  """``lax.platform_dependent`` branches running ``run(lowering, *operands)`` with the
-  lowering :data:`AUTO` names for ``part`` (0: the check, 1: the skip) per platform."""
-  branch = lambda how: functools.partial(run, how)
+  """``lax.platform_dependent`` branches running ``run(fn, *operands)`` with the check
+  (``part`` 0) or the skip (``part`` 1) :data:`AUTO` names per platform."""
+  named = _SKIPS if part else _CHECKS
+  branch = lambda fn: functools.partial(run, fn)
   return {
-    "default": branch(WHERE),
-    **{platform: branch(_BY_NAME[how[part]]) for platform, how in AUTO.items()},
+    "default": branch(named["where"]),
+    **{platform: branch(named[how[part]]) for platform, how in AUTO.items()},
   }
 
 
 def _same_everywhere(part: int) -> bool:
-  """Whether every platform takes the default's lowering for ``part``: then there is
-  nothing to choose, and the program is traced once."""
+  """Whether every platform takes the default's part: then there is nothing to choose,
+  and the program is traced once."""
   return all(how[part] == "where" for how in AUTO.values())
 
 
-def auto_check(grads: Any, scale: jax.Array, axis_name: Any = None) -> _numerics.Check:
+def auto_check(
+  grads: Any, scale: jax.Array, axis_name: Any = None, want_amax: bool = False
+) -> _numerics.Check:
   """The check of :data:`AUTO`'s lowering for the platform the program is lowered for."""
   if _same_everywhere(0):
-    return WHERE.check(grads, scale, axis_name)
-  branches = _branches(0, lambda how, g, s: how.check(g, s, axis_name))
+    return WHERE.check(grads, scale, axis_name, want_amax)
+  branches = _branches(0, lambda check, g, s: check(g, s, axis_name, want_amax))
   return lax.platform_dependent(grads, scale, **branches)
 
 
@@ -141,7 +176,7 @@ def auto_select(
   """The skip of :data:`AUTO`'s lowering for the platform the program is lowered for."""
   if _same_everywhere(1):
     return WHERE.select(finite, apply, skipped, *operands)
-  branches = _branches(1, lambda how, f, *ops: how.select(f, apply, skipped, *ops))
+  branches = _branches(1, lambda select, f, *ops: select(f, apply, skipped, *ops))
   return lax.platform_dependent(finite, *operands, **branches)
 
 

@@ -424,12 +424,15 @@ class Check(NamedTuple):
       ``jax.tree.leaves`` order), set where the leaf is not finite (all clear on a
       finite step).
     nan: bool ``[n]``: set where the leaf holds a NaN.
+    amax: float32 ``()``, the largest magnitude of the scaled gradients (reduced over
+      the named axes), where the check's own reads give it; None otherwise.
   """
 
   finite: jax.Array
   grad_norm: jax.Array
   nonfinite: jax.Array
   nan: jax.Array
+  amax: jax.Array | None = None
 
 
 def _check(
@@ -455,7 +458,7 @@ def leaf_codes(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
 
 
 def finite_and_norm(
-  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None
+  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None, want_amax: bool = False
 ) -> Check:
   """The check of ``u = unscale(grads, 1/scale)``, for the CPU: a :class:`Check`.
 
@@ -488,7 +491,8 @@ def finite_and_norm(
   track variance (``pmap``, ``check_vma=False``) every leaf is taken to be
   replicated and the squared norm is averaged over the named axes: exact for
   data-parallel (all-reduced) gradients, and the same value on every device in
-  every case. The per-leaf bits are the same on every device.
+  every case. The per-leaf bits are the same on every device. With ``want_amax``, the
+  :class:`Check` holds the largest magnitude too (:func:`global_amax`, one more read).
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
@@ -518,37 +522,82 @@ def finite_and_norm(
     return _check(codes, jnp.bool_(True), norm, axis_name)
 
   check = lax.cond(fast, quick, exact, leaves, inv, sq)
-  return check._replace(finite=check.finite & valid)
+  top = global_amax(grads, axis_name) if want_amax else None  # one more read
+  return check._replace(finite=check.finite & valid, amax=top)
+
+
+def _reads(x: jax.Array, opaque: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One read of leaf ``x``: the sum of ``|x|**2``, the largest real or imaginary magnitude
+  and the sum of ``|x * _TINY|**2`` (``opaque`` is that factor), each a ``()`` of the compute
+  dtype's real type, from a single variadic reduction (one kernel on a GPU, whatever the
+  leaf's consumers)."""
+  ct = compute_dtype(x.dtype)
+  real = jnp.dtype(jnp.finfo(ct).dtype)
+  zero = jnp.zeros([], real)
+  if not x.size:
+    return zero, zero, zero
+  x = _as(x, ct)
+  if jnp.issubdtype(ct, jnp.complexfloating):
+    top = lax.max(lax.abs(lax.real(x)), lax.abs(lax.imag(x)))
+  else:
+    top = lax.abs(x)
+  operands = (_abs2(x), top, _abs2(lax.mul(x, _as(opaque, ct))))
+
+  def combine(a: tuple, b: tuple) -> tuple:
+    return lax.add(a[0], b[0]), lax.max(a[1], b[1]), lax.add(a[2], b[2])
+
+  return tuple(lax.reduce(operands, (zero, zero, zero), combine, tuple(range(x.ndim))))
 
 
 def finite_and_norm_fused(
-  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None
+  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None, want_amax: bool = False
 ) -> Check:
-  """:func:`finite_and_norm` with no conditional, for GPUs and TPUs: every statistic is
-  a sibling reduction of the same read of each leaf, which XLA fuses into one pass
-  there, so no predicate has to reach the host.
+  """:func:`finite_and_norm` with no conditional, for GPUs and TPUs: one read of each
+  leaf, so no predicate has to reach the host.
 
-  Per leaf: the sum of ``|x|**2``, the sum of the scaled squares of
-  :func:`tiny_square_sums` (finite for any finite entries, where the first
-  overflows) and the largest magnitude, which gives each leaf's code exactly
-  (:func:`leaf_codes`). The flag and the bits equal those of :func:`finite_and_norm`;
-  the norm equals it when the squares do not overflow, and is within float32 rounding
-  of it otherwise.
+  Per leaf, one variadic reduction (a single kernel on a GPU) gives the sum of
+  ``|x|**2``, the largest magnitude and the sum of the squares times ``2**-200`` (of
+  :func:`tiny_square_sums`: finite for any finite entries, where the first overflows).
+  The largest magnitude gives each leaf's code exactly (:func:`leaf_codes`), the sum of
+  squares shows a NaN, and both feed the finite flag: every parameter-sized operation of
+  the step waits for the flag, so XLA cannot merge the optimizer's elementwise work into
+  these reductions. The flag and the bits equal those of :func:`finite_and_norm`; the norm
+  equals it when the squares do not overflow, and is within float32 rounding of it
+  otherwise. With ``want_amax``, the :class:`Check` holds the largest magnitude of the
+  scaled gradients too (:func:`global_amax`), from the same reads where no leaf is complex.
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
   leaves = float_leaves(grads)
-  names = _multi_device.axis_names(axis_name)
-  parts = square_sums(leaves, _multi_device.axis_sizes(axis_name))
-  sq = _multi_device.psum(_added(parts), names)
+  sizes = _multi_device.axis_sizes(axis_name)
+  opaque: dict[Any, jax.Array] = {}  # see tiny_square_sums: XLA must not square the factor
+  reads = []
+  for x in leaves:
+    real = jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype)
+    if real not in opaque:
+      opaque[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
+    reads.append(_reads(x, opaque[real]))
+  parts = []
+  for x, (sq, _, _) in zip(leaves, reads, strict=True):
+    copies = _multi_device.replicas(x, sizes)
+    sq = _as(sq, jnp.float32)
+    parts.append(sq / copies if copies > 1 else sq)
+  total = _multi_device.psum(_added(parts), axis_name)
+  tiny = [t for _, _, t in reads]
   norm = jnp.where(
-    jnp.isfinite(sq),
-    jnp.sqrt(sq) * inv,
-    tiny_norm(leaves, tiny_square_sums(leaves, fused=True), inv, axis_name),
+    jnp.isfinite(total), jnp.sqrt(total) * inv, tiny_norm(leaves, tiny, inv, axis_name)
   )
+  # Each leaf's largest magnitude in the leaf's own real dtype (exact: a maximum of its values).
+  amax = [_as(top, jnp.real(x).dtype) for x, (_, top, _) in zip(leaves, reads, strict=True)]
+  codes = leaf_codes(amax, inv)
   # A NaN shows in its leaf's sum of squares whatever the reduction's order; a maximum
   # taken across devices may drop it.
-  codes = leaf_codes(leaf_amax(leaves), inv)
   if parts:
     codes = jnp.where(jnp.isnan(_stacked_float32(parts)), 2, codes)
-  return _check(codes, valid, norm, axis_name)
+  check = _check(codes, valid, norm, axis_name)
+  if not want_amax:
+    return check
+  if any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x in leaves):  # |x|, not re or im
+    return check._replace(amax=global_amax(grads, axis_name))
+  top = functools.reduce(lax.max, [_as(a, jnp.float32) for a in amax], jnp.zeros([], jnp.float32))
+  return check._replace(amax=_multi_device.pmax(top, axis_name))

@@ -131,7 +131,7 @@ class LossScaler:
     not finite, ``state`` with the policy's move for that overflow (the scale to
     recompute at) and the record of where it came from. Nothing else changes."""
     check, loss_bad, finite = self._check(grads, state, loss)
-    new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
+    new_scale, policy_state = self._policy_step(grads, state, finite, check)
     keep = lambda old, new: jnp.where(finite, old, new)
     record = self._record(grads, state, check, finite, loss_bad)
     moved = with_scale(
@@ -169,7 +169,7 @@ class LossScaler:
     result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, kept)
     if held is not None and output is PARAMS:
       result = whole(result)
-    new_scale, policy_state = self._policy_step(grads, state, finite, check.grad_norm)
+    new_scale, policy_state = self._policy_step(grads, state, finite, check)
     record = self._record(grads, state, check, finite, loss_bad)
     new = advance(
       state, finite, check.grad_norm, record, new_scale, policy_state, inner_state, self.scale_range
@@ -187,7 +187,8 @@ class LossScaler:
     loss = checked_loss(loss)
     leaves = _numerics.float_leaves(grads) + ([] if loss is None else [loss])
     _multi_device.check_axis_coverage(leaves, state.loss_scale, self.axis_name)
-    check = self.lowering.check(grads, state.loss_scale, self.axis_name)
+    wants_amax = "amax" in self.policy.stats
+    check = self.lowering.check(grads, state.loss_scale, self.axis_name, wants_amax)
     loss_bad = loss_not_finite(loss, self.axis_name) | pending_loss(state)
     return check, loss_bad, check.finite & ~loss_bad
 
@@ -231,13 +232,13 @@ class LossScaler:
     return _labels.leaf_labels(self.labels, tree, "loss_scaled")
 
   def _policy_step(
-    self, grads: Any, state: LossScaleState, finite: jax.Array, grad_norm: jax.Array
+    self, grads: Any, state: LossScaleState, finite: jax.Array, check: _numerics.Check
   ) -> tuple[jax.Array, Any]:
-    """``policy.update`` on this step's statistics; an invalid scale restarts at the initial one."""
+    """``policy.update`` on this step's statistics (the check's, the largest magnitude
+    included where the policy asks for it); an invalid scale restarts at the initial one."""
+    del grads
     valid = _numerics.valid_scale(state.loss_scale)
-    wants_amax = "amax" in self.policy.stats
-    amax = _numerics.global_amax(grads, self.axis_name) if wants_amax else None
-    stats = _policies.GradStats(finite, state.num_steps, grad_norm, amax)
+    stats = _policies.GradStats(finite, state.num_steps, check.grad_norm, check.amax)
     scale = jnp.where(valid, state.loss_scale, self.init_scale)
     new_scale, policy_state = self.policy.update(scale, state.policy_state, stats)
     return jnp.where(valid, new_scale, self.init_scale), policy_state
