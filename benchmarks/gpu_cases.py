@@ -1,0 +1,200 @@
+"""The optimizer steps ``gpu_program.py`` compiles for a GPU: bare optimizers, optax_dls in
+each lowering, path and feature, and the usual hand-written loss-scaling patterns.
+
+A case builds ``(fn, structs, donate_argnums)`` from a tree of ``jax.ShapeDtypeStruct``s
+(nothing is allocated). ``fn(grads, params, state)`` returns ``(params, state)``, so that
+the donated parameters and state reuse their buffers in place. Each case names the bare
+optimizer step it is measured against (its ``baseline``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import optax_dls
+
+DONATE = (1, 2)  # params and state; no output has the gradients' place
+
+
+def lognormal_tree(params: float = 1e9, leaves: int = 256, seed: int = 0) -> dict:
+  """``leaves`` float32 vectors holding about ``params`` entries in all, of lognormal sizes
+  (``numpy.random.default_rng(seed).lognormal(0, 1.5, leaves)``, scaled, at least 1
+  entry each)."""
+  raw = np.random.default_rng(seed).lognormal(0.0, 1.5, leaves)
+  sizes = np.maximum(1, (raw / raw.sum() * params).astype(np.int64))
+  return {f"p{i:03d}": jax.ShapeDtypeStruct((int(n),), jnp.float32) for i, n in enumerate(sizes)}
+
+
+def gpt2_small_tree(params: float = 0, leaves: int = 0) -> Any:
+  """The float32 parameters of the main example's model (``examples/lm``) at GPT-2 small's
+  size: width 768, 12 layers of 12 heads, 1,024 positions (a byte vocabulary)."""
+  del params, leaves
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+  from lm.model import Transformer
+  from lm.precision import FP16
+
+  model = Transformer(768, 12, 12, 1024, FP16)
+  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  return jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+
+
+TREES = {"1b": lognormal_tree, "gpt2": gpt2_small_tree}
+
+
+class Case(NamedTuple):
+  build: Callable[[Any], tuple[Callable[..., Any], tuple, tuple[int, ...]]]
+  baseline: str
+
+
+def _bare(opt: Callable[[], optax.GradientTransformation]):
+  def build(tree):
+    tx = opt()
+
+    def step(g, p, s):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    return step, (tree, tree, jax.eval_shape(tx.init, tree)), DONATE
+
+  return build
+
+
+def _wrapped(make: Callable[[], optax.GradientTransformation], fused: bool, loss: bool = False):
+  """``make()`` (an optax_dls transformation) through ``tx.update`` + ``apply_updates``, or
+  ``apply_step`` when ``fused``; ``loss``: the loss handed over as ``loss=``."""
+
+  def build(tree):
+    tx = make()
+    extra = {"loss": jnp.float32(1.0)} if loss else {}
+
+    def step(g, p, s):
+      if fused:
+        return optax_dls.apply_step(tx, g, s, p, **extra)
+      u, s = tx.update(g, s, p, **extra)
+      return optax.apply_updates(p, u), s
+
+    return step, (tree, tree, jax.eval_shape(tx.init, tree)), DONATE
+
+  return build
+
+
+def _unscaled(g, scale):
+  inv = 1.0 / scale
+  return jax.tree.map(lambda x: x * inv, g)
+
+
+def _all_finite(tree):
+  finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return functools.reduce(jnp.logical_and, finite)
+
+
+def _select_at_end(tree):
+  """jmp's and flax ``DynamicScale``'s pattern: unscale, ``all(isfinite)`` per leaf, Adam,
+  ``jnp.where(finite, new, old)`` over the parameters and every state leaf."""
+  adam = optax.adam(1e-3)
+
+  def step(g, p, s):
+    inner, scale = s
+    u = _unscaled(g, scale)
+    ok = _all_finite(u)
+    updates, new_inner = adam.update(u, inner, p)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    p = jax.tree.map(keep, optax.apply_updates(p, updates), p)
+    inner = jax.tree.map(keep, new_inner, inner)
+    return p, (inner, jnp.where(ok, scale, scale / 2))
+
+  state = (jax.eval_shape(adam.init, tree), jax.ShapeDtypeStruct((), jnp.float32))
+  return step, (tree, tree, state), DONATE
+
+
+def _apply_if_finite(tree):
+  """``optax.apply_if_finite(adam)`` on gradients unscaled by hand."""
+  tx = optax.apply_if_finite(optax.adam(1e-3), max_consecutive_errors=5)
+
+  def step(g, p, s):
+    inner, scale = s
+    u, inner = tx.update(_unscaled(g, scale), inner, p)
+    return optax.apply_updates(p, u), (inner, scale)
+
+  state = (jax.eval_shape(tx.init, tree), jax.ShapeDtypeStruct((), jnp.float32))
+  return step, (tree, tree, state), DONATE
+
+
+def _lax_cond(tree):
+  """The check of ``_select_at_end`` and a ``lax.cond`` that runs unscale, Adam and
+  ``apply_updates`` only when it passes."""
+  adam = optax.adam(1e-3)
+
+  def step(g, p, s):
+    inner, scale = s
+    ok = _all_finite(_unscaled(g, scale))
+
+    def apply(g, inner, p):
+      updates, inner = adam.update(_unscaled(g, scale), inner, p)
+      return optax.apply_updates(p, updates), inner
+
+    p, inner = lax.cond(ok, apply, lambda g, inner, p: (p, inner), g, inner, p)
+    return p, (inner, jnp.where(ok, scale, scale / 2))
+
+  state = (jax.eval_shape(adam.init, tree), jax.ShapeDtypeStruct((), jnp.float32))
+  return step, (tree, tree, state), DONATE
+
+
+adam = lambda: optax.adam(1e-3)
+sgdm = lambda: optax.sgd(1e-2, momentum=0.9)
+dls = optax_dls.dynamic_loss_scale
+CASES = {
+  "bare_adam": Case(_bare(adam), "bare_adam"),
+  "bare_sgdm": Case(_bare(sgdm), "bare_sgdm"),
+}
+for _low in ("auto", "where", "cond"):
+  for _path in ("update", "apply_step"):
+    _make = functools.partial(lambda low: dls(adam(), skip_lowering=low), _low)
+    CASES[f"dls_{_low}_{_path}"] = Case(_wrapped(_make, _path == "apply_step"), "bare_adam")
+for _path in ("update", "apply_step"):
+  _build = _wrapped(lambda: dls(sgdm()), _path == "apply_step")
+  CASES[f"dls_sgdm_{_path}"] = Case(_build, "bare_sgdm")
+# Each feature that reads the gradients, on (off is dls_auto_update), and the other scalers.
+FEATURES = {
+  "static": lambda: optax_dls.static_loss_scale(adam(), 2.0**15),
+  "no_loss_scale": lambda: optax_dls.no_loss_scale(adam()),
+  "no_loss_scale_norm": lambda: optax_dls.no_loss_scale(adam(), track_grad_norm=True),
+  "amax_policy": lambda: optax_dls.loss_scaled(adam(), optax_dls.amax_policy()),
+  "underflow_stats": lambda: dls(optax.chain(optax_dls.underflow_stats(), adam())),
+  "labels": lambda: dls(adam(), labels=lambda p: jax.tree.map(lambda _: "all", p)),
+  "clip_by_global_norm": lambda: dls(optax.chain(optax.clip_by_global_norm(1.0), adam())),
+}
+for _name, _make in FEATURES.items():
+  CASES[f"feature_{_name}"] = Case(_wrapped(_make, False), "bare_adam")
+CASES["feature_loss"] = Case(_wrapped(lambda: dls(adam()), False, loss=True), "bare_adam")
+CASES["bare_clip_adam"] = Case(
+  _bare(lambda: optax.chain(optax.clip_by_global_norm(1.0), adam())), "bare_clip_adam"
+)
+CASES["feature_clip_by_global_norm"] = CASES["feature_clip_by_global_norm"]._replace(
+  baseline="bare_clip_adam"
+)
+CASES["peer_select_at_end"] = Case(_select_at_end, "bare_adam")
+CASES["peer_apply_if_finite"] = Case(_apply_if_finite, "bare_adam")
+CASES["peer_lax_cond"] = Case(_lax_cond, "bare_adam")
+
+GROUPS = {
+  "all": list(CASES),
+  "default": [
+    "bare_adam",
+    "bare_sgdm",
+    "dls_auto_update",
+    "dls_auto_apply_step",
+    "dls_sgdm_update",
+    "dls_sgdm_apply_step",
+  ],
+}
