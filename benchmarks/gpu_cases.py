@@ -35,17 +35,23 @@ def lognormal_tree(params: float = 1e9, leaves: int = 256, seed: int = 0) -> dic
   return {f"p{i:03d}": jax.ShapeDtypeStruct((int(n),), jnp.float32) for i, n in enumerate(sizes)}
 
 
-def gpt2_small_tree(params: float = 0, leaves: int = 0) -> Any:
-  """The float32 parameters of the main example's model (``examples/lm``) at GPT-2 small's
-  size: width 768, 12 layers of 12 heads, 1,024 positions (a byte vocabulary)."""
-  del params, leaves
+def gpt2_small():
+  """The main example's model (``examples/lm``) at GPT-2 small's size, fp16 compute over
+  float32 parameters: width 768, 12 layers of 12 heads, 1,024 positions (a byte
+  vocabulary), and the ``jax.ShapeDtypeStruct``s of its parameters."""
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
   from lm.model import Transformer
   from lm.precision import FP16
 
   model = Transformer(768, 12, 12, 1024, FP16)
   tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-  return jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+  return model, jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+
+
+def gpt2_small_tree(params: float = 0, leaves: int = 0) -> Any:
+  """The float32 parameters of :func:`gpt2_small`'s model."""
+  del params, leaves
+  return gpt2_small()[1]
 
 
 TREES = {"1b": lognormal_tree, "gpt2": gpt2_small_tree}
@@ -187,8 +193,46 @@ CASES["peer_select_at_end"] = Case(_select_at_end, "bare_adam")
 CASES["peer_apply_if_finite"] = Case(_apply_if_finite, "bare_adam")
 CASES["peer_lax_cond"] = Case(_lax_cond, "bare_adam")
 
+
+def _train_step(make: Callable[[], optax.GradientTransformation], batch: int = 8):
+  """The main example's whole train step at GPT-2 small's size (:func:`gpt2_small`; the
+  tree is not used): forward and backward in fp16 of a ``[batch, 1024]`` token window, the
+  gradients of ``scale_loss(loss)``, ``tx.update`` and ``optax.apply_updates``, the
+  parameters and optimizer state donated. ``tx = make()`` wraps clipping and AdamW."""
+
+  def build(tree):
+    del tree
+    model, params = gpt2_small()
+    from lm.model import loss_fn
+
+    tx = make()
+
+    def step(params, opt_state, tokens):
+      def scaled_loss(p):
+        loss = loss_fn(model, p, tokens)
+        return optax_dls.scale_loss(loss, opt_state), loss
+
+      grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    tokens = jax.ShapeDtypeStruct((batch, 1025), jnp.int32)
+    return step, (params, jax.eval_shape(tx.init, params), tokens), (0, 1)
+
+  return build
+
+
+_clip_adamw = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+CASES["train_no_loss_scale"] = Case(
+  _train_step(lambda: optax_dls.no_loss_scale(_clip_adamw())), "train_no_loss_scale"
+)
+CASES["train_dynamic_loss_scale"] = Case(
+  _train_step(lambda: dls(_clip_adamw())), "train_no_loss_scale"
+)
+
 GROUPS = {
-  "all": list(CASES),
+  "all": [n for n in CASES if not n.startswith("train_")],
+  "train_step": ["train_no_loss_scale", "train_dynamic_loss_scale"],
   "default": [
     "bare_adam",
     "bare_sgdm",

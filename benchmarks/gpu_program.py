@@ -13,9 +13,9 @@ Setup (on the CPU; the CUDA plugin compiles without a driver), the versions of j
     python benchmarks/gpu_program.py --target h100_sxm --tree 1b
 
 The cases are in ``gpu_cases.py``. One JSON file per target and tree goes to
-``benchmarks/gpu_program_<target>_<tree>.json``. Import this module before anything
-imports jax: it sets the environment the plugin needs (no driver check, no GPU looked
-for, CUDA after the CPU among the platforms).
+``benchmarks/gpu_program_<target>_<tree>.json``. Run it as a script, in a process of its
+own: before JAX starts its backends it sets the environment the plugin needs (no driver
+check, no GPU looked for, CUDA after the CPU among the platforms: :data:`ENVIRONMENT`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ import json
 import math
 import os
 import re
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
-os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = os.path.join(HERE, "gpu_targets")
@@ -147,6 +144,13 @@ HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 NO_KERNEL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
              "opt-barrier", "add-dependency", "partition-id", "replica-id"}  # fmt: skip
 HOST = {"send", "recv", "send-done", "recv-done", "infeed", "outfeed"}
+# What the CUDA plugin needs to compile without a GPU, set before JAX starts its backends.
+ENVIRONMENT = {
+  "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+  "CUDA_VISIBLE_DEVICES": "-1",
+  "JAX_PLATFORMS": "cpu,cuda",
+  "TF_CPP_MIN_LOG_LEVEL": "2",
+}
 
 
 def _arrays(shape: str) -> list[tuple[int, int]]:
@@ -295,6 +299,20 @@ def table(out: dict) -> str:
   return "\n".join("  ".join(cell(i, v) for i, v in enumerate(r)) for r in rows)
 
 
+def _fresh(args: argparse.Namespace, name: str) -> dict:
+  """Case ``name`` compiled in a new Python process (XLA reuses kernels within one)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "out.json")
+    command = [sys.executable, os.path.abspath(__file__), "--target", args.target,
+               "--tree", args.tree, "--leaves", str(args.leaves), "--cases", name,
+               "--json", path]  # fmt: skip
+    if args.params:
+      command += ["--params", str(args.params)]
+    subprocess.run(command, check=True, capture_output=True)
+    with open(path) as f:
+      return json.load(f)["cases"][name]
+
+
 def main(argv=None) -> dict:
   import gpu_cases
 
@@ -305,15 +323,17 @@ def main(argv=None) -> dict:
   ap.add_argument("--leaves", type=int, default=256, help="leaves of the '1b' tree")
   groups = sorted(gpu_cases.GROUPS)
   ap.add_argument("--cases", default="all", help=f"comma list of cases, or one of {groups}")
+  ap.add_argument("--repeats", type=int, default=1, help="compiles per case, each in a new process")
   ap.add_argument("--json", help="where to write the results (default: beside this file)")
   args = ap.parse_args(argv)
-  missing = plugin_missing()
-  if missing:
-    raise SystemExit(missing)
   try:
     target_path(args.target)
   except ValueError as e:
     ap.error(str(e))
+  missing = plugin_missing()
+  if missing:
+    raise SystemExit(missing)
+  os.environ.update(ENVIRONMENT)
   names = gpu_cases.GROUPS.get(args.cases) or args.cases.split(",")
   unknown = [n for n in names if n not in gpu_cases.CASES]
   if unknown:
@@ -327,7 +347,16 @@ def main(argv=None) -> dict:
          "leaves": len(jax.tree.leaves(tree)), "params": sum(x.size for x in jax.tree.leaves(tree)),
          "command": " ".join(["python benchmarks/gpu_program.py", *(argv or sys.argv[1:])]),
          "cases": {}}  # fmt: skip
-  for name in names:
+  if args.repeats > 1:  # each compile in a new process, the cases interleaved
+    runs: dict = {name: [] for name in names}
+    for _ in range(args.repeats):
+      for name in names:
+        runs[name].append(_fresh(args, name))
+    for name, results in runs.items():
+      seconds = [r["compile_s"] for r in results]
+      median = statistics.median(seconds)
+      out["cases"][name] = dict(results[0], compile_s=median, compile_runs=seconds)
+  for name in names if args.repeats <= 1 else ():
     case = gpu_cases.CASES[name]
     fn, structs, donate = case.build(tree)
     t = time.perf_counter()

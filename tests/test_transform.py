@@ -176,3 +176,27 @@ def test_apply_step_needs_params():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0))
   with pytest.raises(TypeError, match="params"):
     optax_dls.apply_step(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
+
+
+def test_a_scale_below_the_policys_range_skips_one_step_then_trains(lowering):
+  # A policy whose scales start at 1 never unscales by more than 1, so its check reads no
+  # largest magnitudes; a scale below 1 in its state (restored from a transformation with
+  # min_scale < 1, say) skips the step, and the policy's range holds from then on.
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, skip_lowering=lowering)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)._replace(loss_scale=jnp.float32(0.5))
+  step = jax.jit(tx.update)
+  updates, state = step({"w": jnp.full(2, 0.5)}, state, params)
+  assert not bool(state.last_step_finite)
+  np.testing.assert_array_equal(updates["w"], np.zeros(2))
+  assert float(state.loss_scale) == 1.0  # backed off, then kept within [1, 2**24]
+  updates, state = step({"w": jnp.full(2, 0.5)}, state, params)
+  assert bool(state.last_step_finite)
+  np.testing.assert_array_equal(updates["w"], np.full(2, -0.5))
+  # Below 1 by construction (min_scale < 1), the same scale is applied, exactly checked.
+  tx = optax_dls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=0.5, min_scale=0.25, skip_lowering=lowering
+  )
+  updates, state = jax.jit(tx.update)({"w": jnp.full(2, 0.5)}, tx.init(params), params)
+  assert bool(state.last_step_finite)
+  np.testing.assert_array_equal(updates["w"], np.full(2, -1.0))

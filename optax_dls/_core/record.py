@@ -34,7 +34,8 @@ def pack(flags: jax.Array) -> jax.Array:
   n = flags.shape[0]
   words = num_words(n)
   bits = jnp.pad(flags.astype(jnp.uint32), (0, words * WORD_BITS - n)).reshape(words, WORD_BITS)
-  return jnp.sum(bits << jnp.arange(WORD_BITS, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
+  shifts = jnp.arange(WORD_BITS, dtype=jnp.uint32).reshape(1, WORD_BITS)  # no rank promotion
+  return jnp.sum(bits << shifts, axis=1, dtype=jnp.uint32)
 
 
 def unpack(words: Any, num_leaves: int) -> np.ndarray:
