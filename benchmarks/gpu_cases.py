@@ -233,6 +233,16 @@ CASES["train_dynamic_loss_scale"] = Case(
 GROUPS = {
   "all": [n for n in CASES if not n.startswith("train_")],
   "train_step": ["train_no_loss_scale", "train_dynamic_loss_scale"],
+  "targets": [
+    "bare_adam",
+    "bare_sgdm",
+    "dls_auto_update",
+    "dls_auto_apply_step",
+    "dls_cond_update",
+    "dls_sgdm_update",
+    "peer_select_at_end",
+    "peer_lax_cond",
+  ],
   "default": [
     "bare_adam",
     "bare_sgdm",

@@ -314,6 +314,7 @@ def _fresh(args: argparse.Namespace, name: str) -> dict:
 
 
 def main(argv=None) -> dict:
+  sys.path.insert(0, HERE)
   import gpu_cases
 
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -374,5 +375,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, HERE)
   main()

@@ -1,10 +1,13 @@
-"""Selecting each new state value where the inner update computes it.
+"""Selecting each new state value where the inner update computes it: the skip of
+``"auto"`` on the CPU.
 
 The ``"where"`` skip runs the inner update on every step and keeps the old
 state with ``jnp.where(finite, new, old)``. Selected at the end, the updates
 (computed inside the inner update from the *new* state) would read the
 unselected values while the selected ones overwrite the old state in place (a
-donated state), and XLA copies the whole state first to order the two. So the
+donated state), and XLA's CPU backend copies the whole state first to order the
+two (XLA's GPU backend fuses each selection into the kernel that computes the new
+value, and the GPU program selects at the end). So the
 inner update is evaluated from its jaxpr, equation by equation, and each new
 state value is replaced by its selection right where it is computed: every
 later use, the updates included, reads the selected value, as a bare

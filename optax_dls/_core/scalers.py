@@ -155,8 +155,11 @@ def no_loss_scale(
     axis_name: as in :func:`loss_scaled`; here it only makes the ``grad_norm``
       metric the norm over every device.
     track_grad_norm: bool, measure the global gradient norm for
-      :func:`metrics` (one more read of the gradients per step). Default
-      False: ``grad_norm`` stays NaN.
+      :func:`metrics` (one more read of the gradients per step; nothing in the
+      step waits for it, so XLA's GPU backend merges that read with the
+      optimizer's elementwise work into reduction kernels: 1.072x bare Adam's
+      bytes at 1B parameters on an H100 target, 2.6 times the kernels, see the
+      performance guide). Default False: ``grad_norm`` stays NaN.
 
   Returns:
     A :class:`LossScaledTransformation` with ``passthrough`` True and a loss

@@ -96,7 +96,12 @@ def underflow_stats(
 
       tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)))
 
-  Cost: one extra read of the gradients per step.
+  Cost: one extra read of the gradients per step. Nothing in the step waits for
+  these fractions, so XLA's GPU backend merges their read with the optimizer's
+  elementwise work into reduction kernels (at 1B float32 parameters in 256 leaves
+  on an H100 target: 1.215x bare Adam's bytes against the default's 1.143x, and
+  twice the kernels; ``benchmarks/gpu_program.py``): chain it in to look, not in
+  every run.
 
   Args:
     labels: None (default: overall fractions only), a pytree of string labels
