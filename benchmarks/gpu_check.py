@@ -18,8 +18,7 @@ small's size (fp16 compute, clipping and AdamW, a ``[8, 1024]`` token batch, or
 object and writes it to ``--json``. Usage::
 
     python benchmarks/gpu_check.py [--params 1000000000] [--leaves 256] [--steps 20]
-    python benchmarks/gpu_check.py --variants device --kernels --train \
-        --json benchmarks/gpu_check_<gpu>.json
+    python benchmarks/gpu_check.py --variants device --train --json benchmarks/gpu_check_<gpu>.json
 
 Runs on the CPU too (with ``--params 2000000``, say), where it checks itself.
 """
@@ -142,6 +141,7 @@ VARIANTS = {
 # (finite, and skipped on the update path), and the conditional.
 DEVICE = ["bare_adam", "floor", "plain", "auto_update_finite", "auto_apply_step_finite",
           "auto_update_nonfinite", "cond_update_finite", "no_loss_scale_update"]  # fmt: skip
+GROUPS = {"device": DEVICE}
 
 
 def kernel_profile(path: str, steps: int, top: int = 12) -> dict:
@@ -295,7 +295,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--train-batch", type=int, default=8, help="sequences of 1,024 tokens")
   ap.add_argument("--json", help="also write the JSON object to this file")
   args = ap.parse_args(argv)
-  names = DEVICE if args.variants == "device" else args.variants.split(",")
+  names = GROUPS.get(args.variants) or args.variants.split(",")
   unknown = [n for n in names if n not in VARIANTS]
   if unknown:
     ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)} (or 'device')")

@@ -10,12 +10,26 @@ Setup (on the CPU; the CUDA plugin compiles without a driver), the versions of j
 
     pip install "jax-cuda12-plugin==$(python -c 'import jax; print(jax.__version__)')" \\
         "jax-cuda12-pjrt==$(python -c 'import jax; print(jax.__version__)')" nvidia-cuda-nvcc-cu12
-    python benchmarks/gpu_program.py --target h100_sxm --tree 1b
+    python benchmarks/gpu_program.py --target h100_sxm --tree 1b --cases default
 
-The cases are in ``gpu_cases.py``. One JSON file per target and tree goes to
-``benchmarks/gpu_program_<target>_<tree>.json``. Run it as a script, in a process of its
-own: before JAX starts its backends it sets the environment the plugin needs (no driver
-check, no GPU looked for, CUDA after the CPU among the platforms: :data:`ENVIRONMENT`).
+A first try: ``--params 1e7 --leaves 16 --cases default`` (seconds); every case at 1B
+parameters takes about 15 minutes on 2 CPU cores. The cases are in ``gpu_cases.py``
+(groups: ``all``, ``default``, ``targets``, ``train_step``, the train step of the main
+example at GPT-2 small's size whatever ``--tree``). The results go to ``--json``, or,
+for a case group at the default sizes, to ``benchmarks/gpu_program_<target>_<tree>.json``
+(``..._<group>.json`` for a group other than ``all``); other runs without ``--json``
+only print. Run it as a script, in a process of its own: before JAX starts its backends
+it sets the environment the plugin needs (no driver check, no GPU looked for, CUDA after
+the CPU among the platforms: :data:`ENVIRONMENT`). With the plugin installed, any JAX
+program on a machine without a GPU logs that no CUDA driver is found (and a plain one
+without ``JAX_PLATFORMS=cpu`` a plugin error before it falls back to the CPU): install it
+in a virtual environment of its own, or set ``JAX_PLATFORMS=cpu`` for other work.
+
+Columns: ``GB`` the bytes the kernels move; ``x bare`` against the case's baseline
+(the bare optimizer); ``kernels``, of which ``kLoop`` are elementwise and ``kInput``
+built around a reduction; ``merged`` the parameter-sized outputs computed inside
+reduction kernels (and ``merged GB`` their bytes); ``cond`` conditionals; ``host``
+host transfers and callbacks; ``copy`` copies.
 """
 
 from __future__ import annotations
@@ -317,7 +331,9 @@ def main(argv=None) -> dict:
   sys.path.insert(0, HERE)
   import gpu_cases
 
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ap.add_argument("--target", default="h100_sxm", help=f"one of {', '.join(KNOWN)}, or a path")
   ap.add_argument("--tree", default="1b", choices=sorted(gpu_cases.TREES), help="the parameters")
   ap.add_argument("--params", type=float, help="float32 parameters of the '1b' tree (default 1e9)")
@@ -368,10 +384,21 @@ def main(argv=None) -> dict:
     print(said, file=sys.stderr, flush=True)
   print(f"{out['device']} ({args.target}), {out['params']:,} parameters in {out['leaves']} leaves")
   print(table(out))
-  path = args.json or os.path.join(HERE, f"gpu_program_{args.target}_{args.tree}.json")
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
+  path = args.json or _default_path(args)
+  if path:
+    with open(path, "w") as f:
+      json.dump(out, f, indent=1)
   return out
+
+
+def _default_path(args: argparse.Namespace) -> str | None:
+  """Where a run without ``--json`` writes: a case group at the default sizes only."""
+  import gpu_cases
+
+  if args.params is not None or args.leaves != 256 or args.cases not in gpu_cases.GROUPS:
+    return None
+  group = "" if args.cases == "all" else f"_{args.cases}"
+  return os.path.join(HERE, f"gpu_program_{args.target}_{args.tree}{group}.json")
 
 
 if __name__ == "__main__":

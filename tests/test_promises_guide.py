@@ -312,5 +312,6 @@ def test_the_benchmark_commands_the_docs_name_parse_and_name_real_variants(monke
       modules[name].main(argv)
     args = parsed.value.args[0]
     if getattr(args, "variants", None):
-      unknown = set(args.variants.split(",")) - set(modules[name].VARIANTS)
+      groups = getattr(modules[name], "GROUPS", {})  # a named group of variants
+      unknown = set(args.variants.split(",")) - set(modules[name].VARIANTS) - set(groups)
       assert not unknown, f"{name} {argv}: no such variant {unknown}"

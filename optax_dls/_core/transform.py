@@ -143,12 +143,14 @@ def loss_scaled(
       ``NamedSharding``. Under ``vmap`` with an axis name every member shares
       one decision; without one each member keeps its own scale.
     skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the
-      skip is compiled (a ``lax.cond``, or a ``jnp.where`` selection fused
-      into the optimizer's elementwise work). Both make the same skip
-      decisions and scales; applied values agree to float32 rounding (some
-      entries may differ in the last bit); ``"auto"`` takes ``"where"``'s skip
-      with ``"cond"``'s one-read check on the CPU, and ``"where"`` on every
-      other platform (see ``docs/design.md``).
+      skip is compiled (a ``lax.cond``, or a ``jnp.where`` selection at the
+      end, which XLA's GPU backend fuses into the optimizer's kernels). Both
+      make the same skip decisions and scales; applied values agree to
+      float32 rounding (some entries may differ in the last bit); ``"auto"``
+      takes ``"where"`` on GPUs, TPUs and every other platform, and on the CPU
+      ``"cond"``'s one-read check with a ``jnp.where`` skip that selects each
+      new state value where the inner update computes it (a selection at the
+      end makes XLA's CPU backend copy the state; see ``docs/design.md``).
     labels: ``None`` (default), or parameter-group labels as in
       :func:`underflow_stats` (a pytree of strings matching the parameters, or
       a prefix of them, or a callable ``params -> such a pytree``; non-empty,
