@@ -54,7 +54,8 @@ KNOWN = sorted(f[: -len(".txtpb")] for f in os.listdir(TARGETS) if f.endswith(".
 
 def plugin_missing() -> str | None:
   """None when the CUDA plugin is installed; else the line that installs it."""
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") and importlib.util.find_spec("nvidia"):
+  found = importlib.util.find_spec  # a submodule's look-up raises without its package
+  if found("jax_plugins") and found("jax_plugins.xla_cuda12") and found("nvidia"):
     return None
   import jax
 
@@ -67,8 +68,16 @@ def plugin_missing() -> str | None:
 
 def target_path(target: str) -> str:
   """The spec file of ``target`` (a name in ``gpu_targets/``, or a path); ValueError naming
-  the known targets otherwise."""
+  the known targets otherwise, or saying why a path is no target spec."""
   if os.path.exists(target):
+    if not os.path.isfile(target):
+      raise ValueError(f"--target {target!r} is not a file: give a spec's path or a name")
+    with open(target) as f:
+      if not re.search(r"^\s*gpu_device_info\s*\{", f.read(), re.MULTILINE):
+        raise ValueError(
+          f"--target {target!r} holds no gpu_device_info: not a GPU target spec "
+          f"(GpuTargetConfigProto text, as in {TARGETS})"
+        )
     return target
   if target not in KNOWN:
     raise ValueError(f"unknown GPU target {target!r}; known targets: {', '.join(KNOWN)}")
@@ -118,7 +127,7 @@ def topology(target: str = "h100_sxm"):
       log.seek(0)
       said = log.read().decode(errors="replace")
     unknown = re.search(r'has no field named "(\w+)"', said)
-    if not unknown or unknown.group(1) in dropped:
+    if not unknown or unknown.group(1) in dropped or unknown.group(1) == "gpu_device_info":
       raise RuntimeError(f"{path}: {error}\n{said[-2000:]}") from error
     dropped.append(unknown.group(1))
     text = _without_field(text, unknown.group(1))
@@ -327,6 +336,25 @@ def _fresh(args: argparse.Namespace, name: str) -> dict:
       return json.load(f)["cases"][name]
 
 
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace, gpu_cases) -> list[str]:
+  """The case names ``args`` asks for, every argument checked (a usage error otherwise)."""
+  try:
+    target_path(args.target)
+  except ValueError as e:
+    ap.error(str(e))
+  if args.params is not None and not 0 < args.params < float("inf"):
+    ap.error(f"--params must be a positive number of parameters, got {args.params}")
+  if args.leaves < 1 or args.repeats < 1:
+    ap.error(f"--leaves and --repeats must be at least 1, got {args.leaves}, {args.repeats}")
+  if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+    ap.error(f"--json {args.json!r}: its folder does not exist")
+  names = gpu_cases.GROUPS.get(args.cases) or args.cases.split(",")
+  unknown = [n for n in names if n not in gpu_cases.CASES]
+  if unknown:
+    ap.error(f"unknown cases {unknown}; known: {', '.join(gpu_cases.CASES)}")
+  return names
+
+
 def main(argv=None) -> dict:
   sys.path.insert(0, HERE)
   import gpu_cases
@@ -343,18 +371,11 @@ def main(argv=None) -> dict:
   ap.add_argument("--repeats", type=int, default=1, help="compiles per case, each in a new process")
   ap.add_argument("--json", help="where to write the results (default: beside this file)")
   args = ap.parse_args(argv)
-  try:
-    target_path(args.target)
-  except ValueError as e:
-    ap.error(str(e))
+  names = _checked(ap, args, gpu_cases)
   missing = plugin_missing()
   if missing:
     raise SystemExit(missing)
   os.environ.update(ENVIRONMENT)
-  names = gpu_cases.GROUPS.get(args.cases) or args.cases.split(",")
-  unknown = [n for n in names if n not in gpu_cases.CASES]
-  if unknown:
-    ap.error(f"unknown cases {unknown}; known: {', '.join(gpu_cases.CASES)}")
   import jax
 
   tree = gpu_cases.TREES[args.tree](args.params or 1e9, args.leaves)
@@ -398,7 +419,8 @@ def _default_path(args: argparse.Namespace) -> str | None:
   if args.params is not None or args.leaves != 256 or args.cases not in gpu_cases.GROUPS:
     return None
   group = "" if args.cases == "all" else f"_{args.cases}"
-  return os.path.join(HERE, f"gpu_program_{args.target}_{args.tree}{group}.json")
+  target = os.path.splitext(os.path.basename(args.target))[0]
+  return os.path.join(HERE, f"gpu_program_{target}_{args.tree}{group}.json")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ import pytest
 
 BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 LEAVES = 64
-_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
+  importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+)
 needs_plugin = pytest.mark.skipif(
   not _PLUGIN,
   reason="JAX's CUDA plugin is not installed (pip install jax-cuda12-plugin==<jax's version> "
@@ -82,3 +84,19 @@ def test_without_the_plugin_the_install_line_is_given(monkeypatch):
     f"pip install jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}" in said
   )
   assert "nvidia-cuda-nvcc-cu12" in said
+
+
+@pytest.mark.parametrize(
+  "args, said",
+  [
+    (["--params", "0"], "--params must be a positive number"),
+    (["--leaves", "0"], "--leaves and --repeats must be at least 1"),
+    (["--repeats", "-2"], "--leaves and --repeats must be at least 1"),
+    (["--target", str(BENCHMARKS / "gpu_cases.py")], "holds no gpu_device_info"),
+    (["--target", str(BENCHMARKS)], "is not a file"),
+    (["--cases", "bare_adam,nope"], "unknown cases ['nope']"),
+  ],
+)
+def test_bad_arguments_are_refused_before_anything_compiles(args, said):
+  out = _run(*args, "--json", "/tmp/unused.json")
+  assert out.returncode == 2 and said in out.stderr, out.stderr[-2000:]

@@ -178,25 +178,22 @@ def test_apply_step_needs_params():
     optax_dls.apply_step(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
 
 
-def test_a_scale_below_the_policys_range_skips_one_step_then_trains(lowering):
-  # A policy whose scales start at 1 never unscales by more than 1, so its check reads no
-  # largest magnitudes; a scale below 1 in its state (restored from a transformation with
-  # min_scale < 1, say) skips the step, and the policy's range holds from then on.
+def test_a_scale_below_the_policys_range_is_checked_exactly_then_kept_in_range(lowering):
+  # A scale below 1 in the state of a policy whose range starts at 1 (restored from a
+  # transformation with min_scale < 1, or set by reset_scale without tx): the step is
+  # checked and unscaled by that scale, exactly, and the policy's range holds after it.
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, skip_lowering=lowering)
-  params = {"w": jnp.ones(2)}
+  params = {"w": jnp.ones(2), "h": jnp.zeros(2, jnp.float16)}
   state = tx.init(params)._replace(loss_scale=jnp.float32(0.5))
   step = jax.jit(tx.update)
-  updates, state = step({"w": jnp.full(2, 0.5)}, state, params)
-  assert not bool(state.last_step_finite)
-  np.testing.assert_array_equal(updates["w"], np.zeros(2))
-  assert float(state.loss_scale) == 1.0  # backed off, then kept within [1, 2**24]
-  updates, state = step({"w": jnp.full(2, 0.5)}, state, params)
-  assert bool(state.last_step_finite)
-  np.testing.assert_array_equal(updates["w"], np.full(2, -0.5))
-  # Below 1 by construction (min_scale < 1), the same scale is applied, exactly checked.
-  tx = optax_dls.dynamic_loss_scale(
-    optax.sgd(1.0), init_scale=0.5, min_scale=0.25, skip_lowering=lowering
-  )
-  updates, state = jax.jit(tx.update)({"w": jnp.full(2, 0.5)}, tx.init(params), params)
-  assert bool(state.last_step_finite)
+  grads = {"w": jnp.full(2, 0.5), "h": jnp.array([1.0, 2.0], jnp.float16)}
+  updates, new = step(grads, state, params)
+  assert bool(new.last_step_finite)
   np.testing.assert_array_equal(updates["w"], np.full(2, -1.0))
+  assert float(new.loss_scale) == 1.0  # kept within [1, 2**24]
+  # 40000 / 0.5 overflows float16 (the leaf's own dtype): skipped, the leaf named.
+  grads = {"w": jnp.full(2, 0.5), "h": jnp.array([40000.0, 1.0], jnp.float16)}
+  updates, new = step(grads, state, params)
+  assert not bool(new.last_step_finite)
+  assert optax_dls.nonfinite_leaves(new, params) == {"h": "inf"}
+  np.testing.assert_array_equal(updates["w"], np.zeros(2))

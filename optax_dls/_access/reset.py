@@ -24,10 +24,9 @@ def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:
   ``[min_scale, max_scale]`` raises and a traced one is clamped into it;
   without ``tx`` the value is only checked to be a valid scale, and the next
   update of the transformation keeps the scale it leaves within its range
-  (the loss of that step is scaled by ``value`` and unscaled by it too; a
-  ``value`` below 1 under a policy whose range starts at 1 or above skips that
-  step). A traced NaN makes the next step skip and restart from the policy's
-  initial scale. A state stacked by ``jax.vmap(tx.init)`` (an ensemble) takes one
+  (the loss of that step is scaled by ``value`` and unscaled by it too). A
+  traced NaN makes the next step skip and restart from the policy's initial
+  scale. A state stacked by ``jax.vmap(tx.init)`` (an ensemble) takes one
   ``value`` for every member, or one per member (an array of the stacked
   shape).
 

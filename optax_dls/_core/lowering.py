@@ -127,7 +127,7 @@ class Lowering(NamedTuple):
   """How the check and the skip are compiled.
 
   Attributes:
-    check: ``(grads, scale, axis_name, want_amax, below_one) -> Check``.
+    check: ``(grads, scale, axis_name, want_amax) -> Check``.
     select: ``(finite, apply, skipped, grads, inner_state, params) -> (out, inner_state)``.
   """
 
@@ -161,17 +161,12 @@ def _same_everywhere(part: int) -> bool:
 
 
 def auto_check(
-  grads: Any,
-  scale: jax.Array,
-  axis_name: Any = None,
-  want_amax: bool = False,
-  below_one: bool = True,
+  grads: Any, scale: jax.Array, axis_name: Any = None, want_amax: bool = False
 ) -> _numerics.Check:
   """The check of :data:`AUTO`'s lowering for the platform the program is lowered for."""
-  options = dict(want_amax=want_amax, below_one=below_one)
   if _same_everywhere(0):
-    return WHERE.check(grads, scale, axis_name, **options)
-  branches = _branches(0, lambda check, g, s: check(g, s, axis_name, **options))
+    return WHERE.check(grads, scale, axis_name, want_amax)
+  branches = _branches(0, lambda check, g, s: check(g, s, axis_name, want_amax))
   return lax.platform_dependent(grads, scale, **branches)
 
 

@@ -458,11 +458,7 @@ def leaf_codes(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
 
 
 def finite_and_norm(
-  grads: Any,
-  scale: jax.Array,
-  axis_name: _multi_device.AxisName = None,
-  want_amax: bool = False,
-  below_one: bool = True,
+  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None, want_amax: bool = False
 ) -> Check:
   """The check of ``u = unscale(grads, 1/scale)``, for the CPU: a :class:`Check`.
 
@@ -497,10 +493,7 @@ def finite_and_norm(
   data-parallel (all-reduced) gradients, and the same value on every device in
   every case. The per-leaf bits are the same on every device. With ``want_amax``, the
   :class:`Check` holds the largest magnitude too (:func:`global_amax`, one more read).
-  ``below_one`` is for the signature of :func:`finite_and_norm_fused`: this check is
-  exact for any scale.
   """
-  del below_one
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
   leaves = float_leaves(grads)
@@ -533,52 +526,44 @@ def finite_and_norm(
   return check._replace(finite=check.finite & valid, amax=top)
 
 
-def _reads(x: jax.Array, opaque: jax.Array, top: bool) -> tuple[jax.Array, ...]:
+def _reads(x: jax.Array, opaque: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One read of leaf ``x`` (non-empty), a single variadic reduction (one kernel on a GPU,
   whatever else reads the leaf), each result a ``()`` of the compute dtype's real type:
   the sum of ``|x|**2``; the sum of ``|x * _TINY|**2`` (``opaque`` is that factor), as in
-  :func:`tiny_square_sums`: finite exactly when every entry is, NaN when one is NaN; and,
-  with ``top``, the largest real or imaginary magnitude."""
+  :func:`tiny_square_sums`: finite exactly when every entry is, NaN when one is NaN; and
+  the largest real or imaginary magnitude."""
   ct = compute_dtype(x.dtype)
   real = jnp.finfo(ct).dtype
   x = _as(x, ct)
-  operands = [_abs2(x), _abs2(lax.mul(x, _as(opaque, ct)))]
-  ops = [lax.add, lax.add]
-  if top:
-    if jnp.issubdtype(ct, jnp.complexfloating):
-      operands.append(lax.max(lax.abs(lax.real(x)), lax.abs(lax.imag(x))))
-    else:
-      operands.append(lax.abs(x))
-    ops.append(lax.max)
-  zeros = (jnp.zeros([], real),) * len(operands)
+  if jnp.issubdtype(ct, jnp.complexfloating):
+    top = lax.max(lax.abs(lax.real(x)), lax.abs(lax.imag(x)))
+  else:
+    top = lax.abs(x)
+  operands = (_abs2(x), _abs2(lax.mul(x, _as(opaque, ct))), top)
+  zero = jnp.zeros([], real)
 
   def combine(a: tuple, b: tuple) -> tuple:
-    return tuple(op(u, v) for op, u, v in zip(ops, a, b, strict=True))
+    return lax.add(a[0], b[0]), lax.add(a[1], b[1]), lax.max(a[2], b[2])
 
-  return tuple(lax.reduce(tuple(operands), zeros, combine, tuple(range(x.ndim))))
+  return tuple(lax.reduce(operands, (zero, zero, zero), combine, tuple(range(x.ndim))))
 
 
 def finite_and_norm_fused(
-  grads: Any,
-  scale: jax.Array,
-  axis_name: _multi_device.AxisName = None,
-  want_amax: bool = False,
-  below_one: bool = True,
+  grads: Any, scale: jax.Array, axis_name: _multi_device.AxisName = None, want_amax: bool = False
 ) -> Check:
   """:func:`finite_and_norm` with no conditional, for GPUs and TPUs: one read of each
   leaf, so no predicate has to reach the host.
 
   Per leaf, one variadic reduction (a single kernel on a GPU) gives the sum of
-  ``|x|**2`` and the sum of the squares of ``x * 2**-100`` (:func:`tiny_square_sums`:
-  finite exactly when every entry is, where the plain squares can overflow); all the rest
-  is arithmetic on the vector of those sums. With ``below_one`` (the loss scale may be
-  below 1, where unscaling can overflow a finite gradient) the same reduction also gives
-  each leaf's largest magnitude, which decides that exactly (:func:`leaf_codes`); without
-  it, the caller makes a scale below 1 skip the step. Everything the check reads feeds
-  the finite flag, and every parameter-sized operation of the step waits for the flag,
-  so XLA cannot merge the optimizer's elementwise work into these reductions. The flag
-  and the bits equal those of :func:`finite_and_norm`; the norm equals it when the
-  squares do not overflow, and is within float32 rounding of it otherwise. With
+  ``|x|**2``, the sum of the squares of ``x * 2**-100`` (:func:`tiny_square_sums`:
+  finite exactly when every entry is, where the plain squares can overflow) and the
+  largest magnitude, which decides exactly whether unscaling overflows the leaf's dtype
+  at a scale below 1 (:func:`leaf_codes`). The per-leaf results are joined into one
+  vector, and the flag, the bits and the norm are arithmetic on it. Everything the check
+  reads feeds the finite flag, and every parameter-sized operation of the step waits for
+  the flag, so XLA cannot merge the optimizer's elementwise work into these reductions.
+  The flag and the bits equal those of :func:`finite_and_norm`; the norm equals it when
+  the squares do not overflow, and is within float32 rounding of it otherwise. With
   ``want_amax``, the :class:`Check` holds the largest magnitude of the scaled gradients
   too (:func:`global_amax`), from the same reads where no leaf is complex.
   """
@@ -589,51 +574,54 @@ def finite_and_norm_fused(
     norm = jnp.zeros([], jnp.float32)
     amax = jnp.zeros([], jnp.float32) if want_amax else None
     return _check(jnp.zeros([0], jnp.int32), valid, norm, axis_name)._replace(amax=amax)
-  complex_leaves = any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x in leaves)
-  tops = below_one or (want_amax and not complex_leaves)
   opaque: dict[Any, jax.Array] = {}  # see tiny_square_sums: XLA must not square the factor
-  parts: list[list[jax.Array]] = [[], [], []]  # sums of squares, tiny sums, magnitudes
-  wide: list[Any] = []
+  sq, tiny, tops = [], [], []
   for x in leaves:
     real = jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype)
     if x.size:
       if real not in opaque:
         opaque[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
-      reads = _reads(x, opaque[real], tops)
+      reads = _reads(x, opaque[real])
     else:
-      reads = (jnp.zeros([], real),) * (2 + tops)
-    parts[0].append(_as(reads[0], jnp.float32))
-    parts[1].append(_as(lax.mul(reads[1], jnp.asarray(_TO_FLOAT32[real], real)), jnp.float32))
-    # A wider leaf's tiny sum can pass float32's range with finite entries: told in its dtype.
-    wide.append(jnp.isinf(reads[1]) if real.itemsize > 4 else None)
-    if tops:
-      parts[2].append(_as(reads[2], jnp.real(x).dtype))  # exact: a maximum of its entries
-  # One vector of every leaf's sums, behind a barrier: every later use reads it (XLA
+      reads = (jnp.zeros([], real),) * 3
+    sq.append(_as(reads[0], jnp.float32))
+    # (A float64 leaf's tiny sum, brought to float32's scale, can pass float32's range with
+    # finite entries: the codes come from the largest magnitudes, in each leaf's dtype.)
+    tiny.append(_as(lax.mul(reads[1], jnp.asarray(_TO_FLOAT32[real], real)), jnp.float32))
+    tops.append(_as(reads[2], jnp.real(x).dtype))  # exact: a maximum of the leaf's entries
+  # One vector of every leaf's results, behind a barrier: every later use reads it (XLA
   # would otherwise rewrite each sum over it as sums over the leaves' results again).
   n = len(leaves)
-  sq, tiny = lax.optimization_barrier(jnp.stack(parts[0] + parts[1])).reshape(2, n)
+  if all(jnp.dtype(t.dtype) == jnp.float32 for t in tops):
+    sq_v, tiny_v, top_v = lax.optimization_barrier(jnp.stack(sq + tiny + tops)).reshape(3, n)
+    codes = _codes_float32(top_v, inv)
+  else:  # other dtypes: each leaf's magnitude told in its own dtype
+    sq_v, tiny_v = lax.optimization_barrier(jnp.stack(sq + tiny)).reshape(2, n)
+    codes = leaf_codes(tops, inv)
   sizes = _multi_device.axis_sizes(axis_name)
   copies = np.asarray([_multi_device.replicas(x, sizes) for x in leaves], np.float32)
   names = _multi_device.axis_names(axis_name)
-  total = _multi_device.psum(jnp.sum(sq / copies), names)
-  tiny_total = _multi_device.psum(jnp.sum(tiny / copies), names)
+  total = _multi_device.psum(jnp.sum(sq_v / copies), names)
+  tiny_total = _multi_device.psum(jnp.sum(tiny_v / copies), names)
   # sqrt(tiny_total) * 2**100 * inv: no intermediate overflows unless the norm does.
   norm = jnp.where(
     jnp.isfinite(total), jnp.sqrt(total) * inv, jnp.sqrt(tiny_total) * 2.0**50 * inv * 2.0**50
   )
-  nan = jnp.isnan(sq) | jnp.isnan(tiny)
-  if below_one:
-    codes = jnp.where(nan, 2, leaf_codes(parts[2], inv))
-  else:  # a scale of at least 1: unscaling only shrinks, an infinity shows in its tiny sum
-    inf = jnp.isinf(tiny)
-    if any(w is not None for w in wide):
-      native = jnp.stack([jnp.bool_(False) if w is None else w for w in wide])
-      inf = jnp.where(np.asarray([w is not None for w in wide]), native, inf)
-    codes = jnp.where(nan, 2, jnp.where(inf, 1, 0))
-  check = _check(codes.astype(jnp.int32), valid, norm, axis_name)
+  # A NaN shows in its leaf's sums whatever the reduction's order; a maximum may drop it.
+  codes = jnp.where(jnp.isnan(sq_v) | jnp.isnan(tiny_v), 2, codes).astype(jnp.int32)
+  check = _check(codes, valid, norm, axis_name)
   if not want_amax:
     return check
-  if complex_leaves:  # the largest modulus, not the largest real or imaginary part
+  if any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x in leaves):  # |x|, not re or im
     return check._replace(amax=global_amax(grads, axis_name))
-  top = functools.reduce(lax.max, [_as(t, jnp.float32) for t in parts[2]])
+  top = functools.reduce(lax.max, [_as(t, jnp.float32) for t in tops])
   return check._replace(amax=_multi_device.pmax(top, axis_name))
+
+
+def _codes_float32(top: jax.Array, inv: jax.Array) -> jax.Array:
+  """int32 ``[n]`` from float32 leaves' largest magnitudes ``top`` (a vector): 1 where one
+  is infinite once unscaled by ``inv`` where that is above 1 (:func:`leaf_codes`' rule),
+  2 where it is NaN, 0 otherwise."""
+  k = jnp.where(inv > 1, inv, 1.0).astype(jnp.float32)
+  unscaled = top * k
+  return jnp.where(jnp.isnan(unscaled), 2, jnp.where(jnp.isinf(unscaled), 1, 0))

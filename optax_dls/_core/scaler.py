@@ -188,15 +188,9 @@ class LossScaler:
     leaves = _numerics.float_leaves(grads) + ([] if loss is None else [loss])
     _multi_device.check_axis_coverage(leaves, state.loss_scale, self.axis_name)
     wants_amax = "amax" in self.policy.stats
-    # A policy whose scales start at 1 or above never unscales by more than 1: the check
-    # needs no largest magnitudes, and a scale below 1 (a state restored from elsewhere)
-    # skips the step, after which the policy's range holds.
-    below_one = bool(self.scale_range[0] < 1)
-    scale = state.loss_scale
-    check = self.lowering.check(grads, scale, self.axis_name, wants_amax, below_one)
-    in_range = jnp.bool_(True) if below_one else scale >= 1
+    check = self.lowering.check(grads, state.loss_scale, self.axis_name, wants_amax)
     loss_bad = loss_not_finite(loss, self.axis_name) | pending_loss(state)
-    return check, loss_bad, check.finite & in_range & ~loss_bad
+    return check, loss_bad, check.finite & ~loss_bad
 
   def check_policy_state(self, state: LossScaleState) -> None:
     """ValueError when ``state``'s policy state is not of this transformation's policy (a
