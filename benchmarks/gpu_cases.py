@@ -203,31 +203,41 @@ def _train_step(make: Callable[[], optax.GradientTransformation], batch: int = 8
   def build(tree):
     del tree
     model, params = gpt2_small()
-    from lm.model import loss_fn
-
     tx = make()
-
-    def step(params, opt_state, tokens):
-      def scaled_loss(p):
-        loss = loss_fn(model, p, tokens)
-        return optax_dls.scale_loss(loss, opt_state), loss
-
-      grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
     tokens = jax.ShapeDtypeStruct((batch, 1025), jnp.int32)
-    return step, (params, jax.eval_shape(tx.init, params), tokens), (0, 1)
+    return train_step(model, tx), (params, jax.eval_shape(tx.init, params), tokens), (0, 1)
 
   return build
 
 
-_clip_adamw = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+def train_step(model, tx: optax.GradientTransformation):
+  """``step(params, opt_state, tokens) -> (params, opt_state, loss)``: the gradients of
+  ``scale_loss(loss_fn(...))`` for ``model`` (of ``examples/lm``), ``tx.update`` and
+  ``optax.apply_updates``."""
+  from lm.model import loss_fn
+
+  def step(params, opt_state, tokens):
+    def scaled_loss(p):
+      loss = loss_fn(model, p, tokens)
+      return optax_dls.scale_loss(loss, opt_state), loss
+
+    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def clip_adamw() -> optax.GradientTransformation:
+  """The main example's optimizer: clipping at norm 1, then AdamW."""
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+
+
 CASES["train_no_loss_scale"] = Case(
-  _train_step(lambda: optax_dls.no_loss_scale(_clip_adamw())), "train_no_loss_scale"
+  _train_step(lambda: optax_dls.no_loss_scale(clip_adamw())), "train_no_loss_scale"
 )
 CASES["train_dynamic_loss_scale"] = Case(
-  _train_step(lambda: dls(_clip_adamw())), "train_no_loss_scale"
+  _train_step(lambda: dls(clip_adamw())), "train_no_loss_scale"
 )
 
 GROUPS = {

@@ -241,8 +241,6 @@ def run_train(steps: int, batch: int = 8) -> dict:
   import gpu_cases
 
   model, _ = gpu_cases.gpt2_small()
-  from lm.model import loss_fn
-
   params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(jax.random.key(1), (batch, 1025), 0, 256, jnp.int32)
   out = {}
@@ -250,17 +248,8 @@ def run_train(steps: int, batch: int = 8) -> dict:
     ("no_loss_scale", optax_dls.no_loss_scale),
     ("dynamic_loss_scale", optax_dls.dynamic_loss_scale),
   ):
-    tx = wrap(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4)))
-
-    def step(p, s, t, tx=tx):
-      def scaled(p):
-        loss = loss_fn(model, p, t)
-        return optax_dls.scale_loss(loss, s), loss
-
-      grads, loss = jax.grad(scaled, has_aux=True)(p)
-      updates, s = tx.update(grads, s, p)
-      return optax.apply_updates(p, updates), s, loss
-
+    tx = wrap(gpu_cases.clip_adamw())
+    step = gpu_cases.train_step(model, tx)
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, tokens).compile()
     for _ in range(3):

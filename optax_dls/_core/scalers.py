@@ -158,7 +158,7 @@ def no_loss_scale(
       :func:`metrics` (one more read of the gradients per step; nothing in the
       step waits for it, so XLA's GPU backend merges that read with the
       optimizer's elementwise work into reduction kernels: 1.072x bare Adam's
-      bytes at 1B parameters on an H100 target, 2.6 times the kernels, see the
+      bytes at 1B parameters on an H100 target, 2.7 times the kernels, see the
       performance guide). Default False: ``grad_norm`` stays NaN.
 
   Returns:
