@@ -197,3 +197,28 @@ def test_a_scale_below_the_policys_range_is_checked_exactly_then_kept_in_range(l
   assert not bool(new.last_step_finite)
   assert optax_dls.nonfinite_leaves(new, params) == {"h": "inf"}
   np.testing.assert_array_equal(updates["w"], np.zeros(2))
+
+
+@pytest.mark.parametrize("extra", ["plain", "labels", "amax"])
+def test_update_and_apply_step_run_under_rank_promotion_raise(lowering, extra):
+  # Strict trainers set jax_numpy_rank_promotion="raise": nothing inside may broadcast
+  # a lower-rank array implicitly (the record's bit packing once did).
+  make = {
+    "plain": lambda: optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering=lowering),
+    "labels": lambda: optax_dls.dynamic_loss_scale(
+      optax.adam(1e-3), skip_lowering=lowering, labels=lambda p: {"a": "x", "b": "y"}
+    ),
+    "amax": lambda: optax_dls.loss_scaled(
+      optax.adam(1e-3), optax_dls.amax_policy(), skip_lowering=lowering
+    ),
+  }[extra]
+  params = {"a": jnp.ones((3, 4)), "b": jnp.ones(5)}
+  with jax.numpy_rank_promotion("raise"):
+    tx = make()
+    state = tx.init(params)
+    bad = {"a": jnp.full((3, 4), jnp.inf), "b": jnp.ones(5)}
+    _, state = jax.jit(tx.update)(bad, state, params)
+    new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(params, state, params)
+  assert optax_dls.nonfinite_leaves(state, params) == {"a": "inf"}
+  assert bool(state.last_step_finite) and int(state.num_skipped) == 1
+  np.testing.assert_allclose(new["b"], np.full(5, 1.0 - 1e-3), rtol=1e-5)  # Adam's first step
