@@ -13,13 +13,15 @@ from typing import Any
 
 import optax
 
-MULTISTEPS_OUTSIDE = (
-  "opt_state is an optax.MultiSteps state wrapping a loss-scaled optimizer, "
+_WHY = (
   "MultiSteps(dynamic_loss_scale(...)). This order is not supported: MultiSteps adds every "
   "micro-batch to its accumulator before the loss scaler can check it, so one non-finite "
   "micro-batch poisons the accumulator for good (0 * NaN = NaN). Put the loss scaling "
   "outside: optax_dls.dynamic_loss_scale(optax.MultiSteps(inner, every_k_schedule=k)); "
   "a non-finite micro-batch is then dropped and the loss scale backs off."
+)
+MULTISTEPS_OUTSIDE = (
+  f"opt_state is an optax.MultiSteps state wrapping a loss-scaled optimizer, {_WHY}"
 )
 
 
@@ -34,6 +36,14 @@ def check_inner(inner: Any) -> optax.GradientTransformation:
       f"{type(inner).__name__}."
     )
   return inner
+
+
+def refuse_multisteps_outside(tx: Any, name: str = "tx") -> None:
+  """ValueError when ``tx`` is ``optax.MultiSteps`` around a loss-scaled transformation (the
+  refused order), naming the supported one."""
+  inner = getattr(tx, "_opt", None) if isinstance(tx, optax.MultiSteps) else None
+  if inner is not None and getattr(inner, "back_off", None) is not None:
+    raise ValueError(f"{name} is an optax.MultiSteps around a loss-scaled transformation, {_WHY}")
 
 
 def is_multisteps_state(node: Any) -> bool:

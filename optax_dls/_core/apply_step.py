@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import optax
 
+from optax_dls._core import accumulation as _accumulation
 from optax_dls._core.state import LossScaleState
 
 
@@ -52,6 +53,8 @@ def apply_step(
   Raises:
     TypeError: ``tx`` is not an optax transformation, ``params`` is None, or
       ``opt_state`` is not ``tx``'s state.
+    ValueError: ``tx`` is ``optax.MultiSteps`` around a loss-scaled transformation
+      (put the loss scaling outside: ``dynamic_loss_scale(optax.MultiSteps(...))``).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -62,6 +65,7 @@ def apply_step(
     >>> params['w']
     Array([0.5, 0.5], dtype=float32)
   """
+  _accumulation.refuse_multisteps_outside(tx)
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
       f"tx must be an optax.GradientTransformation, got {tx!r} of type {type(tx).__name__}."

@@ -20,6 +20,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from optax_dls._access import find as _find
 from optax_dls._access import loss as _loss
+from optax_dls._core import accumulation as _accumulation
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._core import numerics as _numerics
 from optax_dls._core.record import NonFiniteRecord
@@ -97,6 +98,7 @@ def make_plan(
 ) -> Plan:
   """The :class:`Plan` of a recomputing ``grad_fn``; raises what :func:`value_and_grad` does."""
   max_tries, argnums, has_aux = checked(fun, fp32_fun, max_tries, argnums, has_aux)
+  _accumulation.refuse_multisteps_outside(tx, tx_name)
   back_off = tx.back_off if isinstance(tx, LossScaledTransformation) else None
   if back_off is None:
     raise TypeError(
@@ -226,7 +228,8 @@ def value_and_grad(
       returns no ``(loss, aux)`` pair with ``has_aux``, fewer positional
       arguments than ``argnums`` asks for.
     ValueError: ``max_tries`` out of range, a negative or repeated
-      ``argnums``; (when called) a first argument that holds no loss-scale
+      ``argnums``, ``tx`` an ``optax.MultiSteps`` around a loss-scaled
+      transformation (the refused order); (when called) a first argument that holds no loss-scale
       state (the message gives the order, and says when the arguments look
       swapped) or several, outputs of ``fun`` and ``fp32_fun`` that differ in
       structure or shape, or more than one :func:`recompute_stats` in ``tx``.
