@@ -84,15 +84,6 @@ def by_cond(
   return lax.cond(finite, apply, skip, grads, inner_state, params)
 
 
-def _selected_at_the_end(
-  finite: jax.Array, apply: Apply, grads: Any, inner_state: Any, params: Any
-) -> tuple[Any, Any]:
-  """``apply`` as it is, its new state selected at the end: ``jnp.where(finite, new, old)``."""
-  out, new_s = apply(grads, inner_state, params)
-  keep = lambda new, old: _types.select(finite, new, _types.like(old, new))
-  return out, jax.tree.map(keep, new_s, inner_state)
-
-
 def by_where(
   finite: jax.Array, apply: Apply, skipped: Skipped, grads: Any, inner_state: Any, params: Any
 ) -> tuple[Any, Any]:

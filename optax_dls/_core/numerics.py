@@ -271,11 +271,20 @@ def _codes_by_dtype(values: list[jax.Array], k: jax.Array | None = None) -> jax.
   if not values:
     return jnp.zeros([0], jnp.int32)
 
-  def codes(dtype: Any, v: jax.Array) -> jax.Array:
-    v = v if k is None else unscale(v, k)
-    return jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32)
+  return _per_dtype(values, lambda dtype, v: _classified(v, k))
 
-  return _per_dtype(values, codes)
+
+def _classified(v: jax.Array, k: jax.Array | None = None) -> jax.Array:
+  """int32, entry by entry: 2 where ``v`` (unscaled by ``k`` in its own dtype, if given) is
+  NaN, 1 where it is infinite, 0 otherwise."""
+  v = v if k is None else unscale(v, k)
+  return jnp.where(jnp.isnan(v), 2, jnp.where(jnp.isinf(v), 1, 0)).astype(jnp.int32)
+
+
+def _above_one(inv_scale: jax.Array) -> jax.Array:
+  """float32 ``()``: ``inv_scale`` where it is above 1 (a loss scale below 1, where the
+  unscaled values are checked themselves), else 1."""
+  return jnp.where(inv_scale > 1, inv_scale, 1.0).astype(jnp.float32)
 
 
 # Each entry times _TINY[compute dtype], squared: far from overflow for every finite
@@ -302,10 +311,10 @@ def _own_zero(x: jax.Array) -> jax.Array:
   reshape made the compiler gather the whole leaf; the slice costs one element's
   broadcast. A leaf sharded over ``Explicit`` mesh axes gets a plain zero.
 
-  The factor costs a kernel of its own per leaf: worth it on a read every step runs
-  (:func:`finite_and_norm_fused`), not on the rare exact path, where the written product
-  (two small leaves' worth of scratch memory, reused leaf after leaf) compiles faster than the
-  fused reduction.
+  The factor costs a kernel of its own per leaf: worth it for a large leaf, whose written
+  product would be scratch memory of its size, not for a small one, whose written product
+  (two small leaves' worth of scratch memory, reused leaf after leaf) compiles faster than
+  the fused reduction.
   """
   real = jnp.real(x).dtype
   spec = getattr(getattr(_multi_device.typeof(x), "sharding", None), "spec", None)
@@ -320,11 +329,10 @@ def _own_zero(x: jax.Array) -> jax.Array:
 _WRITTEN_OUT_MAX = 2**18
 
 
-def _fused_zero(x: jax.Array, fused: bool) -> jax.Array | None:
-  """:func:`_own_zero` of ``x`` where a product with ``x`` must be fused into its read:
-  always when ``fused``, otherwise for a leaf of more than ``_WRITTEN_OUT_MAX`` entries;
-  None where the product may be written out."""
-  return _own_zero(x) if fused or x.size > _WRITTEN_OUT_MAX else None
+def _fused_zero(x: jax.Array) -> jax.Array | None:
+  """:func:`_own_zero` of ``x`` where a product with ``x`` must be fused into its read (a
+  leaf of more than ``_WRITTEN_OUT_MAX`` entries); None where it may be written out."""
+  return _own_zero(x) if x.size > _WRITTEN_OUT_MAX else None
 
 
 def _factor(s: jax.Array, zero: jax.Array | None) -> jax.Array:
@@ -332,18 +340,16 @@ def _factor(s: jax.Array, zero: jax.Array | None) -> jax.Array:
   return s if zero is None else lax.add(s, zero)
 
 
-def tiny_square_sums(
-  leaves: list[jax.Array], k: jax.Array | None = None, fused: bool = False
-) -> list[jax.Array]:
+def tiny_square_sums(leaves: list[jax.Array], k: jax.Array | None = None) -> list[jax.Array]:
   """Per leaf, the sum of ``|u * _TINY|**2`` in the leaf's compute dtype, one read, with
   ``u`` the leaf times ``k`` (a float32 ``()`` >= 1, default 1; the compute dtype's
   product, as :func:`unscale` forms it). Finite exactly when every entry of ``u`` is
   finite, NaN when one is NaN, +inf when one is infinite and none NaN; and, brought to
-  float32 (:func:`tiny_norm`), the norm without overflow. ``fused``: the factors are
-  computed from each leaf (:func:`_own_zero`), so that XLA's CPU backend fuses the
-  product into the read instead of writing it out; otherwise only for leaves of more
-  than ``_WRITTEN_OUT_MAX`` entries (a smaller leaf's product is written out: at most
-  a few MiB of scratch memory, and a faster compile)."""
+  float32 (:func:`tiny_norm`), the norm without overflow. For a leaf of more than
+  ``_WRITTEN_OUT_MAX`` entries the factors are computed from the leaf (:func:`_own_zero`),
+  so that XLA's CPU backend fuses the product into the read instead of writing it out; a
+  smaller leaf's product is written out (at most a few MiB of scratch memory, and a
+  faster compile)."""
   # The factor must not be a constant XLA can see: it would rewrite (x * t)**2 as
   # x**2 * t**2, and t**2 is not a float32 number (0: inf * 0 = NaN). A zero computed from
   # the leaf does not hide it: XLA's GPU backend folds it away.
@@ -356,7 +362,7 @@ def tiny_square_sums(
       out.append(jnp.zeros([], real))
       continue
     x = _as(leaf, ct)
-    zero = _fused_zero(x, fused)
+    zero = _fused_zero(x)
     if k is not None:
       x = lax.mul(x, _as(_factor(_as(k, real), zero), ct))
     if real not in opaque:
@@ -376,7 +382,7 @@ def _low_precision_overflow(leaves: list[jax.Array], k: jax.Array) -> jax.Array:
     if jnp.dtype(leaf.dtype) == jnp.dtype(ct) or not leaf.size:
       continue
     x = _as(leaf, ct)
-    factor = _factor(_as(k, jnp.finfo(ct).dtype), _fused_zero(x, False))
+    factor = _factor(_as(k, jnp.finfo(ct).dtype), _fused_zero(x))
     top = leaf_amax([lax.mul(x, _as(factor, ct))])[0]
     bad = bad | ~jnp.isfinite(top.astype(leaf.dtype))  # rounds to the leaf's dtype as unscale
   return bad
@@ -453,8 +459,7 @@ def leaf_codes(amax: list[jax.Array], inv_scale: jax.Array) -> jax.Array:
   magnitude is the first entry to overflow when unscaled, in the leaf's own dtype."""
   if not amax:
     return jnp.zeros([0], jnp.int32)
-  k = jnp.where(inv_scale > 1, inv_scale, 1.0).astype(jnp.float32)
-  return _codes_by_dtype(amax, k)
+  return _codes_by_dtype(amax, _above_one(inv_scale))
 
 
 def finite_and_norm(
@@ -505,7 +510,7 @@ def finite_and_norm(
     return Check(jnp.bool_(True), jnp.sqrt(s) * i, clear, clear)
 
   def exact(g: list[jax.Array], i: jax.Array, s: jax.Array) -> Check:
-    k = jnp.where(i > 1, i, 1.0).astype(jnp.float32)  # a loss scale below 1: check u itself
+    k = _above_one(i)  # a loss scale below 1: check u itself
     tiny = tiny_square_sums(g, k)
     codes = _codes_by_dtype(tiny)
     norm = jnp.where(jnp.isfinite(s), jnp.sqrt(s) * i, tiny_norm(g, tiny, i / k, axis_name))
@@ -594,7 +599,7 @@ def finite_and_norm_fused(
   n = len(leaves)
   if all(jnp.dtype(t.dtype) == jnp.float32 for t in tops):
     sq_v, tiny_v, top_v = lax.optimization_barrier(jnp.stack(sq + tiny + tops)).reshape(3, n)
-    codes = _codes_float32(top_v, inv)
+    codes = _classified(top_v, _above_one(inv))  # leaf_codes' rule, on the vector
   else:  # other dtypes: each leaf's magnitude told in its own dtype
     sq_v, tiny_v = lax.optimization_barrier(jnp.stack(sq + tiny)).reshape(2, n)
     codes = leaf_codes(tops, inv)
@@ -616,12 +621,3 @@ def finite_and_norm_fused(
     return check._replace(amax=global_amax(grads, axis_name))
   top = functools.reduce(lax.max, [_as(t, jnp.float32) for t in tops])
   return check._replace(amax=_multi_device.pmax(top, axis_name))
-
-
-def _codes_float32(top: jax.Array, inv: jax.Array) -> jax.Array:
-  """int32 ``[n]`` from float32 leaves' largest magnitudes ``top`` (a vector): 1 where one
-  is infinite once unscaled by ``inv`` where that is above 1 (:func:`leaf_codes`' rule),
-  2 where it is NaN, 0 otherwise."""
-  k = jnp.where(inv > 1, inv, 1.0).astype(jnp.float32)
-  unscaled = top * k
-  return jnp.where(jnp.isnan(unscaled), 2, jnp.where(jnp.isinf(unscaled), 1, 0))

@@ -131,7 +131,7 @@ class LossScaler:
     not finite, ``state`` with the policy's move for that overflow (the scale to
     recompute at) and the record of where it came from. Nothing else changes."""
     check, loss_bad, finite = self._check(grads, state, loss)
-    new_scale, policy_state = self._policy_step(grads, state, finite, check)
+    new_scale, policy_state = self._policy_step(state, finite, check)
     keep = lambda old, new: jnp.where(finite, old, new)
     record = self._record(grads, state, check, finite, loss_bad)
     moved = with_scale(
@@ -169,7 +169,7 @@ class LossScaler:
     result, inner_state = select(finite, apply, output.skipped, grads, state.inner_state, kept)
     if held is not None and output is PARAMS:
       result = whole(result)
-    new_scale, policy_state = self._policy_step(grads, state, finite, check)
+    new_scale, policy_state = self._policy_step(state, finite, check)
     record = self._record(grads, state, check, finite, loss_bad)
     new = advance(
       state, finite, check.grad_norm, record, new_scale, policy_state, inner_state, self.scale_range
@@ -232,11 +232,10 @@ class LossScaler:
     return _labels.leaf_labels(self.labels, tree, "loss_scaled")
 
   def _policy_step(
-    self, grads: Any, state: LossScaleState, finite: jax.Array, check: _numerics.Check
+    self, state: LossScaleState, finite: jax.Array, check: _numerics.Check
   ) -> tuple[jax.Array, Any]:
     """``policy.update`` on this step's statistics (the check's, the largest magnitude
     included where the policy asks for it); an invalid scale restarts at the initial one."""
-    del grads
     valid = _numerics.valid_scale(state.loss_scale)
     stats = _policies.GradStats(finite, state.num_steps, check.grad_norm, check.amax)
     scale = jnp.where(valid, state.loss_scale, self.init_scale)
