@@ -87,6 +87,27 @@ def vary_like(x: jax.Array, like: Any) -> jax.Array:
   return pcast_varying(x, missing)
 
 
+def shard_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` resharded to ``like``'s sharding where ``like`` is typed with ``Explicit`` mesh
+  axes and ``x``'s differs: an old value of the inner state placed otherwise (replicated,
+  say) than the new value the inner update computes from the gradients, as a bare
+  optimizer's new state takes the gradients' sharding. A no-op everywhere else."""
+  want = like.sharding if isinstance(like, jax.ShapeDtypeStruct) else _sharding(like)
+  have = _sharding(x)
+  spec = getattr(want, "spec", None)
+  if spec is None or have is None or getattr(have, "spec", None) == spec:
+    return x
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  types = getattr(getattr(want, "mesh", None), "axis_types", ()) or ()
+  if explicit is None or explicit not in types:
+    return x
+  return jax.sharding.reshard(x, spec)
+
+
+def _sharding(x: Any) -> Any:
+  return getattr(typeof(x), "sharding", None) if hasattr(x, "dtype") else None
+
+
 def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """``x`` made to vary over mesh ``axes``: ``lax.pcast(..., to="varying")`` (jax >= 0.8.2),
   ``lax.pvary`` before it."""

@@ -35,14 +35,15 @@ def weak(x: Any) -> bool:
 
 
 def like(x: Any, target: Any) -> Any:
-  """``x`` given ``target``'s dtype and the mesh axes it varies over: an old value of the
-  inner state made to match what the inner update returns (it may widen a dtype, e.g.
-  float16 moments to float32). Weakly typed only where both ``x`` and ``target`` are."""
+  """``x`` given ``target``'s dtype, ``Explicit`` sharding and the mesh axes it varies
+  over: an old value of the inner state made to match what the inner update returns (it
+  may widen a dtype, e.g. float16 moments to float32, or take the gradients' sharding).
+  Weakly typed only where both ``x`` and ``target`` are."""
   if not hasattr(x, "dtype") or not hasattr(target, "dtype"):
     return x
   x = x if x.dtype == target.dtype else x.astype(target.dtype)
   x = x if weak(target) else strong(x)
-  return _multi_device.vary_like(x, target)
+  return _multi_device.vary_like(_multi_device.shard_like(x, target), target)
 
 
 def as_weak_as(new: Any, old: Any) -> Any:
