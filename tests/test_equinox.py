@@ -144,3 +144,67 @@ def test_a_model_with_python_number_fields_names_only_its_arrays_and_is_refused_
   assert optax_dls.nonfinite_leaves(state, model) == {"lin/weight": "inf", "lin/bias": "inf"}
   with pytest.raises(TypeError, match=r"drop.*eqx.filter\(model, eqx.is_array\)"):
     tx.init(model)
+
+
+class _Indexed(eqx.Module):
+  """A model holding an integer array (which outputs to read) beside its weights."""
+
+  lin: eqx.nn.Linear
+  idx: jax.Array
+
+  def __call__(self, x):
+    return self.lin(x)[self.idx]
+
+
+@pytest.mark.parametrize("lowering", ["auto", "where", "cond"])
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda low: optax_dls.dynamic_loss_scale(optax.adamw(1e-2), skip_lowering=low),
+    lambda low: optax_dls.static_loss_scale(optax.adamw(1e-2), 4.0, skip_lowering=low),
+    lambda low: optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(1e-2), 1), skip_lowering=low),
+    lambda low: optax_dls.no_loss_scale(optax.adamw(1e-2)),
+  ],
+  ids=["dynamic", "static", "multisteps", "no_loss_scale"],
+)
+def test_an_integer_array_of_the_model_is_held_out_and_passed_through(make, lowering):
+  model = _Indexed(eqx.nn.Linear(3, 4, key=jax.random.key(0)), jnp.array([0, 2], jnp.int32))
+  tx, x = make(lowering), jnp.ones(3)
+  state = tx.init(eqx.filter(model, eqx.is_array))  # as the Equinox guide builds it
+
+  @eqx.filter_jit
+  def steps(model, state, x):
+    grads = eqx.filter_grad(lambda m: optax_dls.scale_loss(jnp.sum(m(x)), state))(model)
+    assert grads.idx is None
+    updates, state1 = tx.update(grads, state, eqx.filter(model, eqx.is_array))
+    fused, state2 = optax_dls.apply_step(tx, grads, state, model)
+    return eqx.apply_updates(model, updates), state1, fused, state2
+
+  model1, state1, fused, state2 = steps(model, state, x)
+  for new in (model1, fused):
+    assert new.idx.dtype == jnp.int32 and new.idx is not model.idx
+    np.testing.assert_array_equal(new.idx, model.idx)
+    assert not np.array_equal(new.lin.weight, model.lin.weight)
+  np.testing.assert_array_equal(fused.lin.weight, model1.lin.weight)
+  assert jax.tree.structure(state1) == jax.tree.structure(state)
+  # an overflow skips the step and leaves everything as it was
+  if not tx.passthrough:
+    skipped, _, fused_skipped, _ = steps(model, state, x * jnp.inf)
+    for new in (skipped, fused_skipped):
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_integer_parameter_with_a_gradient_passes_it_through_beside_adam():
+  params = {"w": jnp.ones(3), "step": jnp.array([5], jnp.int32)}
+  grads = {"w": jnp.full(3, 4.0), "step": jnp.array([2], jnp.int32)}
+  for tx in (
+    optax_dls.static_loss_scale(optax.adamw(1e-2, weight_decay=0.5), 4.0),
+    optax_dls.no_loss_scale(optax.adamw(1e-2, weight_decay=0.5)),
+  ):
+    state = tx.init(params)
+    assert [a.shape for a in jax.tree.leaves(state.inner_state[0].mu)] == [(3,)]
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    assert updates["step"].dtype == jnp.int32 and int(updates["step"][0]) == 2  # untouched
+    new, _ = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(grads, state, params)
+    assert int(new["step"][0]) == 7 and not np.array_equal(new["w"], params["w"])

@@ -28,7 +28,7 @@ class PassthroughScaler(LossScaler):
     self.track_grad_norm = track_grad_norm
 
   def _inner_init(self, params: Any) -> Any:
-    return self.inner.init(params)
+    return self.inner.init(_model.trained(params))
 
   def back_off(
     self, grads: Any, state: Any, *, loss: Any = None
@@ -45,9 +45,12 @@ class PassthroughScaler(LossScaler):
     if self.track_grad_norm:
       norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
     # As in LossScaler._step: the inner optimizer sees None where the gradient is None (an
-    # Equinox model's functions), as eqx.filter(model, eqx.is_array) hands them to optax.
+    # Equinox model's functions), as eqx.filter(model, eqx.is_array) hands them to optax,
+    # and at integer arrays.
     _, inner_params, _ = _model.held_apart(grads, params)
-    updates, inner_state = self.inner.update(grads, state.inner_state, inner_params, **extra_args)
+    updates, inner_state = _model.inner_update(
+      self.inner.update, grads, inner_params, state.inner_state, **extra_args
+    )
     finite = jnp.ones([], jnp.bool_)
     one = jnp.ones([], jnp.float32)
     new = advance(

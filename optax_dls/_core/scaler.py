@@ -109,7 +109,7 @@ class LossScaler:
     return init_state(scale, policy_state, self._inner_init(params), record)
 
   def _inner_init(self, params: Any) -> Any:
-    return settled_inner_init(self.inner, params)
+    return settled_inner_init(self.inner, _model.trained(params))
 
   def update(
     self, grads: Any, state: Any, params: Any = None, *, loss: Any = None, **extra_args: Any
@@ -159,7 +159,9 @@ class LossScaler:
       # (eqx.filter(model, eqx.is_array)): None at the held-out places, no functions as
       # operands of its own conditionals (optax.MultiSteps).
       unscaled = _numerics.unscale(g, inv_scale, p)
-      updates, new_state = self.inner.update(unscaled, inner_state, p, **extra_args)
+      updates, new_state = _model.inner_update(
+        self.inner.update, unscaled, p, inner_state, **extra_args
+      )
       out = output.out(whole(p), updates)
       if held is not None and output is PARAMS:
         out = _model.without(grads, out, held)

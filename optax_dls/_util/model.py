@@ -1,6 +1,7 @@
 """Models whose pytree holds leaves that are not arrays (an Equinox module's activation
-functions, Python scalars, strings): the parameters whose gradient is ``None`` are held
-out of the step and passed through untouched, as ``eqx.apply_updates`` does."""
+functions, Python scalars, strings) or integer arrays: the parameters whose gradient is
+``None``, and integer and bool arrays, are held out of the step and passed through
+untouched, as ``eqx.apply_updates`` does."""
 
 from __future__ import annotations
 
@@ -20,16 +21,53 @@ def held_out(grads: Any, params: Any) -> list[bool] | None:
   """Per leaf of ``grads`` (``None`` leaves included): whether it is ``None``, so the
   parameter subtree at its place is held out of the step; None when nothing is held
   out or ``params`` does not have the structure of ``grads``."""
+  return _places(grads, params, lambda g, p: g is None)
+
+
+def untrained(grads: Any, params: Any) -> list[bool] | None:
+  """Per leaf of ``grads``: whether it is the gradient (not None) of an integer or bool
+  array, which the inner optimizer does not see (:func:`trained`); None when there is
+  none or ``params`` does not have the structure of ``grads``."""
+  return _places(grads, params, lambda g, p: g is not None and _not_trained(p))
+
+
+def _places(grads: Any, params: Any, pick: Any) -> list[bool] | None:
   if params is None:
     return None
   leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
-  if not any(g is None for g in leaves):
-    return None
   try:
-    treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+    subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
   except (ValueError, TypeError):
     return None
-  return [g is None for g in leaves]
+  places = [pick(g, p) for g, p in zip(leaves, subs, strict=True)]
+  return places if any(places) else None
+
+
+def _not_trained(x: Any) -> bool:
+  return _is_array(x) and not jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def trained(params: Any) -> Any:
+  """``params`` with None at its integer and bool arrays (an Equinox model's index arrays
+  or counters): what the inner optimizer's ``init`` sees. Every step keeps them from the
+  inner update: held out where their gradient is None (:func:`held_out`), their
+  gradient passed through untouched as their update otherwise (:func:`inner_update`)."""
+  return jax.tree.map(lambda x: None if _not_trained(x) else x, params)
+
+
+def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+  """``update(grads, *args, params, **kwargs) -> (updates, state)`` without the integer
+  parameters whose gradient is not None (:func:`untrained`): None at their places in the
+  gradients and parameters it sees, and their gradient, untouched, as their update."""
+  places = untrained(grads, params)
+  if places is None:
+    return update(grads, *args, params, **kwargs)
+  kept_grads, kept_params = without(grads, grads, places), without(grads, params, places)
+  updates, state = update(kept_grads, *args, kept_params, **kwargs)
+  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
+  ups = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]
+  filled = [g if t else u for g, u, t in zip(leaves, ups, places, strict=True)]
+  return jax.tree.unflatten(treedef, filled), state
 
 
 def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
