@@ -155,11 +155,10 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
   the nearest bound when it does not (a lowered ``max_scale`` applies at once;
   a dynamic scale restored from a no-op or static state starts from the
   scale that state had, since that is the last scale the run trained at).
-  Without ``tx`` the scale is restored as saved and the first update keeps it
-  within the transformation's range (that update unscales by the saved S,
-  which the loss was scaled by); under ``no_loss_scale`` pass ``tx``, or call
-  ``optax_dls.reset_scale(state, 1.0)``, since that transformation does not
-  unscale.
+  Without ``tx`` the scale is restored as saved and the first update settles
+  it: that update unscales by the saved S, which the loss was scaled by (under
+  ``no_loss_scale`` too), and keeps the transformation's rule from there (1
+  under ``no_loss_scale``; within the range under any other).
 
   A checkpoint written by an earlier version, whose ``LossScaleState`` also
   held its policy's ``min_scale`` and ``max_scale`` and whose record had no

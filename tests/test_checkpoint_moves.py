@@ -279,3 +279,57 @@ def test_a_state_of_another_policy_is_refused_naming_the_fix():
     optax_dls.checkpoint.settled(amax_state, dynamic)
   static_state = optax_dls.static_loss_scale(optax.sgd(0.1), 8.0).init(params)
   dynamic.update(params, static_state, params)  # the same rule's layout: accepted
+
+
+SOURCES = {
+  "dynamic": lambda: optax_dls.dynamic_loss_scale(optax.sgd(0.1)),
+  "static": lambda: optax_dls.static_loss_scale(optax.sgd(0.1), 2.0**3),
+  "no_loss_scale": lambda: optax_dls.no_loss_scale(optax.sgd(0.1)),
+}
+TARGETS = {
+  "dynamic": (lambda: optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10), None),
+  "static": (lambda: optax_dls.static_loss_scale(optax.sgd(0.1), 2.0**5), 2.0**5),
+  "no_loss_scale": (lambda: optax_dls.no_loss_scale(optax.sgd(0.1)), 1.0),
+}
+
+
+def _restored_by(path, directory, source_tree, target_tree):
+  """``target_tree`` with the values of the checkpoint of ``source_tree`` in ``directory``,
+  restored by ``path`` as a user calls it, no ``tx=`` anywhere."""
+  from flax import serialization
+  from flax.training import checkpoints
+
+  if path == "ours":
+    return optax_dls.checkpoint.restore(directory / "orbax", target_tree)
+  if path == "orbax":
+    with ocp.CheckpointManager(directory / "orbax") as manager:
+      return manager.restore(0, args=ocp.args.StandardRestore(target_tree))
+  if path == "flax_restore_checkpoint":
+    return checkpoints.restore_checkpoint(str(directory / "flax"), target_tree)
+  return serialization.from_state_dict(target_tree, serialization.to_state_dict(source_tree))
+
+
+@pytest.mark.parametrize("path", ["ours", "orbax", "flax_restore_checkpoint", "from_state_dict"])
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_every_restore_path_trains_under_the_new_rule_from_its_first_step(
+  tmp_path, source, target, path
+):
+  from flax.training import checkpoints
+
+  params, state = _trained(SOURCES[source]())
+  saved = {"params": params, "opt_state": state}
+  _save(tmp_path / "orbax", saved)
+  checkpoints.save_checkpoint(str(tmp_path / "flax"), saved, step=0)
+  make, rule_scale = TARGETS[target]
+  tx = make()
+  restored = _restored_by(path, tmp_path, saved, {"params": params, "opt_state": tx.init(params)})
+  params, state = restored["params"], restored["opt_state"]
+  sgd = optax.sgd(0.1)
+  for i in range(3):
+    x = jnp.float32(i + 1)
+    bare = optax.apply_updates(params, sgd.update(jax.grad(_loss)(params, x), sgd.init(params))[0])
+    params, state = _quick_start_step(tx, params, state, x)
+    np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)  # the bare step, every step
+    want = float(saved["opt_state"].loss_scale) if rule_scale is None else rule_scale
+    assert float(optax_dls.loss_scale(state)) == want, (i, float(state.loss_scale))

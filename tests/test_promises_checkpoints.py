@@ -115,23 +115,24 @@ def test_into_loss_scaled_refuses_a_leaf_on_one_side_only(tmp_path):
     optax_dls.checkpoint.into_loss_scaled(fewer, target)
 
 
-def test_under_no_loss_scale_a_state_restored_without_tx_needs_reset_scale_to_one(tmp_path):
-  """checkpoints.md: no_loss_scale does not unscale at all, so restore into it with tx= or
-  call reset_scale(state, 1.0) before the first step."""
+def test_under_no_loss_scale_a_state_restored_without_tx_gives_the_bare_first_update(tmp_path):
+  """checkpoints.md: without tx the first update unscales by the saved S, under
+  no_loss_scale too, and settles the scale to 1."""
   dynamic = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   _save(tmp_path, {"params": PARAMS, "opt_state": dynamic.init(PARAMS)})
   tx = optax_dls.no_loss_scale(optax.sgd(0.1))
   raw = optax_dls.checkpoint.restore(tmp_path, {"params": PARAMS, "opt_state": tx.init(PARAMS)})
+  assert float(raw["opt_state"].loss_scale) == 2.0**15
   bare, _ = optax.sgd(0.1).update({"w": jnp.ones(3)}, optax.sgd(0.1).init(PARAMS))
 
   def first_update(state):
     grads = jax.grad(lambda p: optax_dls.scale_loss(jnp.sum(p["w"]), state))(PARAMS)
-    return tx.update(grads, state, PARAMS)[0]["w"]
+    return tx.update(grads, state, PARAMS)
 
-  np.testing.assert_array_equal(first_update(raw["opt_state"]), 2.0**15 * bare["w"])
-  np.testing.assert_array_equal(
-    first_update(optax_dls.reset_scale(raw["opt_state"], 1.0)), bare["w"]
-  )
+  updates, state = first_update(raw["opt_state"])
+  np.testing.assert_array_equal(updates["w"], bare["w"])
+  assert float(state.loss_scale) == 1.0
+  np.testing.assert_array_equal(first_update(state)[0]["w"], bare["w"])
 
 
 def test_into_loss_scaled_refuses_an_abstract_loss_scale_state_and_takes_abstract_params():

@@ -142,9 +142,17 @@ def no_loss_scale(
 ) -> LossScaledTransformation:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 
-  Gradients go to ``inner`` unchanged, nothing is checked or skipped, and the
-  result is bit-for-bit that of ``inner`` alone, at its cost: the state's
-  counters are a few scalar operations. :func:`loss_scale` reads 1 and
+  Gradients go to ``inner`` multiplied by 1/S (S = 1), nothing is checked or
+  skipped, and the result is that of ``inner`` alone, at its cost: the product
+  fuses into the optimizer's read of the gradients (no buffer, no more bytes),
+  and the state's counters are a few scalar operations. The product leaves
+  each gradient as it is, but XLA contracts the optimizer's multiply-adds
+  around it otherwise than in the bare program: with XLA's optimizations on,
+  the results agree to rounding (a few units in the last place). A state restored from a scaled run
+  (Orbax, flax, without ``tx=``) still holds that run's scale, which
+  :func:`scale_loss` multiplies the first loss by: the first update divides
+  the gradients by it (a product by 1/1, bit for bit, from then on) and
+  leaves the scale at 1. :func:`loss_scale` reads 1 and
   :func:`metrics` still work, so one training loop serves fp16, bf16 and
   fp32. :func:`value_and_grad` and the Flax helpers do not multiply the loss
   by this scale (it is 1 by construction), so their steps are a plain

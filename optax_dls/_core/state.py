@@ -24,11 +24,12 @@ class LossScaleState(NamedTuple):
   record, the policy's and the inner optimizer's states), never how the
   transformation was built: its policy, scale range and kind are static and
   closed over by the transformation, which applies them at every update. A
-  state restored into another transformation (dynamic, static, other
+  state restored into another transformation (dynamic, static, no-op, other
   settings) therefore trains under that transformation's rule from its first
-  update; ``no_loss_scale`` does not unscale, so a state restored into it is
-  settled first (``optax_dls.checkpoint.restore(..., tx=tx)`` or
-  ``optax_dls.checkpoint.settled``; see the checkpoints guide).
+  update, which unscales by the restored scale the loss was multiplied by
+  (``no_loss_scale`` too) and then applies the rule
+  (``optax_dls.checkpoint.restore(..., tx=tx)`` settles it before; see the
+  checkpoints guide).
 
   Attributes:
     loss_scale: float32 ``()``. The scale S to multiply the *next* loss by;

@@ -236,8 +236,9 @@ def _static_update(
 def noop_policy() -> LossScalePolicy:
   """No loss scaling, for bf16 or fp32 training: S = 1, nothing checked or skipped.
 
-  Gradients reach the inner optimizer unchanged (``passthrough=True``), so the
-  result is bit-for-bit the bare inner optimizer's. The state layout is the
+  Gradients reach the inner optimizer multiplied by 1/S, S = 1
+  (``passthrough=True``), so the result is the bare inner optimizer's, to
+  rounding (see :func:`no_loss_scale`). The state layout is the
   dynamic policy's, so the same training loop and checkpoints serve every
   precision. :func:`no_loss_scale` is this policy around an optimizer.
 
