@@ -178,7 +178,9 @@ def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
       arrays).
     ValueError: ``factor`` out of range.
   """
-  inverse = jnp.float32(1.0 / _factor(factor))
+  # A NumPy value, not a JAX one: built inside a trace (a jitted init), a JAX value would
+  # be a tracer of that trace, kept by update_fn (see LossScaler.__init__).
+  inverse = np.float32(1.0 / _factor(factor))
   mask = _mask(mask)
 
   def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:

@@ -126,7 +126,7 @@ def exact_all_finite(tree: Any, axis_name: _multi_device.AxisName = None) -> jax
   return _multi_device.psum(bad, axis_name) == 0
 
 
-def unscale(tree: Any, inv_scale: jax.Array, params: Any = None) -> Any:
+def unscale(tree: Any, inv_scale: jax.typing.ArrayLike, params: Any = None) -> Any:
   """Multiplies each floating leaf by ``inv_scale`` in float32 (or wider); other leaves
   pass through unchanged.
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dls import _policies
@@ -91,7 +92,17 @@ class LossScaler:
   ) -> None:
     self.inner, self.policy, self.axis_name = inner, policy, axis_name
     self.lowering, self.labels = lowering, labels
-    self.init_scale, initial = policy.init()
+    # Nothing this object keeps may be a JAX value made here. The transformation may be
+    # built inside a trace (a jitted init that builds the optimizer, as flax's
+    # TrainState.create does under jax.jit): a value made there is a tracer of that trace,
+    # and every update closing over it would hand JAX a tracer of a finished trace as a
+    # constant. JAX passes it to the update's program as an extra argument, which its
+    # dispatch fast path then leaves out: the second call of a jitted step fails
+    # ("Execution supplied N arguments but compiled program expected N+k") or crashes.
+    # So policy.init() runs eagerly, and the initial scale is kept as a NumPy float32.
+    with jax.ensure_compile_time_eval():
+      init_scale, initial = policy.init()
+    self.init_scale = np.float32(init_scale)
     # What this policy's state looks like: a state of another policy is refused by it.
     self.policy_state_def = jax.tree.structure(initial)
     self.policy_state_type = type(initial).__name__

@@ -119,7 +119,8 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
 
   Returns the tree structure and the (shape, dtype) of each leaf of the policy state.
   """
-  out = policy.init()
+  with jax.ensure_compile_time_eval():  # also where the transformation is built in a trace
+    out = policy.init()
   if not (isinstance(out, tuple) and len(out) == 2):
     raise TypeError(f"policy.init() must return a (loss_scale, policy_state) pair, got {out!r}.")
   scale, state = out
