@@ -208,3 +208,16 @@ def test_an_integer_parameter_with_a_gradient_passes_it_through_beside_adam():
     assert updates["step"].dtype == jnp.int32 and int(updates["step"][0]) == 2  # untouched
     new, _ = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(grads, state, params)
     assert int(new["step"][0]) == 7 and not np.array_equal(new["w"], params["w"])
+
+
+def test_a_float0_gradient_of_an_integer_parameter_is_a_zero_update_optax_applies():
+  params = {"w": jnp.ones(3), "step": jnp.array([5], jnp.int32)}
+  tx = optax_dls.dynamic_loss_scale(optax.adamw(1e-2, weight_decay=0.5))
+  state = tx.init(params)
+  loss = lambda p: optax_dls.scale_loss(jnp.sum(p["w"] * p["step"]), state)
+  grads = jax.grad(loss, allow_int=True)(params)
+  assert grads["step"].dtype == jax.dtypes.float0
+  updates, _ = jax.jit(tx.update)(grads, state, params)
+  assert updates["step"].dtype == jnp.int32 and int(updates["step"][0]) == 0
+  new = optax.apply_updates(params, updates)
+  assert int(new["step"][0]) == 5 and not np.array_equal(new["w"], params["w"])

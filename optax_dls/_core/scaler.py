@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from optax_dls import _policies
+from optax_dls._core import forgotten as _forgotten
 from optax_dls._core import labels as _labels
 from optax_dls._core import lowering as _lowering
 from optax_dls._core import multi_device as _multi_device
@@ -107,6 +108,7 @@ class LossScaler:
     self.policy_state_def = jax.tree.structure(initial)
     self.policy_state_type = type(initial).__name__
     self.scale_range = (policy.min_scale, policy.max_scale)
+    self.told_unscaled = [False]  # whether a forgotten scale_loss was warned about
 
   def init(self, params: Any) -> LossScaleState:
     """The state before the first step (see :func:`loss_scaled`)."""
@@ -157,6 +159,7 @@ class LossScaler:
     self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
   ) -> tuple[Any, LossScaleState]:
     check, loss_bad, finite = self._check(_numerics.widened(grads, params), state, loss)
+    _forgotten.warn_if_unscaled(grads, state.loss_scale, self.told_unscaled)
     # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 

@@ -58,7 +58,9 @@ def trained(params: Any) -> Any:
 def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
   """``update(grads, *args, params, **kwargs) -> (updates, state)`` without the integer
   parameters whose gradient is not None (:func:`untrained`): None at their places in the
-  gradients and parameters it sees, and their gradient, untouched, as their update."""
+  gradients and parameters it sees, and their gradient, untouched, as their update (zeros
+  of the parameter's type for a ``float0`` one, ``jax.grad(..., allow_int=True)``'s, which
+  ``optax.apply_updates`` cannot add)."""
   places = untrained(grads, params)
   if places is None:
     return update(grads, *args, params, **kwargs)
@@ -66,7 +68,11 @@ def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any
   updates, state = update(kept_grads, *args, kept_params, **kwargs)
   leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
   ups = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]
-  filled = [g if t else u for g, u, t in zip(leaves, ups, places, strict=True)]
+  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+  filled = [
+    (jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g) if t else u
+    for g, u, p, t in zip(leaves, ups, subs, places, strict=True)
+  ]
   return jax.tree.unflatten(treedef, filled), state
 
 
