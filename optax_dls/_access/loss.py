@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from optax_dls._access.find import find_state
+from optax_dls._util import frames as _frames
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
@@ -43,7 +45,10 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   Args:
     loss: a floating array of any shape (usually the scalar loss, float32).
       bfloat16 and float16 losses are promoted to float32 so that the scaled
-      value cannot overflow their range.
+      value cannot overflow their range. A float16 loss warns (when traced, or
+      called): its backward pass starts at S in float16, inf from S = 2**16;
+      compute the loss in float32 (cast before the reduction, or
+      ``full_precision(loss_fn, output_dtype=jnp.float32)``).
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
 
   Returns:
@@ -57,7 +62,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
     >>> state = tx.init({'w': jnp.ones(2)})
-    >>> optax_dls.scale_loss(jnp.float16(0.5), state)
+    >>> optax_dls.scale_loss(jnp.bfloat16(0.5), state)
     Array(512., dtype=float32)
   """
   return times_scale(loss, loss_scale(opt_state))
@@ -84,5 +89,15 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
     ) from None
   if not jnp.issubdtype(loss.dtype, jnp.floating):
     raise TypeError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
+  if loss.dtype == jnp.float16:
+    warnings.warn(
+      "optax_dls: the loss is float16: differentiating loss * S starts the backward pass "
+      "at S in float16, which is inf from S = 2**16 on (the scale grows to its max_scale), "
+      "so every step at such a scale overflows and is skipped. Compute the loss in float32: "
+      "cast before the reduction (jnp.mean(per_example.astype(jnp.float32))), or "
+      "optax_dls.full_precision(loss_fn, output_dtype=jnp.float32).",
+      UserWarning,
+      stacklevel=_frames.user_stacklevel(),
+    )
   dtype = jnp.promote_types(loss.dtype, jnp.float32)
   return loss.astype(dtype) * scale.astype(dtype)

@@ -15,12 +15,12 @@ is said. It runs at trace time only; the compiled step does not contain it.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any
 
 import jax
+
+from optax_dls._util import frames as _frames
 
 _LIMIT = 1_000_000  # equations walked at most (a very large program: nothing is said)
 
@@ -49,18 +49,9 @@ def warn_if_unscaled(grads: Any, scale: Any, told: list[bool]) -> None:
     "it, SGD stalls). Return optax_dls.scale_loss(loss, opt_state) from the function you "
     "differentiate, or use optax_dls.value_and_grad(loss_fn, tx), which multiplies it.",
     UserWarning,
-    stacklevel=_outside(),
+    stacklevel=_frames.user_stacklevel(),
   )
 
-
-def _outside() -> int:
-  """The ``stacklevel`` of the first caller outside optax_dls and JAX: the user's line."""
-  ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  theirs = os.path.dirname(os.path.abspath(jax.__file__))
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith((ours, theirs)):
-    frame, level = frame.f_back, level + 1
-  return level
 
 
 def _depends_on(leaves: list[Any], target: Any) -> bool | None:
