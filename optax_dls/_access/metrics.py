@@ -8,12 +8,15 @@ import jax
 import jax.numpy as jnp
 
 from optax_dls._access.find import find_state
+from optax_dls._util import validation as _validation
 
 
-def metrics(opt_state: Any) -> dict[str, jax.Array]:
+def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Array]:
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Every value is a 0-d array except the two bit sets. The keys:
+  Every value is a 0-d array except the two bit sets; with ``scalars_only`` the
+  bit sets and the names digest are left out, so the dict merges into a
+  trainer's metrics of 0-d values (summed or averaged over steps). The keys:
 
   - ``loss_scale`` (float32): the scale for the next loss.
   - ``skipped`` (bool): whether the last step was skipped.
@@ -52,12 +55,16 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`
       (any pytree around it, as for :func:`find_state`).
+    scalars_only: bool, default False: leave out ``nonfinite_leaves``,
+      ``nonfinite_nan`` and ``nonfinite_names_digest`` (what names the leaves,
+      which :func:`nonfinite_leaves` and the metrics writer read).
 
   Returns:
     A new ``dict`` from key to ``jax.Array``, as above.
 
   Raises:
     ValueError: none or more than one loss-scale state in ``opt_state``.
+    TypeError: ``scalars_only`` is not a bool.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -69,6 +76,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> float(m['loss_scale']), bool(m['skipped']), int(m['skip_count'])
     (512.0, True, 1)
   """
+  scalars_only = _validation.boolean("scalars_only", scalars_only)
   s = find_state(opt_state)
   steps = s.num_steps.astype(jnp.float32)
   applied = steps - s.num_skipped.astype(jnp.float32)
@@ -88,7 +96,11 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     "nonfinite_names_digest": record.names_digest,
     **{f"overflows/{label}": count for label, count in record.overflows.items()},
   }
-  return {**out, **_feature_metrics((s.policy_state, s.inner_state))}
+  out = {**out, **_feature_metrics((s.policy_state, s.inner_state))}
+  if scalars_only:
+    for key in ("nonfinite_leaves", "nonfinite_nan", "nonfinite_names_digest"):
+      del out[key]
+  return out
 
 
 def _feature_metrics(tree: Any) -> dict[str, jax.Array]:
