@@ -333,3 +333,16 @@ def test_every_restore_path_trains_under_the_new_rule_from_its_first_step(
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)  # the bare step, every step
     want = float(saved["opt_state"].loss_scale) if rule_scale is None else rule_scale
     assert float(optax_dls.loss_scale(state)) == want, (i, float(state.loss_scale))
+
+
+def test_a_plain_optax_state_is_refused_naming_the_conversion_which_takes_it_in_memory():
+  plain = optax.adam(0.1)
+  old = plain.init(PARAMS)
+  _, old = plain.update({"w": jnp.ones(3)}, old, PARAMS)
+  tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
+  with pytest.raises(TypeError, match=r"ScaleByAdamState.*into_loss_scaled\(old_state, tx.init"):
+    tx.update({"w": jnp.ones(3)}, old, PARAMS)
+  state = optax_dls.checkpoint.into_loss_scaled(old, tx.init(PARAMS))
+  for got, want in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(old), strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert float(optax_dls.loss_scale(state)) == 2.0**15

@@ -261,7 +261,16 @@ class LossScaler:
 
 def check_state(state: Any) -> None:
   if not isinstance(state, LossScaleState):
+    kinds = sorted({type(x).__name__ for x in jax.tree.leaves(state, is_leaf=_is_named)})
+    held = ", ".join(kinds[:4]) or "no state"
     raise TypeError(
       f"opt_state must be the state this loss-scaled transformation's init returned (a "
-      f"LossScaleState), got a {type(state).__name__}: {repr(state)[:200]}."
+      f"LossScaleState), got a {type(state).__name__} (holding {held}): a plain optax "
+      "state, built by the inner optimizer alone or restored from a checkpoint written "
+      "without loss scaling? Put it inside with "
+      "optax_dls.checkpoint.into_loss_scaled(old_state, tx.init(params))."
     )
+
+
+def _is_named(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(x, "_fields")

@@ -40,7 +40,9 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   shape, is an error.
 
   Args:
-    restored: a tree of dicts and lists (or tuples) of arrays and numbers.
+    restored: a tree of dicts and lists (or tuples) of arrays and numbers, or
+      an optimizer state as it is in memory (optax's NamedTuples: a plain
+      optax state handed over, or a jmp run's optimizer state).
     target: a pytree of arrays (or ``jax.ShapeDtypeStruct``, outside the
       loss-scale state's own fields) holding exactly one
       :class:`~optax_dls.LossScaleState`.

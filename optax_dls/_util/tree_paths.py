@@ -34,7 +34,8 @@ def _key(key: Any) -> str:
 def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
   """The leaves by path of a tree as Orbax (its metadata, or a restore without a target)
   or flax's serialisation stores it: NamedTuples and dataclasses as dicts of their fields,
-  tuples as lists or as dicts of ``'0'``, ``'1'``, ..., and empty nodes as None."""
+  tuples as lists or as dicts of ``'0'``, ``'1'``, ..., and empty nodes as None; or as it
+  is in memory, NamedTuples (an optax state) by their fields."""
   if tree is None:
     return {}
   items = children(tree)
@@ -51,6 +52,8 @@ def children(tree: Any) -> list[tuple[str, Any]] | None:
   for a leaf."""
   if isinstance(tree, Mapping):
     return [(str(k), v) for k, v in tree.items()]
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple in memory (optax's)
+    return [(str(f), getattr(tree, f)) for f in tree._fields]
   if isinstance(tree, (list, tuple)):
     return [(str(i), v) for i, v in enumerate(tree)]
   return None
