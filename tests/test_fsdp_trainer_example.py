@@ -1,5 +1,5 @@
-"""examples/fsdp_trainer.py: an FSDP trainer (8 devices, Explicit mesh axes, a jitted init
-building a flax TrainState, in/out shardings, donation, MultiSteps, rank promotion "raise")
+"""examples/fsdp_trainer.py: an FSDP trainer (8 devices, a jitted init building a flax
+TrainState, in/out shardings, donation, MultiSteps, rank promotion "raise")
 skips the step whose gradients overflow on one shard, keeps its state bit for bit, backs the
 scale off, and resumes from an Orbax checkpoint bit for bit, through one compiled step."""
 
