@@ -143,8 +143,9 @@ def unscale(tree: Any, inv_scale: jax.typing.ArrayLike, params: Any = None) -> A
   def one(x: Any) -> Any:
     if not is_float(x):
       return x
-    ct = compute_dtype(x.dtype)
-    return _as(lax.mul(_as(x, ct), _as(inv_scale, ct)), x.dtype)
+    dtype = jnp.result_type(x)  # a Python float's too
+    ct = compute_dtype(dtype)
+    return _as(lax.mul(_as(x, ct), _as(inv_scale, ct)), dtype)
 
   return jax.tree.map(one, widened(tree, params))
 

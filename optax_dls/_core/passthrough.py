@@ -71,5 +71,5 @@ def restored_unscaled(grads: Any, state: LossScaleState) -> Any:
   product fuses into the optimizer's own read of the gradients (a division would not, on
   XLA's CPU, which keeps the quotient in a buffer of the gradients' size)."""
   scale = state.loss_scale
-  inv = jnp.where(_numerics.valid_scale(scale), 1.0 / scale, jnp.ones_like(scale))
+  inv = 1.0 / jnp.where(_numerics.valid_scale(scale), scale, jnp.ones_like(scale))
   return _numerics.unscale(grads, inv)
