@@ -56,10 +56,7 @@ def init(key):
   params = MODEL.init(key, jnp.zeros((1, SEQ), jnp.int32))["params"]
   inner = optax.MultiSteps(optax.adamw(3e-3, weight_decay=0.1), every_k_schedule=2)
   tx = optax_dls.dynamic_loss_scale(inner, growth_interval=6)  # counts micro-batches
-  state = train_state.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
-  # TrainState.create's step is the Python int 0, a weakly typed array here; a restored
-  # one is strongly typed, and the step would compile a second program for it.
-  return state.replace(step=jnp.zeros((), jnp.int32))
+  return train_state.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
 
 
 def fsdp(mesh, x):
@@ -154,9 +151,10 @@ def main(ckpt_dir=None):
   )
 
   manager.wait_until_finished()
-  target = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
-  )
+  # The abstract state with its shardings; weak types kept (TrainState.step, the Python int
+  # 0), so that the restored state has the step's types and compiles no second program.
+  sharded = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type)
+  target = jax.tree.map(sharded, abstract, shardings)
   restored = optax_dls.checkpoint.restore(manager, target, step=SAVE_STEP)
   manager.close()
   resumed = run(restored, SAVE_STEP + 1, [], verbose=False)

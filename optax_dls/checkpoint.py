@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from optax_dls._access import find as _find
+from optax_dls._core import types as _types
 from optax_dls._integrations.carry import into_loss_scaled, like, target_states
 from optax_dls._util import optional as _optional
 from optax_dls._util import tree_paths as _tree_paths
@@ -140,7 +141,9 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
   The checkpoint must have been saved with
   ``manager.save(step, args=orbax.checkpoint.args.StandardSave(tree))``. The
   result has ``target``'s tree structure (``LossScaleState`` and optax
-  NamedTuples included), dtypes, shapes and shardings: pass concrete arrays
+  NamedTuples included), dtypes, shapes and shardings, and its weak types
+  where a target scalar is weakly typed (flax's ``TrainState.step`` built by a
+  jitted init), so a jitted step compiles no second program: pass concrete arrays
   (e.g. a fresh ``tx.init(params)``) or ``jax.ShapeDtypeStruct`` leaves with a
   ``sharding``. Nothing runs on the restored state: the growth tracker and
   every counter are exactly those saved.
@@ -224,7 +227,25 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
     else:
       msg = _explain(saved, target, step, manager.directory) + f"\nOrbax: {err}"
       raise ValueError(msg) from err
+  restored = jax.tree.map(_weak_as, target, restored)
   return restored if tx is None else _settled(restored, tx, stacklevel=2)
+
+
+def _weak_as(target: Any, value: Any) -> Any:
+  """``value`` weakly typed where its target leaf is a weakly typed scalar (flax's
+  ``TrainState.step``, made from the Python int 0 in a jitted init), which Orbax restores
+  strongly typed: the restored state then has the types of the one it replaces, and a
+  jitted step does not compile a second program for it."""
+  if not (
+    _types.weak(target)
+    and isinstance(value, jax.Array)
+    and value.shape == ()
+    and value.dtype == target.dtype
+    and value.is_fully_addressable
+  ):
+    return value
+  scalar = jax.numpy.asarray(value.item())
+  return jax.device_put(scalar, value.sharding) if scalar.dtype == value.dtype else value
 
 
 def _manager(ocp: Any, manager: Any) -> Any:

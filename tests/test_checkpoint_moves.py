@@ -346,3 +346,24 @@ def test_a_plain_optax_state_is_refused_naming_the_conversion_which_takes_it_in_
   for got, want in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(old), strict=True):
     np.testing.assert_array_equal(got, want)
   assert float(optax_dls.loss_scale(state)) == 2.0**15
+
+
+def test_a_weakly_typed_scalar_of_the_target_comes_back_weakly_typed(tmp_path):
+  from flax.training import train_state
+
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  make = jax.jit(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=tx))
+  state = jax.device_put(make(PARAMS), jax.devices()[0])  # committed, as restored arrays are
+  assert jax.typeof(state.step).weak_type  # the Python int 0, through jit
+  _save(tmp_path, state)
+
+  @jax.jit
+  def step(s):
+    return s.replace(step=s.step + 1)
+
+  step(state)
+  for target in (state, jax.eval_shape(make, PARAMS)):
+    restored = optax_dls.checkpoint.restore(tmp_path, target)
+    assert jax.typeof(restored.step).weak_type and int(restored.step) == 0
+    step(restored)
+  assert step._cache_size() == 1  # no second program for the restored state
