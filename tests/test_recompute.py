@@ -324,7 +324,8 @@ MATRIX = {"w": jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float32).reshape(8, 3), "b"
 def _matrix_loss(params, x):
   """float16 ``x @ w.T``: the gradient of ``w`` is a product, so its layout is XLA's to choose."""
   y = (
-    x.astype(jnp.float16) @ params["w"].T.astype(jnp.float16) + params["b"].astype(jnp.float16)[:1]
+    x.astype(jnp.float16) @ params["w"].T.astype(jnp.float16)
+    + params["b"].astype(jnp.float16)[None, :1]
   )
   return jnp.mean(jnp.square(y)).astype(jnp.float32)
 

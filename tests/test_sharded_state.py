@@ -29,7 +29,7 @@ def test_a_replicated_state_over_sharded_parameters_trains_and_skips(axis_type, 
     bare_state = jax.device_put(bare.init(params), NamedSharding(mesh, P()))
 
     def loss(p, x):
-      return jnp.sum(x @ p["w"] + p["b"])
+      return jnp.sum(x @ p["w"] + p["b"][None])
 
     @jax.jit
     def step(p, s, x):

@@ -14,6 +14,8 @@ import inspect
 import pathlib
 import pkgutil
 import re
+
+import jax
 import subprocess
 import sys
 import tempfile
@@ -95,7 +97,8 @@ def test_page_snippets_run(page, tmp_path, monkeypatch):
     try:
       # As a script of its own: without this module's __future__ import (string annotations).
       code = compile(block, f"docs/{page} (python block {i})", "exec", dont_inherit=True)
-      exec(code, namespace)  # noqa: S102
+      with jax.numpy_rank_promotion("allow"):  # the snippets' models broadcast a bias
+        exec(code, namespace)  # noqa: S102
     except ModuleNotFoundError as e:
       if (e.name or "").split(".")[0] in OPTIONAL:
         pytest.skip(f"docs/{page} needs {e.name}, which is not installed")

@@ -38,7 +38,7 @@ def _batch(step, n=32, in_dim=16, out_dim=8):
 
 def _step(tx, params, state, x, y):
   def loss_fn(p):
-    return optax_dls.scale_loss(jnp.mean((x @ p["w"] + p["b"] - y) ** 2), state)
+    return optax_dls.scale_loss(jnp.mean((x @ p["w"] + p["b"][None] - y) ** 2), state)
 
   grads = jax.grad(loss_fn)(params)
   updates, state = tx.update(grads, state, params)
