@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from optax_dls._core import numerics as _numerics
 from optax_dls._core.scaler import LossScaler, _Output, check_state
-from optax_dls._core.state import LossScaleState, advance, settled_scale
+from optax_dls._core.state import LossScaleState, passed, settled_scale
 from optax_dls._util import model as _model
 
 
@@ -18,10 +18,11 @@ class PassthroughScaler(LossScaler):
   """The transformation of a ``passthrough`` policy (S = 1 by construction): gradients go
   to ``inner`` unchanged, nothing is checked or skipped, and the inner state is exactly
   what ``inner`` makes it (so the result is the bare ``inner``'s, to rounding:
-  :func:`restored_unscaled`); the state
-  keeps the loss-scaled layout, its scale 1 after every update (a state restored from
-  another transformation is settled to 1 by ``checkpoint.restore``, or by its first
-  update, which divides the gradients by the restored scale the loss was multiplied by). ``grad_norm`` is measured only when asked for."""
+  :func:`restored_inverse`); the state keeps the loss-scaled layout, its scale 1 after
+  every update (a state restored from another transformation is settled to 1 by
+  ``checkpoint.restore``, or by its first update, which divides the gradients by the
+  restored scale the loss was multiplied by). ``grad_norm`` is measured only when asked
+  for."""
 
   passthrough = True
 
@@ -50,26 +51,25 @@ class PassthroughScaler(LossScaler):
     # Equinox model's functions), as eqx.filter(model, eqx.is_array) hands them to optax,
     # and at integer arrays.
     _, inner_params, _ = _model.held_apart(grads, params)
+    inv = restored_inverse(state)
     updates, inner_state = _model.inner_update(
-      self.inner.update, restored_unscaled(grads, state), inner_params, state.inner_state,
+      self.inner.update,
+      _numerics.unscale(grads, inv),
+      inner_params,
+      state.inner_state,
       **extra_args,
     )
-    finite = jnp.ones([], jnp.bool_)
-    one = jnp.ones([], jnp.float32)
-    new = advance(
-      state, finite, norm, state.nonfinite, one, state.policy_state, inner_state, self.scale_range
-    )
-    return output.out(params, updates), new
+    return output.out(params, updates), passed(state, inv, norm, inner_state)
 
 
-def restored_unscaled(grads: Any, state: LossScaleState) -> Any:
-  """``grads`` unscaled by the scale ``state`` holds (``_numerics.unscale``: in float32, or
-  wider, cast back to each leaf's dtype): the gradients of a loss multiplied by a
-  restored scale (a dynamic checkpoint restored into ``no_loss_scale`` by Orbax or flax
-  directly) brought back to the bare optimizer's on the first step, and the same values
-  at the scale 1 this transformation keeps. A scale that is not valid counts as 1. The
-  product fuses into the optimizer's own read of the gradients (a division would not, on
-  XLA's CPU, which keeps the quotient in a buffer of the gradients' size)."""
+def restored_inverse(state: LossScaleState) -> jax.Array:
+  """1/S for the scale S that ``state`` holds (1 where S is not valid): the factor that
+  unscales the gradients (``_numerics.unscale``: in float32, or wider, cast back to each
+  leaf's dtype). The gradients of a loss multiplied by a restored scale (a dynamic
+  checkpoint restored into ``no_loss_scale`` by Orbax or flax directly) are brought back
+  to the bare optimizer's on the first step, and the same values at the scale 1 this
+  transformation keeps. The product fuses into the optimizer's own read of the gradients
+  (a division would not, on XLA's CPU, which keeps the quotient in a buffer of the
+  gradients' size)."""
   scale = state.loss_scale
-  inv = 1.0 / jnp.where(_numerics.valid_scale(scale), scale, jnp.ones_like(scale))
-  return _numerics.unscale(grads, inv)
+  return 1.0 / jnp.where(_numerics.valid_scale(scale), scale, jnp.ones_like(scale))

@@ -182,6 +182,35 @@ def settled_scale(state: LossScaleState) -> LossScaleState:
   return state._replace(loss_scale=jnp.ones_like(state.loss_scale))
 
 
+def passed(
+  state: LossScaleState, inv_scale: jax.Array, grad_norm: jax.Array, inner_state: Any
+) -> LossScaleState:
+  """The state after a passthrough update (``no_loss_scale``), which unscaled the gradients
+  by ``inv_scale``: the scale 1, one more step, none skipped, the new ``grad_norm`` and
+  inner state; the record and the policy state as they were. (What :func:`advance` makes
+  of a finite step at the scale 1, its values computed from the state, not constants.)"""
+  return state._replace(
+    # From the factor, which is computed from the old scale: the new scale's write into
+    # the old one's buffer then comes after every read of it, without a copy.
+    loss_scale=_settled(inv_scale, 1.0),
+    num_steps=optax.safe_increment(state.num_steps),
+    consecutive_skips=_settled(state.consecutive_skips, 0),
+    last_step_finite=_settled(state.last_step_finite, True),
+    grad_norm=grad_norm,
+    inner_state=inner_state,
+  )
+
+
+def _settled(old: jax.Array, value: Any) -> jax.Array:
+  """``value``, of ``old``'s type, computed from ``old`` (``old`` where it already is
+  ``value``). A constant would not do as a field of the new state: XLA copies a constant
+  into an output's buffer (a kernel each on a GPU, two where the buffer is donated), and
+  JAX leaves a field the step does not read out of the program, so that its donated
+  buffer goes unused and the outputs of its type take the other fields' donated buffers
+  (one more copy)."""
+  return jnp.where(old == value, old, value)
+
+
 def advance(
   state: LossScaleState,
   finite: jax.Array,
