@@ -145,10 +145,12 @@ def no_loss_scale(
   Gradients go to ``inner`` multiplied by 1/S (S = 1), nothing is checked or
   skipped, and the result is that of ``inner`` alone, at its cost: the product
   fuses into the optimizer's read of the gradients (no buffer, no more bytes),
-  and the state's counters are a few scalar operations. The product leaves
-  each gradient as it is, but XLA contracts the optimizer's multiply-adds
-  around it otherwise than in the bare program: with XLA's optimizations on,
-  the results agree to rounding (a few units in the last place). A state restored from a scaled run
+  the state's counters are a few scalar operations, and donated, every buffer
+  of the state is reused in place (the bare optimizer's scratch memory, no
+  more copies). The product leaves each gradient as it is, but XLA contracts
+  the optimizer's multiply-adds around it otherwise than in the bare program:
+  with XLA's optimizations on, the results agree to rounding (a few units in
+  the last place). A state restored from a scaled run
   (Orbax, flax, without ``tx=``) still holds that run's scale, which
   :func:`scale_loss` multiplies the first loss by: the first update divides
   the gradients by it (a product by 1/1, bit for bit, from then on) and
