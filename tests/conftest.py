@@ -1,8 +1,8 @@
 """Test setup, before any JAX computation: XLA's CPU compiler turned down (``tests/_xla.py``:
 about half the suite's time; ``OPTAX_DLS_TEST_XLA=default`` keeps XLA's defaults), 8
-virtual CPU devices, and ``jax_numpy_rank_promotion="raise"``. The suite runs on the CPU, also where JAX's CUDA plugin is installed
-(``JAX_PLATFORMS=cpu`` unless set: ``test_gpu_program.py`` compiles for GPU targets in
-processes of its own)."""
+virtual CPU devices, and ``jax_numpy_rank_promotion="raise"``. The suite runs on the CPU,
+also where JAX's CUDA plugin is installed (``JAX_PLATFORMS=cpu`` unless set:
+``test_gpu_program.py`` compiles for GPU targets in processes of its own)."""
 
 import os
 

@@ -1,6 +1,7 @@
 """An Equinox model, its activation functions among its leaves, through update,
 apply_step, value_and_grad, init and the leaf names."""
 
+import functools
 import json
 
 import jax
@@ -162,7 +163,9 @@ class _Indexed(eqx.Module):
   [
     lambda low: optax_dls.dynamic_loss_scale(optax.adamw(1e-2), skip_lowering=low),
     lambda low: optax_dls.static_loss_scale(optax.adamw(1e-2), 4.0, skip_lowering=low),
-    lambda low: optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(1e-2), 1), skip_lowering=low),
+    lambda low: optax_dls.dynamic_loss_scale(
+      optax.MultiSteps(optax.adam(1e-2), 1), skip_lowering=low
+    ),
     lambda low: optax_dls.no_loss_scale(optax.adamw(1e-2)),
   ],
   ids=["dynamic", "static", "multisteps", "no_loss_scale"],
@@ -180,7 +183,7 @@ def test_an_integer_array_of_the_model_is_held_out_and_passed_through(make, lowe
     fused, state2 = optax_dls.apply_step(tx, grads, state, model)
     return eqx.apply_updates(model, updates), state1, fused, state2
 
-  model1, state1, fused, state2 = steps(model, state, x)
+  model1, state1, fused, _ = steps(model, state, x)
   for new in (model1, fused):
     assert new.idx.dtype == jnp.int32 and new.idx is not model.idx
     np.testing.assert_array_equal(new.idx, model.idx)
@@ -206,7 +209,7 @@ def test_an_integer_parameter_with_a_gradient_passes_it_through_beside_adam():
     assert [a.shape for a in jax.tree.leaves(state.inner_state[0].mu)] == [(3,)]
     updates, _ = jax.jit(tx.update)(grads, state, params)
     assert updates["step"].dtype == jnp.int32 and int(updates["step"][0]) == 2  # untouched
-    new, _ = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(grads, state, params)
+    new, _ = jax.jit(functools.partial(optax_dls.apply_step, tx))(grads, state, params)
     assert int(new["step"][0]) == 7 and not np.array_equal(new["w"], params["w"])
 
 

@@ -80,12 +80,11 @@ def test_value_and_grad_no_loss_scale_and_given_gradients_say_nothing():
       tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
       grad_fn = optax_dls.value_and_grad(lambda p, x: _loss(p, x), tx, max_tries=tries)
 
-      @jax.jit
-      def step(p, s, x):
+      def step(p, s, x, tx=tx, grad_fn=grad_fn):
         (_, g), s = grad_fn(s, p, x)
         return optax_dls.apply_step(tx, g, s, p)
 
-      step(PARAMS, tx.init(PARAMS), jnp.ones(3))
+      jax.jit(step)(PARAMS, tx.init(PARAMS), jnp.ones(3))
     plain = optax_dls.no_loss_scale(optax.sgd(0.1))
     _step(plain, "forgotten")(PARAMS, plain.init(PARAMS), jnp.ones(3))
     tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))

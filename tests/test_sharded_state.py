@@ -52,6 +52,10 @@ def test_a_replicated_state_over_sharded_parameters_trains_and_skips(axis_type, 
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
   assert bool(optax_dls.metrics(s2)["skipped"])
-  for got, want in zip(jax.tree.leaves((p2, optax_dls.find_state(s2).inner_state)), jax.tree.leaves((p1, inner1)), strict=True):
+  for got, want in zip(
+    jax.tree.leaves((p2, optax_dls.find_state(s2).inner_state)),
+    jax.tree.leaves((p1, inner1)),
+    strict=True,
+  ):
     np.testing.assert_array_equal(got, want)
   assert not np.array_equal(p3["w"], p2["w"])

@@ -53,7 +53,6 @@ def warn_if_unscaled(grads: Any, scale: Any, told: list[bool]) -> None:
   )
 
 
-
 def _depends_on(leaves: list[Any], target: Any) -> bool | None:
   """Whether any of ``leaves`` depends on what ``target`` is computed from (the traced
   function's arguments it derives from: the state's own scale, or, for a state a

@@ -225,10 +225,10 @@ def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = 
   ones give float32), else, with no floating array argument, leaves them
   float32 (for the loss, pass ``output_dtype=jnp.float32``: a float16 loss
   starts its backward pass at the loss scale in float16, and
-  :func:`scale_loss` warns about it). The casts are ordinary JAX operations: ``jax.grad`` differentiates
-  through them (a float16 argument gets a float16 gradient) and ``jax.jit``
-  compiles them. Use it as ``@full_precision``, ``@full_precision(output_dtype=...)``
-  or ``full_precision(fn)``.
+  :func:`scale_loss` warns about it). The casts are ordinary JAX operations:
+  ``jax.grad`` differentiates through them (a float16 argument gets a float16
+  gradient) and ``jax.jit`` compiles them. Use it as ``@full_precision``,
+  ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
 
   Args:
     fn: the function; any pytrees in and out. Omitted, a decorator is returned.

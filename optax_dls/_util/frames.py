@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 
 import jax
 
@@ -14,7 +15,8 @@ _JAX = os.path.dirname(os.path.abspath(jax.__file__))
 def user_stacklevel() -> int:
   """The ``stacklevel`` for ``warnings.warn`` called by the caller of this function that
   names the first frame outside optax_dls and JAX."""
-  frame, level = sys._getframe(2), 2
+  frame: FrameType | None = sys._getframe(2)
+  level = 2
   while frame is not None and frame.f_code.co_filename.startswith((_OURS, _JAX)):
     frame, level = frame.f_back, level + 1
   return level

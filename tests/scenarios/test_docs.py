@@ -14,13 +14,12 @@ import inspect
 import pathlib
 import pkgutil
 import re
-
-import jax
 import subprocess
 import sys
 import tempfile
 import urllib.parse
 
+import jax
 import pytest
 
 import optax_dls

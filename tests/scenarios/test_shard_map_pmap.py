@@ -206,9 +206,9 @@ def test_pmap_clean_steps_match_single_device(lowering):
     return optax.apply_updates(params, updates), state
 
   def ref_step(params, state):
-    grads = jax.grad(lambda p: optax_dls.scale_loss(jnp.mean(jnp.sin(p["w"][None] * xs).sum(1)), state))(
-      params
-    )
+    grads = jax.grad(
+      lambda p: optax_dls.scale_loss(jnp.mean(jnp.sin(p["w"][None] * xs).sum(1)), state)
+    )(params)
     updates, state = _tx(None, lowering=lowering).update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
