@@ -315,6 +315,23 @@ def test_a_constant_made_inf_before_the_trace_is_reported_when_nothing_else_is()
   assert "made before locate traced" in first.note
 
 
+def test_a_mask_at_the_dtype_s_largest_value_is_no_headroom_used():
+  """``jnp.finfo(dtype).min`` as the masked logits (flax's attention writes it so) is a
+  sentinel: the scope's headroom is that of its activations."""
+
+  def loss(w, x):
+    with jax.named_scope("masked"):
+      logits = x @ w
+      logits = jnp.where(jnp.tril(jnp.ones((4, 4), bool)), logits, jnp.finfo(F16).min)
+      p = jax.nn.softmax(logits.astype(jnp.float32)).astype(F16)
+    return jnp.sum((p * 1000.0).astype(jnp.float32))
+
+  report = optax_dls.locate(loss, jnp.full((4, 4), 0.5, F16), jnp.ones((4, 4), F16), scale=1.0)
+  assert report.first is None
+  (masked,) = [r for r in report.headroom if r.scope == "masked"]
+  assert masked.forward_fraction < 0.01  # the logits are 2, the probabilities at most 1
+
+
 def test_an_explicit_inf_is_no_overflow():
   """A deliberate -inf (a mask, as ``jax.nn.softmax(where=...)`` writes it) is no constant
   beyond the range: the layer that does overflow is reported."""

@@ -48,7 +48,8 @@ class ScopeHeadroom:
     scope: the scope's name (``"(top level)"`` outside any).
     forward_fraction / backward_fraction: the largest finite ``|activation|`` in the
       forward pass / ``|cotangent|`` in the backward pass, as a fraction of its dtype's
-      largest finite value (65504 for float16); 0.0 when the scope has none.
+      largest finite value (65504 for float16); 0.0 when the scope has none. Entries at
+      exactly that value (a mask's ``jnp.finfo(dtype).min``) are not counted.
     forward_overflow / backward_overflow: an operation of the scope made an inf or NaN
       from finite inputs in that pass.
     underflow_share: the share of its floating-point output entries, both passes,
@@ -158,8 +159,10 @@ class Accumulator:
       for out in outputs:
         info = np.finfo(out.dtype)
         values = np.abs(out.astype(np.float64))
-        finite = np.isfinite(values)
-        largest = float(values[finite].max()) if finite.any() else 0.0
+        # An entry at exactly the largest finite value is a sentinel (a mask's
+        # jnp.finfo(dtype).min), not an activation that came close to the limit.
+        measured = np.isfinite(values) & (values != float(info.max))
+        largest = float(values[measured].max()) if measured.any() else 0.0
         fraction = largest / float(info.max)
         if phase == "forward":
           h.forward_fraction = max(h.forward_fraction, fraction)
