@@ -4,9 +4,11 @@ each scope's headroom, for a linen model, an nnx model and a function with named
 import inspect
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import optax_dls
@@ -206,3 +208,373 @@ def test_an_equinox_model_and_non_array_arguments_are_taken():
     lambda x, m: jnp.sum(jax.vmap(m)(x).astype(jnp.float32)), x, mlp, scale=1.0
   )
   assert quiet.first is None
+
+
+# A float16 constant beyond 65504 is inf already in the jaxpr (a literal, or one of its
+# constants): the operation that makes or first reads it is the place, named a constant.
+
+
+def offset_scalar(w, x):
+  with jax.named_scope("offset"):
+    h = x @ w + jnp.float16(1e5)
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_full(w, x):
+  with jax.named_scope("offset"):
+    h = (x @ w) * jnp.full((2, 4), 1e5, F16)
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_asarray(w, x):
+  with jax.named_scope("offset"):
+    h = (x @ w) * jnp.asarray(1e5, F16)
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_python_float(w, x):
+  with jax.named_scope("offset"):
+    h = x @ w + 1e5
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_folded_cast(w, x):
+  with jax.named_scope("offset"):
+    h = x @ w + jnp.float32(1e5).astype(F16)
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_cast(w, x):
+  with jax.named_scope("offset"):
+    h = x @ w + jnp.full((2, 4), 1e5, jnp.float32).astype(F16)
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_numpy(w, x):
+  with jax.named_scope("offset"):
+    h = x @ w + np.full((2, 4), 1e5, np.float32).astype(np.float16)
+  return jnp.sum(h.astype(jnp.float32))
+
+
+def offset_earlier_line(w, x):
+  big = jnp.float16(1e5)
+  with jax.named_scope("offset"):
+    h = (x @ w) * big
+  return jnp.sum(h.astype(jnp.float32))
+
+
+@pytest.mark.parametrize(
+  ("fun", "text"),
+  [
+    (offset_scalar, "jnp.float16(1e5)"),
+    (offset_full, "jnp.full("),
+    (offset_asarray, "jnp.asarray(1e5"),
+    (offset_python_float, "+ 1e5"),
+    (offset_folded_cast, "jnp.float32(1e5)"),
+    (offset_cast, "jnp.full("),
+    (offset_numpy, "np.full("),
+    (offset_earlier_line, "* big"),
+  ],
+)
+def test_a_float16_literal_beyond_its_range_is_found_as_a_constant(fun, text):
+  w, x = jnp.full((4, 4), 0.5, F16), jnp.ones((2, 4), F16)
+  # At a scale of 2**15 the backward pass (S * 0.5 * 4 summed) also overflows: the
+  # constant, in the forward pass, comes first.
+  report = optax_dls.locate(fun, w, x, scale=2.0**15)
+  first = report.first
+  assert (first.phase, first.scope, first.kind, first.dtype) == (
+    "forward",
+    "offset",
+    "inf",
+    "float16",
+  )
+  assert first.source == _line(fun, text)
+  assert "constant" in first.note and "beyond float16's range" in first.note
+  assert "already not finite" not in first.note
+  assert report.headroom[0].scope == "offset" and report.headroom[0].forward_overflow
+
+
+def test_a_constant_made_inf_before_the_trace_is_reported_when_nothing_else_is():
+  with np.errstate(over="ignore"):
+    big = jnp.float16(1e5)  # made, and inf, before locate traces the function
+
+  def loss(w, x):
+    with jax.named_scope("offset"):
+      h = (x @ w) * big
+    return jnp.sum(h.astype(jnp.float32))
+
+  report = optax_dls.locate(loss, jnp.full((4, 4), 0.5, F16), jnp.ones((2, 4), F16), scale=1.0)
+  first = report.first
+  assert (first.phase, first.primitive, first.scope, first.kind) == (
+    "forward",
+    "mul",
+    "offset",
+    "inf",
+  )
+  assert "constant that is already inf in float16" in first.note
+  assert "made before locate traced" in first.note
+
+
+def test_a_mask_at_the_dtype_s_largest_value_is_no_headroom_used():
+  """``jnp.finfo(dtype).min`` as the masked logits (flax's attention writes it so) is a
+  sentinel: the scope's headroom is that of its activations."""
+
+  def loss(w, x):
+    with jax.named_scope("masked"):
+      logits = x @ w
+      logits = jnp.where(jnp.tril(jnp.ones((4, 4), bool)), logits, jnp.finfo(F16).min)
+      p = jax.nn.softmax(logits.astype(jnp.float32)).astype(F16)
+    return jnp.sum((p * 1000.0).astype(jnp.float32))
+
+  report = optax_dls.locate(loss, jnp.full((4, 4), 0.5, F16), jnp.ones((4, 4), F16), scale=1.0)
+  assert report.first is None
+  (masked,) = [r for r in report.headroom if r.scope == "masked"]
+  assert masked.forward_fraction < 0.01  # the logits are 2, the probabilities at most 1
+
+
+def test_an_explicit_inf_is_no_overflow():
+  """A deliberate -inf (a mask, as ``jax.nn.softmax(where=...)`` writes it) is no constant
+  beyond the range: the layer that does overflow is reported."""
+
+  def loss(w, x):
+    with jax.named_scope("masked"):
+      p = jax.nn.softmax(x, where=x > 0.5) + jnp.where(x > 0.5, x, -jnp.inf)
+    with jax.named_scope("proj"):
+      h = jnp.maximum(p, 0.0) @ w
+    return jnp.sum(h.astype(jnp.float32))
+
+  x = jnp.array([[1.0, 0.0, 1.0, 0.0]] * 2, F16)
+  report = optax_dls.locate(loss, jnp.full((4, 4), 4.0e4, F16), x, scale=1.0)
+  assert (report.first.phase, report.first.scope, report.first.note) == ("forward", "proj", "")
+  (masked,) = [r for r in report.headroom if r.scope == "masked"]
+  assert not masked.forward_overflow
+
+
+# Repeated blocks: each instance is a scope of its own, named by its path in the model.
+
+
+def _equinox_model(dtype, big_block, small=0.25, big=2.0e4, bias=None):
+  eqx = pytest.importorskip("equinox")
+
+  class ResidualBlock(eqx.Module):
+    linear1: eqx.nn.Linear
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.linear1 = eqx.nn.Linear(4, 4, key=k1)
+      self.linear2 = eqx.nn.Linear(4, 4, key=k2)
+
+    def __call__(self, x):
+      h = jax.nn.relu(self.linear1(x))
+      return x + self.linear2(h)
+
+  class Model(eqx.Module):
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      keys = jax.random.split(key, 4)
+      self.blocks = [ResidualBlock(k) for k in keys[:3]]
+      self.head = eqx.nn.Linear(4, 1, key=keys[3])
+
+    def __call__(self, x):
+      for block in self.blocks:
+        x = block(x)
+      return self.head(x)
+
+  model = Model(jax.random.key(0))
+
+  def fill(path, a):
+    if not eqx.is_array(a):
+      return a
+    is_bias = getattr(path[-1], "name", None) == "bias"
+    return jnp.full_like(a, small if bias is None or not is_bias else bias, dtype)
+
+  model = jax.tree_util.tree_map_with_path(fill, model)
+  weight = jnp.full((4, 4), big, dtype)
+  model = eqx.tree_at(lambda m: m.blocks[big_block].linear2.weight, model, weight)
+  return model, ResidualBlock
+
+
+def test_repeated_equinox_blocks_are_named_by_their_path():
+  model, block_class = _equinox_model(F16, big_block=2)
+
+  def loss(model, x):
+    return jnp.sum(jax.vmap(model)(x).astype(jnp.float32))
+
+  report = optax_dls.locate(loss, model, jnp.ones((2, 4), F16), scale=1.0)
+  first = report.first
+  assert (first.phase, first.primitive, first.scope, first.kind) == (
+    "forward",
+    "dot_general",
+    "blocks/2",
+    "inf",
+  )
+  assert first.source == _line(block_class.__call__, "self.linear2(h)")
+  scopes = [row.scope for row in report.headroom]
+  assert len(scopes) == len(set(scopes))  # one row per scope
+  blocks = [s for s in scopes if s.startswith("blocks/")]
+  assert sorted(blocks) == ["blocks/0", "blocks/1", "blocks/2"]  # one row per block instance
+  assert scopes[0] == "blocks/2" and report.headroom[0].forward_overflow
+  assert not any(r.forward_overflow for r in report.headroom if r.scope in ("blocks/0", "blocks/1"))
+
+
+def test_block_instances_keep_their_names_through_a_cast_and_in_the_backward_pass():
+  """float32 weights cast to float16 inside the loss (a cast policy's ``cast_to_compute``);
+  at a large scale the backward pass overflows first in the block with large weights."""
+  model, _ = _equinox_model(jnp.float32, big_block=1, small=0.01, big=1000.0, bias=0.0)
+  policy = optax_dls.cast_policy("half")
+
+  def loss(model, x):
+    return jnp.sum(jax.vmap(policy.cast_to_compute(model))(x).astype(jnp.float32))
+
+  x = jnp.full((2, 4), 1.0e-3, F16)  # the forward pass stays small
+  # The cotangent of block 1's hidden layer is about S * 0.01 (the head) * 4 * 1000: inf at
+  # 2**12, while the head's weight gradient, S times the output of about 0.16, is not.
+  report = optax_dls.locate(loss, model, x, scale=2.0**12)
+  first = report.first
+  assert (first.phase, first.scope, first.kind) == ("backward", "blocks/1", "inf")
+  assert {r.scope for r in report.headroom} >= {"blocks/0", "blocks/1", "blocks/2"}
+
+
+def block(x, w):
+  h = jnp.tanh(x) @ w
+  return x + h
+
+
+def blocks_loss(params, x):
+  for w in params["blocks"]:
+    x = block(x, w)
+  return jnp.sum(x.astype(jnp.float32))
+
+
+def test_a_function_called_per_block_is_named_by_the_block_it_is_given():
+  params = {"blocks": [jnp.full((4, 4), 0.5, F16) for _ in range(3)]}
+  params["blocks"][2] = jnp.full((4, 4), 3.0e4, F16)
+  report = optax_dls.locate(blocks_loss, params, jnp.ones((2, 4), F16), scale=1.0)
+  first = report.first
+  assert (first.phase, first.primitive, first.scope) == ("forward", "dot_general", "blocks/2")
+  assert first.source == _line(block, "@ w")
+  assert sorted(r.scope for r in report.headroom if r.scope.startswith("blocks/")) == [
+    "blocks/0",
+    "blocks/1",
+    "blocks/2",
+  ]
+  assert report.headroom[0].scope == "blocks/2"
+
+
+def test_a_named_scope_inside_a_block_follows_its_path():
+  def scoped_block(x, w):
+    with jax.named_scope("mix"):
+      h = jnp.tanh(x) @ w
+    return x + h
+
+  def loss(params, x):
+    for w in params["blocks"]:
+      x = scoped_block(x, w)
+    return jnp.sum(x.astype(jnp.float32))
+
+  params = {"blocks": [jnp.full((4, 4), 0.5, F16), jnp.full((4, 4), 3.0e4, F16)]}
+  report = optax_dls.locate(loss, params, jnp.ones((2, 4), F16), scale=1.0)
+  assert report.first.scope == "blocks/1/mix"
+  assert {"blocks/0/mix", "blocks/0", "blocks/1"} <= {r.scope for r in report.headroom}
+
+
+def test_a_block_jax_traces_once_is_named_by_its_function():
+  """``jax.jit(block)`` called per block runs one trace at each place: the instances are
+  not told apart, and no call is named by what the blocks share (``blocks``)."""
+  jitted = jax.jit(block)
+
+  def loss(params, x):
+    for w in params["blocks"]:
+      x = jitted(x, w)
+    return jnp.sum((x @ params["head"]).astype(jnp.float32))
+
+  params = {"blocks": [jnp.full((4, 4), 0.5, F16) for _ in range(3)]}
+  params["blocks"][2] = jnp.full((4, 4), 3.0e4, F16)
+  params["head"] = jnp.ones(4, F16)  # the blocks are not all the model applies
+  report = optax_dls.locate(loss, params, jnp.ones((2, 4), F16), scale=1.0)
+  assert report.first.scope == "block"
+
+
+def test_under_another_profiler_calls_are_not_told_apart_and_it_stays():
+  def profiler(frame, event, arg):
+    return None
+
+  params = {"blocks": [jnp.full((4, 4), 0.5, F16) for _ in range(3)]}
+  params["blocks"][2] = jnp.full((4, 4), 3.0e4, F16)
+  sys.setprofile(profiler)
+  try:
+    report = optax_dls.locate(blocks_loss, params, jnp.ones((2, 4), F16), scale=1.0)
+    assert sys.getprofile() is profiler
+  finally:
+    sys.setprofile(None)
+  assert report.first.scope == "block"
+
+
+def test_linen_blocks_made_in_a_loop_keep_their_module_paths():
+  nn = pytest.importorskip("flax.linen")
+
+  class ResidualBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.Dense(4, dtype=F16, param_dtype=F16)(x))
+      return x + nn.Dense(4, dtype=F16, param_dtype=F16)(h)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(3):
+        x = ResidualBlock()(x)
+      return x
+
+  model, x = Model(), jnp.ones((2, 4), F16)
+  params = jax.tree.map(lambda p: jnp.full_like(p, 0.25), model.init(jax.random.key(0), x))
+  big = params["params"]["ResidualBlock_2"]["Dense_1"]["kernel"]
+  params["params"]["ResidualBlock_2"]["Dense_1"]["kernel"] = jnp.full_like(big, 2.0e4)
+
+  def loss(params, x):
+    return jnp.sum(model.apply(params, x).astype(jnp.float32))
+
+  report = optax_dls.locate(loss, params, x, scale=1.0)
+  assert (report.first.phase, report.first.scope) == ("forward", "Model/ResidualBlock_2/Dense_1")
+  scopes = {r.scope for r in report.headroom}
+  assert {f"Model/ResidualBlock_{i}" for i in range(3)} <= scopes
+  assert {f"Model/ResidualBlock_{i}/Dense_1" for i in range(3)} <= scopes
+
+
+def test_nnx_blocks_in_a_list_are_named_by_their_path():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, dtype=F16, param_dtype=F16, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.lin(x)
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.blocks = nnx.List([Block(nnx.Rngs(i)) for i in range(3)])
+
+    def __call__(self, x):
+      for b in self.blocks:
+        x = b(x)
+      return x
+
+  graph, state = nnx.split(Net())
+  state = jax.tree.map(lambda p: jnp.full_like(p, 0.25), state)
+  state["blocks"][1]["lin"]["kernel"][...] = jnp.full((4, 4), 3.0e4, F16)
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graph, state)(x).astype(jnp.float32))
+
+  report = optax_dls.locate(loss, state, jnp.ones((2, 4), F16), scale=1.0)
+  assert (report.first.phase, report.first.scope) == ("forward", "blocks/1")
+  assert report.first.source == _line(Block.__call__, "self.lin(x)")
+  assert sorted(r.scope for r in report.headroom if r.scope.startswith("blocks/")) == [
+    "blocks/0",
+    "blocks/1",
+    "blocks/2",
+  ]

@@ -9,8 +9,14 @@ one ``jax.jit`` that returns every operation's inputs and outputs (one compile,
 not one per operation), or, when it holds a ``cond``, eagerly, one operation at a
 time. Nested ``jit``, ``remat`` /
 ``checkpoint``, ``custom_jvp`` / ``custom_vjp`` calls and the taken branch of a
-``cond`` are entered; a ``scan`` or ``while`` is evaluated whole and, if it makes
-the inf or NaN, reported as the place with a note.
+``cond`` are entered (their equations keep the scopes of the call around them); a
+``scan`` or ``while`` is evaluated whole and, if it makes the inf or NaN, reported
+as the place with a note. The function's arguments are inputs of the forward jaxpr,
+so its constants are those the loss function made or closed over: which values are
+constants is followed through every operation, and an inf among them is a constant
+made beyond its range where the trace saw NumPy overflow making it
+(:func:`jax_source.watching`). The calls that trace also saw are named by
+:mod:`locate_instances`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import numpy as np
 from jax.extend import core as jax_core
 
 from optax_dls._features import jax_source as _jax_source
+from optax_dls._features import locate_instances as _instances
 from optax_dls._util import calls as _calls
 from optax_dls._util import locate_report as _headroom
 from optax_dls._util import model as _model
@@ -58,6 +65,19 @@ def locate(
   outputs (a few seconds for a small model; every intermediate value is held in host
   memory): call it once, on a micro-batch of a skipped step.
 
+  An operation is named by its scope: flax linen's module path or a
+  ``jax.named_scope``; in a block of the model called once per instance (an Equinox
+  or nnx module's method, a function given the block's parameters), the block's path
+  in the differentiated argument, as :func:`optax_dls.leaf_names` writes it
+  (``"blocks/2"``): while it traces, ``locate`` gives each call of the user's code a
+  scope of its own and names it by the parameters its operations apply to data, so
+  the instances of one block have a headroom row each; otherwise the user's function
+  that wrote it. A float16 constant beyond 65504 (``jnp.float16(1e5)``, ``x + 1e5`` with
+  a float16 ``x``) is inf in the jaxpr before anything runs: the operation that makes
+  or first reads it is the place, its note saying it reads a constant (a literal
+  beyond float16's range). An inf constant not seen made while tracing (an explicit
+  ``-jnp.inf``, as masks use) is taken as meant: reported only where nothing else is.
+
   Args:
     fun: the loss function, as given to ``jax.grad``, not yet multiplied by the
       scale; returns a scalar (and an auxiliary value with ``has_aux=True``).
@@ -71,8 +91,8 @@ def locate(
   Returns:
     A :class:`~optax_dls.LocateReport`: ``first`` (phase, primitive, source,
     scope, kind, dtype, input_max, note) or None when every value is finite, and
-    ``headroom``, one row per scope, closest to overflow first. ``print(report)`` shows
-    a table; ``report.to_dict()`` is JSON-ready.
+    ``headroom``, one row per scope (per block instance), closest to overflow first.
+    ``print(report)`` shows a table; ``report.to_dict()`` is JSON-ready.
 
   Raises:
     TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not
@@ -100,16 +120,20 @@ def locate(
   has_aux = _validation.boolean("has_aux", has_aux)
   cpu = jax.devices("cpu")[0]
   arrays, rebuild = _calls.split_arrays(args)  # strings, functions and flags stay as they are
-  args = rebuild(jax.device_put(arrays, cpu))
+  arrays = jax.device_put(arrays, cpu)
+  target = rebuild(arrays)[argnums]
   # Of a differentiated argument holding leaves that are not floating arrays (an Equinox
   # model's functions), only the floating arrays are differentiated, as value_and_grad does.
-  split = _model.has_non_arrays(args[argnums])
-  wrt, others = _model.partition(args[argnums]) if split else (args[argnums], None)
+  split = _model.has_non_arrays(target)
+  wrt = _model.partition(target)[0] if split else target
   acc = _headroom.Accumulator()
 
-  def scaled(x: Any) -> tuple[Any, Any]:
-    x = _model.combine(x, others) if split else x
-    out = fun(*args[:argnums], x, *args[argnums + 1 :])
+  def scaled(x: Any, arrays: list[Any]) -> tuple[Any, Any]:
+    # The arguments are inputs of the traced function, not constants of it: a constant
+    # of the jaxpr is one the loss function made or closed over.
+    full = rebuild(arrays)
+    x = _model.combine(x, _model.partition(full[argnums])[1]) if split else x
+    out = fun(*full[:argnums], x, *full[argnums + 1 :])
     if not has_aux and isinstance(out, (tuple, list)):
       raise TypeError(
         f"locate: fun returned a {type(out).__name__} of {len(out)}; it must return the "
@@ -131,23 +155,39 @@ def locate(
 
   tree: list[Any] = []
 
-  def forward(x: Any) -> list[Any]:
-    loss, pullback, _ = jax.vjp(scaled, x, has_aux=True)
+  def forward(x: Any, arrays: list[Any]) -> list[Any]:
+    loss, pullback, _ = jax.vjp(lambda x: scaled(x, arrays), x, has_aux=True)
     leaves, treedef = jax.tree.flatten((loss, pullback))
     tree.append(treedef)
     return leaves
 
+  def backward(leaves: list[Any]) -> Any:
+    loss, pullback = jax.tree.unflatten(tree[0], leaves)
+    return pullback(jnp.ones_like(loss))
+
   with jax.default_device(cpu):
-    closed = jax.make_jaxpr(forward)(wrt)
-    leaves = _run(closed, jax.tree.leaves(wrt), "forward", acc)
-
-    def backward(leaves: list[Any]) -> Any:
-      loss, pullback = jax.tree.unflatten(tree[0], leaves)
-      return pullback(jnp.ones_like(loss))
-
-    closed = jax.make_jaxpr(backward)(leaves)
-    _run(closed, leaves, "backward", acc)
+    with _jax_source.watching(_instances.given_paths) as watch:
+      closed = jax.make_jaxpr(forward)(wrt, arrays)
+    inputs = [*jax.tree.leaves(wrt), *arrays]
+    paths: list[Any] = _instances.leaf_paths(wrt)
+    paths += [None] * (len(inputs) - len(paths))
+    instances = _instances.names(closed, paths, watch.calls, watch.given, _body)
+    seen = _Seen(watch, instances)
+    leaves = _run(closed, inputs, "forward", acc, seen)
+    with _jax_source.watching() as backward_watch:
+      closed = jax.make_jaxpr(backward)(leaves)
+    seen.watch.overflows += backward_watch.overflows
+    _run(closed, leaves, "backward", acc, seen)
   return acc.report(float(scale))
+
+
+class _Seen:
+  """What tracing saw: the constants that overflowed as they were made, and the name of
+  each block instance."""
+
+  def __init__(self, watch: _jax_source.Watch, instances: dict[str, str]) -> None:
+    self.watch = watch
+    self.instances = instances
 
 
 def _floats(values: list[Any]) -> list[np.ndarray]:
@@ -185,41 +225,47 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
-Record = Callable[[Any, list[Any], list[Any]], None]
+Record = Callable[[Any, list[Any], list[Any], list[bool], tuple[str, ...]], None]
 
 
-def _run(closed: Any, args: list[Any], phase: str, acc: Any) -> list[Any]:
+def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _Seen) -> list[Any]:
   """Evaluates ``closed`` and records every operation in order. Compiled once, returning
   every intermediate value, unless it holds a ``cond`` (whose taken branch needs the
   concrete index): then one operation at a time, eagerly."""
 
-  def now(eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
-    _record(eqn, invals, outvals, phase, acc)
+  def now(
+    eqn: Any, invals: list[Any], outvals: list[Any], constant: list[bool], outer: tuple[str, ...]
+  ) -> None:
+    _record(eqn, invals, outvals, constant, outer, phase, acc, seen)
 
   if _has_cond(closed.jaxpr):
-    return _eval(closed.jaxpr, closed.consts, args, now)
+    return _eval(closed.jaxpr, closed.consts, args, None, now)[0]
   eqns: list[Any] = []
 
   def traced(consts: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
     eqns.clear()
     kept: list[Any] = []
 
-    def keep(eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
-      eqns.append(eqn)
+    def keep(
+      eqn: Any, invals: list[Any], outvals: list[Any], constant: list[bool], outer: Any
+    ) -> None:
+      eqns.append((eqn, [c for v, c in zip(invals, constant) if _is_inexact(v)], outer))
       kept.append((_inexact(invals), _inexact(outvals)))
 
-    return _eval(closed.jaxpr, consts, args, keep), kept
+    return _eval(closed.jaxpr, consts, args, None, keep)[0], kept
 
   outs, kept = jax.jit(traced)(list(closed.consts), list(args))
-  for eqn, (invals, outvals) in zip(eqns, kept):
-    now(eqn, invals, outvals)
+  for (eqn, constant, outer), (invals, outvals) in zip(eqns, kept):
+    now(eqn, invals, outvals, constant, outer)
   return outs
 
 
+def _is_inexact(v: Any) -> bool:
+  return hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact)
+
+
 def _inexact(values: list[Any]) -> list[Any]:
-  return [
-    jnp.asarray(v) for v in values if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact)
-  ]
+  return [jnp.asarray(v) for v in values if _is_inexact(v)]
 
 
 def _has_cond(jaxpr: Any) -> bool:
@@ -230,30 +276,61 @@ def _has_cond(jaxpr: Any) -> bool:
   return False
 
 
-def _eval(jaxpr: Any, consts: list[Any], args: list[Any], record: Record) -> list[Any]:
+def _entered(
+  eqn: Any, invals: list[Any], flags: list[bool]
+) -> tuple[Any, list[Any], list[Any], list[bool]] | None:
+  """``(jaxpr, consts, args, which args are constants)`` of the body ``eqn`` runs where
+  it is entered (a nested call, the taken branch of a ``cond``); None otherwise."""
+  body = _body(eqn)
+  if body is not None:
+    return body[0], body[1], invals, flags
+  if eqn.primitive.name == "cond":
+    branch = eqn.params["branches"][int(np.asarray(invals[0]))]
+    return branch.jaxpr, list(branch.consts), invals[1:], flags[1:]
+  return None
+
+
+def _eval(
+  jaxpr: Any,
+  consts: list[Any],
+  args: list[Any],
+  constant_args: list[bool] | None,
+  record: Record,
+  outer: tuple[str, ...] = (),
+) -> tuple[list[Any], list[bool]]:
+  """The outputs of ``jaxpr`` and, for each, whether it is a constant (made of literals
+  and the jaxpr's constants alone). ``record`` gets every operation with its inputs,
+  outputs, which inputs are constants, and the scopes of the calls around it."""
   env: dict[Any, Any] = {}
+  constant: set[Any] = set(jaxpr.constvars)
 
   def read(v: Any) -> Any:
     return v.val if isinstance(v, jax_core.Literal) else env[v]
 
+  def is_constant(v: Any) -> bool:
+    return isinstance(v, jax_core.Literal) or v in constant
+
   for v, c in zip(jaxpr.constvars, consts):
     env[v] = c
-  for v, a in zip(jaxpr.invars, args):
+  for v, a, c in zip(jaxpr.invars, args, constant_args or [False] * len(args)):
     env[v] = a
+    if c:
+      constant.add(v)
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    body = _body(eqn)
-    if body is not None:
-      outvals = _eval(body[0], body[1], invals, record)
-    elif eqn.primitive.name == "cond":
-      branch = eqn.params["branches"][int(np.asarray(invals[0]))]
-      outvals = _eval(branch.jaxpr, list(branch.consts), invals[1:], record)
+    flags = [is_constant(v) for v in eqn.invars]
+    entered = _entered(eqn, invals, flags)
+    if entered is not None:
+      outvals, out_flags = _eval(*entered, record, tuple(_jax_source.scopes(eqn, outer)))
     else:
       outvals = _bind(eqn, invals)
-      record(eqn, invals, outvals)
-    for v, val in zip(eqn.outvars, outvals):
+      out_flags = [all(flags)] * len(outvals)
+      record(eqn, invals, outvals, flags, outer)
+    for v, val, c in zip(eqn.outvars, outvals, out_flags):
       env[v] = val
-  return [read(v) for v in jaxpr.outvars]
+      if c:
+        constant.add(v)
+  return [read(v) for v in jaxpr.outvars], [is_constant(v) for v in jaxpr.outvars]
 
 
 def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
@@ -264,24 +341,81 @@ def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _record(eqn: Any, invals: list[Any], outvals: list[Any], phase: str, acc: Any) -> None:
+def _finite(a: np.ndarray) -> bool:
+  return bool(np.isfinite(a).all())
+
+
+def _range_note(a: np.ndarray) -> str:
+  dtype = str(a.dtype)
+  return f"beyond {dtype}'s range (largest finite {float(np.finfo(a.dtype).max):g})"
+
+
+def _notes(
+  eqn: Any,
+  bad: np.ndarray,
+  pairs: list[tuple[np.ndarray, bool]],
+  made_constants: list[np.ndarray],
+  overflowed: list[np.ndarray],
+  carried: bool,
+) -> list[str]:
+  """Why the place is approximate or where the value came from: a ``scan`` or ``while``
+  run whole; a constant beyond the range read; every input a constant; inputs already
+  not finite."""
+  notes = []
+  if eqn.primitive.name in ("scan", "while"):
+    notes.append(f"a {eqn.primitive.name} evaluated whole: the operation is inside its body")
+  constants = [a for a, c in pairs if c and not _finite(a)]
+  if made_constants:
+    c = made_constants[0]
+    notes.append(f"reads a constant that is inf in {c.dtype}: a literal {_range_note(c)}")
+  elif overflowed:
+    c = overflowed[0]
+    notes.append(
+      f"reads a constant that is already inf in {c.dtype} (an explicit inf, such as a "
+      f"mask's, or a literal {_range_note(c)} made before locate traced the function)"
+    )
+  elif constants:
+    notes.append(f"reads a constant that is nan in {constants[0].dtype}")
+  elif not carried and pairs and all(c for _, c in pairs):
+    notes.append(f"its inputs are all constants: a constant {_range_note(bad)}")
+  if carried:
+    notes.append("its inputs were already not finite")
+  return notes
+
+
+def _record(
+  eqn: Any,
+  invals: list[Any],
+  outvals: list[Any],
+  constant: list[bool],
+  outer: tuple[str, ...],
+  phase: str,
+  acc: Any,
+  seen: _Seen,
+) -> None:
   outputs = _floats(outvals)
   if not outputs:
     return
-  inputs = _floats(invals)
-  inputs_finite = all(bool(np.isfinite(a).all()) for a in inputs)
+  pairs = [(np.asarray(v), c) for v, c in zip(invals, constant) if _is_inexact(v)]
+  inputs = [a for a, _ in pairs]
+  carried = any(not c and not _finite(a) for a, c in pairs)  # made by an earlier operation
+  constants = [a for a, c in pairs if c and not _finite(a)]  # inf already in the jaxpr
+  nonfinite = not all(_finite(o) for o in outputs)
+  # A constant that is inf already in the jaxpr was made beyond the range where the user's
+  # code made it (a literal 1e5 cast to float16, as the trace noted): made here. One that
+  # was not seen made is taken as meant (an explicit -inf, a mask's), as is a NaN.
+  overflowed = [a for a in constants if bool(np.isinf(a).any())]
+  from_made_constant = bool(overflowed) and seen.watch.made_here(eqn)
+  made = nonfinite and not carried and (not constants or from_made_constant)
   source, function = _jax_source.source_of(eqn)
-  scope = _jax_source.scope_of(eqn) or (function if function != "?" else "")
-  if not acc.add(phase, scope, outputs, inputs_finite):
+  scope = _jax_source.scope_of(eqn, outer, seen.instances) or (function if function != "?" else "")
+  acc.add(phase, scope, outputs, ranged=not carried, made=made)
+  if not nonfinite or acc.first is not None:
     return
-  if acc.first is not None or (not inputs_finite and acc.first_propagated is not None):
+  if not made and acc.first_propagated is not None:
     return
-  bad = next(o for o in outputs if not np.isfinite(o).all())
-  note = ""
-  if eqn.primitive.name in ("scan", "while"):
-    note = f"a {eqn.primitive.name} evaluated whole: the operation is inside its body"
-  if not inputs_finite:
-    note = (note + "; " if note else "") + "its inputs were already not finite"
+  bad = next(o for o in outputs if not _finite(o))
+  notes = _notes(eqn, bad, pairs, overflowed if from_made_constant else [], overflowed, carried)
   op = _headroom.Operation(
     phase=phase,
     primitive=eqn.primitive.name,
@@ -290,9 +424,9 @@ def _record(eqn: Any, invals: list[Any], outvals: list[Any], phase: str, acc: An
     kind="nan" if bool(np.isnan(bad).any()) else "inf",
     dtype=str(bad.dtype),
     input_max=_largest_finite(inputs),
-    note=note,
+    note="; ".join(notes),
   )
-  if inputs_finite:
+  if made:
     acc.first = op
   else:
     acc.first_propagated = op

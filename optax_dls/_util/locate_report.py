@@ -18,12 +18,16 @@ class Operation:
     phase: ``"forward"`` (computing ``S * fun(*args)``) or ``"backward"`` (its gradient).
     primitive: the JAX primitive, e.g. ``"dot_general"``.
     source: ``"file:line"`` of the user's code that wrote it (``"?"`` when unknown).
-    scope: the named scope it ran in (flax linen's module path, ``jax.named_scope``),
-      else the qualified name of the user's function that wrote it (nnx, Equinox).
+    scope: the named scope it ran in (flax linen's module path, ``jax.named_scope``);
+      in a block of the model called once per instance (an Equinox or nnx module, a
+      function given the block's parameters), the block's path (``"blocks/2"``); else
+      the qualified name of the user's function that wrote it.
     kind: ``"inf"`` or ``"nan"`` (``"nan"`` when its output holds any NaN).
     dtype: its output's dtype, e.g. ``"float16"``.
     input_max: the largest finite ``|value|`` among its inputs (0.0 when none).
-    note: why the place is approximate (a ``scan`` or ``while`` evaluated whole), else ``""``.
+    note: why the place is approximate (a ``scan`` or ``while`` evaluated whole), or
+      where the value came from (a constant beyond the dtype's range, inputs already
+      not finite), else ``""``.
   """
 
   phase: str
@@ -44,7 +48,8 @@ class ScopeHeadroom:
     scope: the scope's name (``"(top level)"`` outside any).
     forward_fraction / backward_fraction: the largest finite ``|activation|`` in the
       forward pass / ``|cotangent|`` in the backward pass, as a fraction of its dtype's
-      largest finite value (65504 for float16); 0.0 when the scope has none.
+      largest finite value (65504 for float16); 0.0 when the scope has none. Entries at
+      exactly that value (a mask's ``jnp.finfo(dtype).min``) are not counted.
     forward_overflow / backward_overflow: an operation of the scope made an inf or NaN
       from finite inputs in that pass.
     underflow_share: the share of its floating-point output entries, both passes,
@@ -143,32 +148,34 @@ class Accumulator:
     self.first_propagated: Operation | None = None
     self._order = 0
 
-  def add(self, phase: str, scope: str, outputs: list[np.ndarray], inputs_finite: bool) -> bool:
-    """Records float outputs; True when one of them is non-finite."""
+  def add(
+    self, phase: str, scope: str, outputs: list[np.ndarray], ranged: bool, made: bool
+  ) -> None:
+    """Records one operation's float outputs: their range where ``ranged`` (no inf or NaN
+    carried in from an earlier operation), and an overflow of the scope where ``made``
+    (the operation made an inf or NaN)."""
     h = self.scopes.setdefault(scope or "(top level)", ScopeHeadroom(scope or "(top level)"))
-    nonfinite = False
-    for out in outputs:
-      info = np.finfo(out.dtype)
-      values = np.abs(out.astype(np.float64))
-      finite = np.isfinite(values)
-      nonfinite |= not bool(finite.all())
-      if not inputs_finite:
-        continue  # inf or NaN carried in: not this operation's range
-      largest = float(values[finite].max()) if finite.any() else 0.0
-      fraction = largest / float(info.max)
-      if phase == "forward":
-        h.forward_fraction = max(h.forward_fraction, fraction)
-      else:
-        h.backward_fraction = max(h.backward_fraction, fraction)
-      h._entries += values.size
-      h._below_normal += int(np.count_nonzero((values > 0) & (values < float(info.tiny))))
-      h.underflow_share = h._below_normal / max(h._entries, 1)
-    if nonfinite and inputs_finite:
+    if ranged:
+      for out in outputs:
+        info = np.finfo(out.dtype)
+        values = np.abs(out.astype(np.float64))
+        # An entry at exactly the largest finite value is a sentinel (a mask's
+        # jnp.finfo(dtype).min), not an activation that came close to the limit.
+        measured = np.isfinite(values) & (values != float(info.max))
+        largest = float(values[measured].max()) if measured.any() else 0.0
+        fraction = largest / float(info.max)
+        if phase == "forward":
+          h.forward_fraction = max(h.forward_fraction, fraction)
+        else:
+          h.backward_fraction = max(h.backward_fraction, fraction)
+        h._entries += values.size
+        h._below_normal += int(np.count_nonzero((values > 0) & (values < float(info.tiny))))
+        h.underflow_share = h._below_normal / max(h._entries, 1)
+    if made:
       setattr(h, f"{phase}_overflow", True)
       if h.first_overflow < 0:
         h.first_overflow = self._order
       self._order += 1
-    return nonfinite
 
   def report(self, scale: float) -> LocateReport:
     rows = sorted(self.scopes.values(), key=ScopeHeadroom.sort_key)

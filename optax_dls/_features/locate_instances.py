@@ -1,0 +1,161 @@
+"""Which instance of a repeated block each operation of :func:`optax_dls.locate` ran in.
+
+While ``locate`` traces, every call of the user's code opens a scope of its own
+(:func:`~optax_dls._features.jax_source.watching`), so the operations of the third
+call of ``ResidualBlock.__call__`` are told from those of the first. Here the forward
+jaxpr is read once to name each call: a parameter leaf's path follows its value
+through the operations that read nothing else but constants (a cast, a transpose),
+and each call collects the parameters its operations apply to data (the activations,
+the batch). A call is named by the path those parameters share, written as
+:func:`optax_dls.leaf_names` writes paths (``blocks/2`` for the third of a list of
+blocks); a call that applies every parameter the model applies (the whole model), or
+whose parameters share no path, is not named: the scopes around it, or its function,
+name its operations, as for a model of one block. Nor is a call that JAX traced once and
+runs at several places (a function wrapped in ``jax.jit`` or ``jax.checkpoint``, called
+once per block): its one call cannot tell the places apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jax_core
+
+from optax_dls._core import record as _record
+from optax_dls._features import jax_source as _jax_source
+from optax_dls._util import tree_paths as _tree_paths
+
+Path = tuple[str, ...]
+_CONSTANT = "constant"  # a value made of literals and the jaxpr's constants alone
+Kind = Path | str | None  # a parameter's path, _CONSTANT, or None: data
+
+
+def leaf_paths(tree: Any) -> list[Path]:
+  """The path of each leaf of ``jax.tree.leaves(tree)``, its keys written as
+  :func:`optax_dls.leaf_names` writes them (an nnx ``Variable`` without its ``value``)."""
+  out: list[Path] = []
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree_paths.is_variable)
+  for path, leaf in flat:
+    keys = tuple(_record.path_name([k]) for k in path)
+    out.extend([keys] * len(jax.tree.leaves(leaf)))
+  return out
+
+
+def given_paths(args: Sequence[Any]) -> frozenset[Path]:
+  """The paths of the arrays inside a call's arguments, relative to the argument
+  (``linear1/weight`` inside a block's ``self``): a parameter ``blocks/2/linear1/weight``
+  that the call applies is then the block at ``blocks/2``."""
+  out: set[Path] = set()
+  for value in args:
+    for path, leaf in _flat(value):
+      if path and (_tree_paths.is_variable(leaf) or isinstance(leaf, jax.Array)):
+        out.add(tuple(_record.path_name([k]) for k in path))
+  return frozenset(out)
+
+
+def _flat(value: Any) -> list[tuple[Any, Any]]:
+  try:
+    return jax.tree_util.tree_flatten_with_path(value, is_leaf=_tree_paths.is_variable)[0]
+  except Exception:  # noqa: BLE001 - an argument JAX cannot flatten holds no parameter
+    return []
+
+
+def names(
+  closed: Any,
+  kinds: Sequence[Kind],
+  calls: Sequence[str],
+  given: Mapping[str, frozenset[Path]],
+  body: Callable[[Any], tuple[Any, list[Any]] | None],
+) -> dict[str, str]:
+  """``{call scope: path}`` for the calls of ``calls`` that are an instance of a block.
+
+  Args:
+    closed: the forward pass, a ``ClosedJaxpr``.
+    kinds: per input of ``closed``: the path of the parameter it is, or None (data).
+    calls: the scopes the calls of the user's code opened while ``closed`` was traced.
+    given: per call, :func:`given_paths` of its arguments.
+    body: the jaxpr (and constants) an equation runs, for the calls ``locate`` enters.
+  """
+  applied: dict[str, set[Path]] = {}
+  every: set[Path] = set()
+  # Per call, the bodies (of a jitted or checkpointed function, by the equation that runs
+  # it; 0 outside any) whose own equations it opened: a function JAX traced once and runs
+  # at several places (jax.jit(block), called per block) shows its one call in each.
+  bodies: dict[str, set[int]] = {}
+
+  def walk(jaxpr: Any, kinds_in: Sequence[Kind], outer: Sequence[str], at: int) -> list[Kind]:
+    kind: dict[Any, Kind] = {v: _CONSTANT for v in jaxpr.constvars}
+    kind.update(zip(jaxpr.invars, kinds_in))
+
+    def of(v: Any) -> Kind:
+      return _CONSTANT if isinstance(v, jax_core.Literal) else kind.get(v)
+
+    for eqn in jaxpr.eqns:
+      for name in _jax_source.scopes(eqn):
+        if name.startswith(_jax_source.CALL):
+          bodies.setdefault(name, set()).add(at)
+      ins = [of(v) for v in eqn.invars]
+      entered = body(eqn)
+      if entered is not None:
+        outs = walk(entered[0], ins, _jax_source.scopes(eqn, outer), id(eqn))
+      else:
+        outs = [_apply(eqn, ins, outer, applied, every)] * len(eqn.outvars)
+      kind.update(zip(eqn.outvars, outs))
+    return [of(v) for v in jaxpr.outvars]
+
+  walk(closed.jaxpr, list(kinds), (), 0)
+  out = {}
+  for call in calls:
+    paths = applied.get(call)
+    if not paths or paths >= every or len(bodies.get(call, ())) > 1:
+      continue
+    shared = _shared(_places(paths, given.get(call, frozenset())))
+    if shared:
+      out[call] = "/".join(shared)
+  return out
+
+
+def _places(paths: set[Path], given: frozenset[Path]) -> set[Path]:
+  """Where the arguments holding ``paths`` sit in the model: each path without the
+  longest of ``given`` it ends with (a block's ``linear1/weight``). Parameters the
+  arguments do not hold (one the call reads from elsewhere) are left out, unless none
+  is held (a function given a leaf: its own path)."""
+  held = set()
+  for p in paths:
+    suffix = max(
+      (len(r) for r in given if len(r) <= len(p) and p[len(p) - len(r) :] == r), default=0
+    )
+    if suffix:
+      held.add(p[: len(p) - suffix])
+  return held or paths
+
+
+def _apply(
+  eqn: Any, ins: list[Kind], outer: Sequence[str], applied: dict[str, set[Path]], every: set[Path]
+) -> Kind:
+  """The kind of ``eqn``'s outputs; where it applies parameters to data, noted for every
+  call it ran in."""
+  params = {k for k in ins if isinstance(k, tuple)}
+  if any(k is None for k in ins):
+    if params:
+      every.update(params)
+      for name in _jax_source.scopes(eqn, outer):
+        if name.startswith(_jax_source.CALL):
+          applied.setdefault(name, set()).update(params)
+    return None
+  if len(params) == 1:
+    return next(iter(params))  # a parameter cast, transposed, scaled by a constant
+  return None if params else _CONSTANT
+
+
+def _shared(paths: set[Path]) -> Path:
+  """The longest path every one of ``paths`` starts with."""
+  shared, *rest = sorted(paths)
+  for p in rest:
+    n = 0
+    while n < min(len(shared), len(p)) and shared[n] == p[n]:
+      n += 1
+    shared = shared[:n]
+  return shared
