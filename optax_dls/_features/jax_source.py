@@ -93,7 +93,7 @@ def source_of(eqn: Any) -> tuple[str, str]:
 
 
 # The scope a call of the user's code opens while locate traces: this prefix and a number.
-CALL = "optax_dls.locate.call:"
+CALL = "optax_dls_locate_call:"
 # Scopes Equinox's layers open, named by the layer's type (every eqx.nn.Linear shares
 # one): inside a block instance, its path names the place instead.
 _TYPE_SCOPES = ("eqx.",)

@@ -238,7 +238,8 @@ def value_and_grad(
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**16)
     >>> params = {'w': jnp.ones(1)}
-    >>> loss = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
+    >>> half = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
+    >>> loss = lambda p: half(p).astype(jnp.float32)  # the loss itself in float32
     >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(tx.init(params), params)
     >>> float(optax_dls.loss_scale(state)), grads['w']  # at the scale they were computed at
     (8192.0, Array([32768.], dtype=float32))
