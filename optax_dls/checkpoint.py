@@ -66,10 +66,11 @@ def _advice(saved: Any, target: Any) -> str:
     return (
       f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
       "checkpoint holds none: it was saved from an optimizer without loss scaling. Convert "
-      "it: optax_dls.checkpoint.into_loss_scaled(manager.restore(step), target) puts the "
-      "restored optimizer state in the inner state (opt_state = "
-      "tx.init(params)._replace(inner_state=restored_inner)); the loss scale then starts at "
-      "init_scale."
+      "it: optax_dls.checkpoint.into_loss_scaled(raw, target), with raw the tree restored "
+      "without a target (manager.restore(step) with Orbax; for a directory flax's "
+      "save_checkpoint wrote, flax.training.checkpoints.restore_checkpoint(directory, "
+      "target=None)), puts the old optimizer state in the inner state; the loss scale then "
+      "starts at init_scale."
     )
   if in_saved and not in_target:
     return (
@@ -225,8 +226,9 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
     if _only_retired(diff, _tree_paths.stored_leaves(saved)):
       restored = _placed(manager.restore(step, args=ocp.args.StandardRestore()), target)
     else:
-      msg = _explain(saved, target, step, manager.directory) + f"\nOrbax: {err}"
-      raise ValueError(msg) from err
+      # Orbax's own message follows as the cause; its advice (a partial restore) would drop
+      # the optimizer state that the conversion above keeps.
+      raise ValueError(_explain(saved, target, step, manager.directory)) from err
   restored = jax.tree.map(_weak_as, target, restored)
   return restored if tx is None else _settled(restored, tx, stacklevel=2)
 

@@ -367,3 +367,29 @@ def test_a_weakly_typed_scalar_of_the_target_comes_back_weakly_typed(tmp_path):
     assert jax.typeof(restored.step).weak_type and int(restored.step) == 0
     step(restored)
   assert step._cache_size() == 1  # no second program for the restored state
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_under_no_loss_scale_a_restored_scale_is_undone_only_where_the_loss_was_multiplied(
+  scaled,
+):
+  from flax import serialization
+
+  source = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
+  tx = optax_dls.no_loss_scale(optax.sgd(0.1))
+  state = serialization.from_state_dict(tx.init(PARAMS), serialization.to_state_dict(source))
+  assert float(state.loss_scale) == 2.0**15
+
+  @jax.jit
+  def step(p, s, x):
+    loss = lambda p: optax_dls.scale_loss(_loss(p, x), s) if scaled else _loss(p, x)
+    u, s = tx.update(jax.grad(loss)(p), s, p)
+    return optax.apply_updates(p, u), s
+
+  sgd = optax.sgd(0.1)
+  params = PARAMS
+  for x in (jnp.float32(1.0), jnp.float32(2.0)):
+    bare = optax.apply_updates(params, sgd.update(jax.grad(_loss)(params, x), sgd.init(params))[0])
+    params, state = step(params, state, x)
+    np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)
+    assert float(state.loss_scale) == 1.0

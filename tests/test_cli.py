@@ -1041,3 +1041,15 @@ def test_every_optax_dls_name_the_messages_and_docstrings_give_exists():
           missing.append(f"{path.name}: {name}")
           break
   assert not missing
+
+
+def test_a_skip_between_two_logged_rows_is_a_streak_of_at_least_one(tmp_path, capsys):
+  rows = [
+    {"num_steps": 1, "skip_count": 0, "consecutive_skips": 0, "loss_scale": 32768.0},
+    {"num_steps": 11, "skip_count": 1, "consecutive_skips": 0, "loss_scale": 16384.0},
+  ]
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for step, row in zip((0, 10), rows, strict=True):
+      f.write(json.dumps({"step": step, **row}) + "\n")
+  cli.main(["inspect", str(tmp_path)])
+  assert "longest streak at least 1" in capsys.readouterr().out

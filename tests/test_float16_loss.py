@@ -30,10 +30,13 @@ def test_a_float16_loss_is_said_with_the_cast_and_the_cast_fixes_it():
   assert {w.filename for w in told} == {__file__}
   assert not np.all(np.isfinite(grads["w"]))  # what the warning says: inf at 2**16
   cast = lambda p: optax_dls.scale_loss(jnp.mean(_per_example(p).astype(jnp.float32)), state)
+  mean32 = optax_dls.full_precision(jnp.mean, output_dtype=jnp.float32)
+  wrapped = lambda p: optax_dls.scale_loss(mean32(_per_example(p)), state)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    grads = jax.jit(jax.grad(cast))(PARAMS)
-    assert np.all(np.isfinite(grads["w"]))
+    for fixed in (cast, wrapped):  # the two casts the warning names
+      grads = jax.jit(jax.grad(fixed))(PARAMS)
+      assert np.all(np.isfinite(grads["w"]))
     for dtype in (jnp.bfloat16, jnp.float32):
       optax_dls.scale_loss(jnp.ones((), dtype), state)
 

@@ -90,3 +90,25 @@ def test_value_and_grad_no_loss_scale_and_given_gradients_say_nothing():
     tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
     grads = {"w": jnp.ones(3), "n": None}  # computed elsewhere: nothing is known
     jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
+
+
+def test_through_a_flax_train_state_it_points_at_the_users_line():
+  from flax.training import train_state
+
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  params = {"w": jnp.ones(3)}
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+  @jax.jit
+  def step(state, x):
+    grads = jax.grad(lambda p: _loss(p, x))(state.params)  # forgotten
+    return state.apply_gradients(grads=grads)
+
+  with pytest.warns(UserWarning, match="optax_dls.flax.value_and_grad") as told:
+    step(state, jnp.ones(3))
+  assert [w.filename for w in told if "loss scale" in str(w.message)] == [__file__]
+
+
+def test_a_plain_optax_state_handed_to_scale_loss_names_the_conversion():
+  with pytest.raises(ValueError, match=r"into_loss_scaled\(old_state, tx.init\(params\)\)"):
+    optax_dls.scale_loss(jnp.float32(1.0), optax.adam(0.1).init(PARAMS))

@@ -86,3 +86,32 @@ def test_metrics_and_the_writer_refuse_another_tree_too(tmp_path):
   bad = writers.MetricsWriter(tmp_path / "bad", params=other, tensorboard=False)
   with bad, pytest.raises(ValueError, match="not the tree the state was built for"):
     bad.log(0, m)
+
+
+def test_flax_linen_boxed_parameters_are_named_as_their_unboxed_arrays():
+  """``nn.with_logical_partitioning`` boxes (as sharded linen trainers init their state):
+  no ``/value`` in the names, so the state built on the boxed tree names the leaves of the
+  unboxed one the step trains."""
+  import flax.linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+      return nn.Dense(2, kernel_init=init)(x)
+
+  boxed = Model().init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+  params = nn.unbox(boxed)
+  assert (
+    optax_dls.leaf_names(boxed)
+    == optax_dls.leaf_names(params)
+    == [
+      "Dense_0/bias",
+      "Dense_0/kernel",
+    ]
+  )
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
+  state = nn.unbox(tx.init(boxed))
+  grads = {"Dense_0": {"bias": jnp.zeros(2), "kernel": jnp.full((3, 2), jnp.inf)}}
+  _, state = tx.update(grads, state, params)
+  assert optax_dls.nonfinite_leaves(state, params) == {"Dense_0/kernel": "inf"}

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import optax_dls
 from optax_dls._core import state as _state
@@ -80,3 +81,12 @@ def test_with_scale_changes_only_the_scale_and_the_policy_state():
   )
   assert float(new.loss_scale) == 64.0 and int(new.policy_state.growth_tracker) == 3
   assert new._replace(loss_scale=s.loss_scale, policy_state=s.policy_state) == s
+
+
+def test_an_attribute_of_the_inner_state_read_on_the_loss_scale_state_says_where_it_went():
+  tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(0.1), every_k_schedule=2))
+  state = tx.init({"w": jnp.ones(2)})
+  with pytest.raises(AttributeError, match=r"'gradient_step'.*find_state\(opt_state\).inner_state"):
+    state.gradient_step  # noqa: B018
+  assert not hasattr(state, "gradient_step")
+  assert optax.tree_utils.tree_get(state, "gradient_step") == 0

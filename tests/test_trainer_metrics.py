@@ -13,37 +13,39 @@ PARAMS = {"w": jnp.array([1.0, -2.0, 3.0])}
 
 
 def _run(tx, xs):
-  state, params, summed, norms = tx.init(PARAMS), PARAMS, None, []
+  state, params, summed, seen = tx.init(PARAMS), PARAMS, None, []
 
   @jax.jit
   def step(p, s, x):
     g = jax.grad(lambda p: optax_dls.scale_loss(jnp.sum(p["w"] * x), s))(p)
     scaled_norm, scale = optax.tree_utils.tree_norm(g), optax_dls.loss_scale(s)
     u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, scaled_norm / scale
+    return optax.apply_updates(p, u), s, scaled_norm / scale, u
 
   for x in xs:
-    params, state, norm = step(params, state, x)
+    params, state, norm, updates = step(params, state, x)
     m = optax_dls.metrics(state, scalars_only=True)
     summed = m if summed is None else jax.tree.map(jnp.add, summed, m)
-    norms.append((float(norm), float(optax_dls.metrics(state)["grad_norm"])))
-  return state, summed, norms
+    seen.append((float(norm), float(optax_dls.metrics(state)["grad_norm"]), updates, x))
+  return state, summed, seen
 
 
 def test_the_scalar_view_sums_over_steps_and_the_lr_follows_the_applied_steps():
   schedule = optax.linear_schedule(1.0, 0.0, 10)
   tx = optax_dls.dynamic_loss_scale(optax.sgd(schedule))
-  xs = [jnp.ones(3), jnp.full(3, jnp.inf), jnp.ones(3), jnp.ones(3)]
-  state, summed, norms = _run(tx, xs)
+  inf = jnp.full(3, jnp.inf)
+  state, summed, seen = _run(tx, [jnp.ones(3), inf, jnp.ones(3), inf, jnp.ones(3)])
   full = optax_dls.metrics(state)
   assert set(full) - set(summed) == {"nonfinite_leaves", "nonfinite_nan", "nonfinite_names_digest"}
   assert all(v.shape == () for v in summed.values())
-  assert int(summed["skipped"]) == 1  # the share of skipped steps: its mean
+  assert summed["skipped"].dtype == jnp.int32 and int(summed["skipped"]) == 2  # counted
   applied = int(full["num_steps"] - full["skip_count"])
-  count = optax.tree_utils.tree_get(optax_dls.find_state(state).inner_state, "count")
-  assert applied == int(count) == 3  # the schedule's count: not the 4 calls
-  for from_scaled, measured in (norms[0], norms[2], norms[3]):
-    np.testing.assert_allclose(from_scaled, measured, rtol=1e-6)
+  assert applied == 3  # not the 5 calls
+  norm, measured, updates, x = seen[-1]
+  lr = -float(updates["w"][0]) / float(x[0])  # sgd: the update is -lr * g, g = x
+  np.testing.assert_allclose(lr, schedule(applied - 1), rtol=1e-6)  # the last applied step's
+  for norm, measured, _, _ in (seen[0], seen[2], seen[4]):
+    np.testing.assert_allclose(norm, measured, rtol=1e-6)
     np.testing.assert_allclose(measured, np.sqrt(3.0), rtol=1e-6)
 
 

@@ -74,7 +74,9 @@ def find_state(opt_state: Any) -> LossScaleState:
     raise ValueError(
       "opt_state holds no LossScaleState: pass the state of an optimizer built with "
       "optax_dls.dynamic_loss_scale / static_loss_scale / no_loss_scale / loss_scaled, "
-      f"got a {type(opt_state).__name__}."
+      f"got a {type(opt_state).__name__}. A plain optax state (the inner optimizer's "
+      "alone, or one restored from a checkpoint written without loss scaling) goes inside "
+      "with optax_dls.checkpoint.into_loss_scaled(old_state, tx.init(params))."
     )
   if len(found) > 1:
     raise ValueError(

@@ -47,8 +47,10 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
       bfloat16 and float16 losses are promoted to float32 so that the scaled
       value cannot overflow their range. A float16 loss warns (when traced, or
       called): its backward pass starts at S in float16, inf from S = 2**16;
-      compute the loss in float32 (cast before the reduction, or
-      ``full_precision(loss_fn, output_dtype=jnp.float32)``).
+      compute the loss in float32 (cast the per-example values before the
+      reduction, or ``full_precision(jnp.mean, output_dtype=jnp.float32)`` around
+      the reduction; a float16 loss cast to float32 after its reduction is not
+      warned about and still overflows).
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
 
   Returns:
@@ -94,8 +96,11 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
       "optax_dls: the loss is float16: differentiating loss * S starts the backward pass "
       "at S in float16, which is inf from S = 2**16 on (the scale grows to its max_scale), "
       "so every step at such a scale overflows and is skipped. Compute the loss in float32: "
-      "cast before the reduction (jnp.mean(per_example.astype(jnp.float32))), or "
-      "optax_dls.full_precision(loss_fn, output_dtype=jnp.float32).",
+      "cast the per-example values before the reduction "
+      "(jnp.mean(per_example.astype(jnp.float32))), or reduce in float32 with "
+      "optax_dls.full_precision(jnp.mean, output_dtype=jnp.float32)(per_example). A "
+      "float16 loss cast to float32 after its reduction silences this and keeps the "
+      "overflow.",
       UserWarning,
       stacklevel=_frames.user_stacklevel(),
     )

@@ -15,7 +15,8 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
   Every value is a 0-d array except the two bit sets; with ``scalars_only`` the
-  bit sets and the names digest are left out, so the dict merges into a
+  bit sets and the names digest are left out and the flags (``skipped``,
+  ``nonfinite_loss``, ``fp32_fallback``) are int32 0 or 1, so the dict merges into a
   trainer's metrics of 0-d values (summed or averaged over steps). The keys:
 
   - ``loss_scale`` (float32): the scale for the next loss.
@@ -57,7 +58,8 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
       (any pytree around it, as for :func:`find_state`).
     scalars_only: bool, default False: leave out ``nonfinite_leaves``,
       ``nonfinite_nan`` and ``nonfinite_names_digest`` (what names the leaves,
-      which :func:`nonfinite_leaves` and the metrics writer read).
+      which :func:`nonfinite_leaves` and the metrics writer read), and give the
+      bool flags as int32 (a sum of bools is a logical or).
 
   Returns:
     A new ``dict`` from key to ``jax.Array``, as above.
@@ -100,6 +102,8 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   if scalars_only:
     for key in ("nonfinite_leaves", "nonfinite_nan", "nonfinite_names_digest"):
       del out[key]
+    # Summed over steps, a bool would be a logical or: count the flags instead.
+    out = {k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v for k, v in out.items()}
   return out
 
 

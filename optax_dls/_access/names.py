@@ -122,8 +122,9 @@ def leaf_names(params: Any) -> list[str]:
 
   A leaf is named where it has a bit in the record: where it is floating or
   complex, by the same test that picks the leaves the finite check reads. A
-  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) is named by its own
-  path, without the ``/value`` of its array (``"linear/kernel"``); an Equinox
+  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) and a flax linen box of
+  axis metadata (``nn.with_logical_partitioning``) are named by their own path,
+  without the ``/value`` of their array (``"linear/kernel"``); an Equinox
   module's leaves by their attribute paths (``"layers/0/weight"``), its
   functions and other leaves that are not arrays (Python numbers and bools such
   as ``Dropout.p``) having no name, as ``eqx.filter(model, eqx.is_array)``

@@ -25,11 +25,14 @@ from optax_dls._util import frames as _frames
 _LIMIT = 1_000_000  # equations walked at most (a very large program: nothing is said)
 
 
-def warn_if_unscaled(grads: Any, scale: Any, told: list[bool]) -> None:
-  """Warns (once: ``told`` is set) when the floating leaves of ``grads`` are computed in
-  the trace ``scale`` belongs to and none of them depends on it."""
-  if told[0] or not isinstance(scale, jax.core.Tracer) or not hasattr(scale, "parent"):
-    return
+def scaled(grads: Any, scale: Any) -> bool | None:
+  """Whether the floating leaves of ``grads`` were computed from a loss multiplied by
+  ``scale``: True or False where they are computed in the trace ``scale`` belongs to
+  (some depends on it, or none does), None where nothing is known (an eager step,
+  gradients that are arguments of the traced function, a JAX without parent records, a
+  walk too long)."""
+  if not isinstance(scale, jax.core.Tracer) or not hasattr(scale, "parent"):
+    return None
   trace = getattr(scale, "_trace", None)
   leaves = [
     g
@@ -39,7 +42,15 @@ def warn_if_unscaled(grads: Any, scale: Any, told: list[bool]) -> None:
     and getattr(g, "parent", None) is not None
     and jax.numpy.issubdtype(g.dtype, jax.numpy.inexact)
   ]
-  if trace is None or not leaves or _depends_on(leaves, scale) is not False:
+  if trace is None or not leaves:
+    return None
+  return _depends_on(leaves, scale)
+
+
+def warn_if_unscaled(grads: Any, scale: Any, told: list[bool]) -> None:
+  """Warns (once: ``told`` is set) when :func:`scaled` finds that no gradient depends on
+  ``scale``."""
+  if told[0] or scaled(grads, scale) is not False:
     return
   told[0] = True
   warnings.warn(
@@ -47,7 +58,9 @@ def warn_if_unscaled(grads: Any, scale: Any, told: list[bool]) -> None:
     "the loss was not multiplied by optax_dls.scale_loss(loss, opt_state) before "
     "differentiation, so each update divides unscaled gradients by the scale (Adam hides "
     "it, SGD stalls). Return optax_dls.scale_loss(loss, opt_state) from the function you "
-    "differentiate, or use optax_dls.value_and_grad(loss_fn, tx), which multiplies it.",
+    "differentiate, or use optax_dls.value_and_grad(loss_fn, tx) "
+    "(optax_dls.flax.value_and_grad for a TrainState or an nnx.Optimizer), which "
+    "multiplies it.",
     UserWarning,
     stacklevel=_frames.user_stacklevel(),
   )

@@ -218,7 +218,7 @@ class LossScaler:
         "state was built, or restored, under another policy (amax_policy, fp32_fallback, "
         "skips_at_min_scale or a policy of your own differ from the dynamic rule). Build the "
         "state with this transformation (tx.init(params)), or keep only the optimizer's "
-        "state: tx.init(params)._replace(inner_state=old.inner_state)."
+        "state: optax_dls.checkpoint.into_loss_scaled(old.inner_state, tx.init(params))."
       )
 
   def _record(
@@ -237,7 +237,7 @@ class LossScaler:
         f"{sorted(masks) or 'none'} (labels=): the state was built by a transformation with "
         "other labels. Build the state with this one (tx.init(params)), or restore it into "
         "a target built by it and carry only the inner state over "
-        "(state = tx.init(params)._replace(inner_state=restored.inner_state))."
+        "(optax_dls.checkpoint.into_loss_scaled(restored.inner_state, tx.init(params)))."
       )
     step = optax.safe_increment(state.num_steps)
     return _localisation.recorded(
@@ -261,7 +261,8 @@ class LossScaler:
 
 def check_state(state: Any) -> None:
   if not isinstance(state, LossScaleState):
-    kinds = sorted({type(x).__name__ for x in jax.tree.leaves(state, is_leaf=_is_named)})
+    named = jax.tree.leaves(state, is_leaf=_is_named)
+    kinds = list(dict.fromkeys(type(x).__name__ for x in named))  # in their order
     held = ", ".join(kinds[:4]) or "no state"
     raise TypeError(
       f"opt_state must be the state this loss-scaled transformation's init returned (a "

@@ -71,6 +71,17 @@ class LossScaleState(NamedTuple):
   policy_state: Any
   inner_state: Any
 
+  def __getattr__(self, name: str) -> Any:
+    # Only for a name the state lacks: code that read the wrapped optimizer's state
+    # directly (opt_state.gradient_step of a MultiStepsState) is told where it went.
+    if name.startswith("__"):
+      raise AttributeError(name)
+    raise AttributeError(
+      f"'LossScaleState' object has no attribute {name!r}: the wrapped optimizer's state "
+      f"is its inner_state (optax_dls.find_state(opt_state).inner_state), or find a leaf "
+      f"by name with optax.tree_utils.tree_get(opt_state, {name!r})."
+    )
+
 
 # Called with no arguments at every ``init``, before the state is built: an integration
 # (flax's restore into this state, ``_integrations``) registers itself here, so that the

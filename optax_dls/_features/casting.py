@@ -223,9 +223,10 @@ def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = 
   back: to ``output_dtype`` if given, else to the promoted dtype of the floating
   array arguments (float16 arguments give float16 outputs; float16 and float32
   ones give float32), else, with no floating array argument, leaves them
-  float32 (for the loss, pass ``output_dtype=jnp.float32``: a float16 loss
-  starts its backward pass at the loss scale in float16, and
-  :func:`scale_loss` warns about it). The casts are ordinary JAX operations:
+  float32 (around the loss's reduction, pass ``output_dtype=jnp.float32``: a
+  float16 loss starts its backward pass at the loss scale in float16, and
+  :func:`scale_loss` warns about it; a whole loss function that casts to
+  float16 inside still reduces in float16). The casts are ordinary JAX operations:
   ``jax.grad`` differentiates through them (a float16 argument gets a float16
   gradient) and ``jax.jit`` compiles them. Use it as ``@full_precision``,
   ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.

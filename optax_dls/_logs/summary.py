@@ -58,6 +58,8 @@ def _counts(rows: Rows, iv: C.Intervals) -> dict[str, Any]:
     streak = _longest_true_run(flags > 0)
   else:
     streak = None
+  if streak is not None and streak == 0 and skips:  # a skip between two logged rows
+    streak = 1
   return {
     "updates": None if updates is None else int(updates),
     "applied_updates": None if updates is None or skips is None else int(updates - skips),

@@ -1,4 +1,5 @@
-"""Where a warning points: the user's line, past the frames of this package and JAX."""
+"""Where a warning points: the user's line, past the frames of this package, JAX, and the
+libraries that call an optimizer's ``update`` for the user (optax, flax, Equinox)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,28 @@ import os
 import sys
 from types import FrameType
 
-import jax
 
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_JAX = os.path.dirname(os.path.abspath(jax.__file__))
+_LIBRARIES = ("jax", "optax", "flax", "equinox")
+
+
+def _folders() -> tuple[str, ...]:
+  """This package's folder and those of the libraries imported so far."""
+  found = [_OURS]
+  for name in _LIBRARIES:
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None):
+      found.append(os.path.dirname(os.path.abspath(module.__file__)))
+  return tuple(found)
 
 
 def user_stacklevel() -> int:
   """The ``stacklevel`` for ``warnings.warn`` called by the caller of this function that
-  names the first frame outside optax_dls and JAX."""
+  names the first frame outside optax_dls, JAX, optax, flax and Equinox (a flax
+  ``TrainState.apply_gradients`` calls ``update`` for the user)."""
   frame: FrameType | None = sys._getframe(2)
   level = 2
-  while frame is not None and frame.f_code.co_filename.startswith((_OURS, _JAX)):
+  folders = _folders()
+  while frame is not None and frame.f_code.co_filename.startswith(folders):
     frame, level = frame.f_back, level + 1
   return level

@@ -129,17 +129,23 @@ def _dtype(leaf: Any) -> Any:
 
 
 def is_variable(x: Any) -> bool:
-  """Whether ``x`` is a flax nnx ``Variable`` (``nnx.Param`` ...), told without importing
+  """Whether ``x`` is a flax nnx ``Variable`` (``nnx.Param`` ...) or a flax linen box of
+  axis metadata (``nn.Partitioned``, ``nn.LogicallyPartitioned``: what
+  ``nn.with_logical_partitioning`` puts around a parameter), told without importing
   flax: its key path ends in ``value``, which names leave out."""
   return any(
-    c.__name__ == "Variable" and c.__module__.startswith("flax.nnx") for c in type(x).__mro__
+    (c.__name__ == "Variable" and c.__module__.startswith("flax.nnx"))
+    or (c.__name__ == "AxisMetadata" and c.__module__.startswith("flax.core"))
+    for c in type(x).__mro__
   )
 
 
 def unboxed(x: Any) -> Any:
-  """The array an nnx ``Variable`` holds; any other leaf as it is."""
+  """The array an nnx ``Variable`` or a linen box holds; any other leaf as it is."""
   if not is_variable(x):
     return x
+  if not hasattr(x, "get_raw_value") and not hasattr(x, "raw_value"):
+    return x.value  # a linen box
   # flax >= 0.12 reads it with get_raw_value (raw_value is deprecated there); 0.11 has only
   # raw_value (its get_value expects a wrapped value).
   return x.get_raw_value() if hasattr(x, "get_raw_value") else x.raw_value
