@@ -112,7 +112,8 @@ def test_layout_mismatch_says_what_to_do(manager):
   _save(manager, 1, {"params": w, "opt_state": scaled})
   with pytest.raises(
     ValueError,
-    match=r"(?s)checkpoint holds none.*into_loss_scaled\(raw, target\).*restore_checkpoint\(directory, target=None\)",
+    match=r"(?s)checkpoint holds none.*into_loss_scaled\(raw, target\)"
+    r".*restore_checkpoint\(directory, target=None\)",
   ):
     optax_dls.checkpoint.restore(manager, {"params": w, "opt_state": scaled}, step=0)
   with pytest.raises(
@@ -192,7 +193,8 @@ def test_into_loss_scaled_moves_a_plain_optimizer_state_inside(manager):
   target = {"params": jnp.zeros(3), "opt_state": _tx().init(jnp.zeros(3))}
   with pytest.raises(
     ValueError,
-    match=r"optax_dls.checkpoint.into_loss_scaled\(raw, target\), with raw .*manager.restore\(step\)",
+    match=r"optax_dls.checkpoint.into_loss_scaled\(raw, target\), with raw "
+    r".*manager.restore\(step\)",
   ):
     optax_dls.checkpoint.restore(manager, target, step=3)
   moved = optax_dls.checkpoint.into_loss_scaled(manager.restore(3), target)

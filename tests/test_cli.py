@@ -1049,7 +1049,8 @@ def test_a_skip_between_two_logged_rows_is_a_streak_of_at_least_one(tmp_path, ca
     {"num_steps": 11, "skip_count": 1, "consecutive_skips": 0, "loss_scale": 16384.0},
   ]
   with open(tmp_path / "metrics.jsonl", "w") as f:
-    for step, row in zip((0, 10), rows, strict=True):
-      f.write(json.dumps({"step": step, **row}) + "\n")
+    f.writelines(
+      json.dumps({"step": step, **row}) + "\n" for step, row in zip((0, 10), rows, strict=True)
+    )
   cli.main(["inspect", str(tmp_path)])
   assert "longest streak at least 1" in capsys.readouterr().out

@@ -7,7 +7,6 @@ import os
 import sys
 from types import FrameType
 
-
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARIES = ("jax", "optax", "flax", "equinox")
 
@@ -16,9 +15,9 @@ def _folders() -> tuple[str, ...]:
   """This package's folder and those of the libraries imported so far."""
   found = [_OURS]
   for name in _LIBRARIES:
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None):
-      found.append(os.path.dirname(os.path.abspath(module.__file__)))
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if path:
+      found.append(os.path.dirname(os.path.abspath(path)))
   return tuple(found)
 
 
