@@ -369,10 +369,10 @@ def test_a_weakly_typed_scalar_of_the_target_comes_back_weakly_typed(tmp_path):
   assert step._cache_size() == 1  # no second program for the restored state
 
 
-@pytest.mark.parametrize("scaled", [True, False])
-def test_under_no_loss_scale_a_restored_scale_is_undone_only_where_the_loss_was_multiplied(
-  scaled,
-):
+@pytest.mark.parametrize("how", ["scale_loss", "scale_as_an_argument"])
+def test_under_no_loss_scale_a_restored_scale_is_undone_in_a_jitted_step(how):
+  """Whatever way the loss was multiplied by the restored scale (scale_loss of the state, or
+  the scale read outside and passed to the step), the update divides by it."""
   from flax import serialization
 
   source = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
@@ -381,8 +381,11 @@ def test_under_no_loss_scale_a_restored_scale_is_undone_only_where_the_loss_was_
   assert float(state.loss_scale) == 2.0**15
 
   @jax.jit
-  def step(p, s, x):
-    loss = lambda p: optax_dls.scale_loss(_loss(p, x), s) if scaled else _loss(p, x)
+  def step(p, s, x, scale):
+    if how == "scale_loss":
+      loss = lambda p: optax_dls.scale_loss(_loss(p, x), s)
+    else:
+      loss = lambda p: _loss(p, x) * scale
     u, s = tx.update(jax.grad(loss)(p), s, p)
     return optax.apply_updates(p, u), s
 
@@ -390,6 +393,6 @@ def test_under_no_loss_scale_a_restored_scale_is_undone_only_where_the_loss_was_
   params = PARAMS
   for x in (jnp.float32(1.0), jnp.float32(2.0)):
     bare = optax.apply_updates(params, sgd.update(jax.grad(_loss)(params, x), sgd.init(params))[0])
-    params, state = step(params, state, x)
+    params, state = step(params, state, x, optax_dls.loss_scale(state))
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)
     assert float(state.loss_scale) == 1.0

@@ -59,3 +59,29 @@ def test_a_replicated_state_over_sharded_parameters_trains_and_skips(axis_type, 
   ):
     np.testing.assert_array_equal(got, want)
   assert not np.array_equal(p3["w"], p2["w"])
+
+
+@pytest.mark.parametrize("lowering", ["auto", "where", "cond"])
+def test_outside_a_mesh_context_and_with_a_sharded_state_over_replicated_parameters(lowering):
+  """No ``jax.set_mesh``: the arrays carry their mesh. And the other way round (a ZeRO-1
+  layout): replicated parameters whose optimizer state, hence updates, are sharded; the
+  fused step gives the bare step's sharding, and a skipped one the parameters' values."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  sharded, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), skip_lowering=lowering)
+  for params_sharding, state_sharding in ((sharded, replicated), (replicated, sharded)):
+    params = {"w": jax.device_put(jnp.ones((8, 4)), params_sharding)}
+    state = tx.init(params)
+    place = lambda a, s=state_sharding: jax.device_put(a, s) if a.ndim == 2 else a
+    state = state._replace(inner_state=jax.tree.map(place, state.inner_state))
+    grads = {"w": jax.device_put(jnp.full((8, 4), 2.0), params_sharding)}
+    fused = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))
+    new, _ = fused(grads, state, params)
+    bare = optax.adam(1e-2)
+    unscaled = jax.tree.map(lambda g: g / 2.0**15, grads)  # the initial scale
+    want = optax.apply_updates(params, bare.update(unscaled, bare.init(params))[0])
+    np.testing.assert_allclose(new["w"], want["w"], rtol=1e-6)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    assert updates["w"].sharding.spec == new["w"].sharding.spec
+    kept, _ = fused({"w": grads["w"] * jnp.inf}, state, params)
+    np.testing.assert_array_equal(kept["w"], params["w"])

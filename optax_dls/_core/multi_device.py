@@ -101,7 +101,8 @@ def shard_like(x: jax.Array, like: Any) -> jax.Array:
   types = getattr(getattr(want, "mesh", None), "axis_types", ()) or ()
   if explicit is None or explicit not in types:
     return x
-  return jax.sharding.reshard(x, spec)
+  # The sharding itself (its mesh with it), not the spec alone: no mesh context is needed.
+  return jax.sharding.reshard(x, want)
 
 
 def _sharding(x: Any) -> Any:

@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_dls._core import forgotten as _forgotten
 from optax_dls._core import numerics as _numerics
 from optax_dls._core.scaler import LossScaler, _Output, check_state
 from optax_dls._core.state import LossScaleState, passed, settled_scale
@@ -46,20 +45,16 @@ class PassthroughScaler(LossScaler):
   ) -> tuple[Any, LossScaleState]:
     check_state(state)
     norm = state.grad_norm
-    if self.track_grad_norm:
-      norm = self.lowering.check(grads, jnp.float32(1.0), self.axis_name).grad_norm
+    inv = restored_inverse(state)
+    if self.track_grad_norm:  # of the unscaled gradients: 1/inv is 1, or a restored scale
+      norm = self.lowering.check(grads, 1.0 / inv, self.axis_name).grad_norm
     # As in LossScaler._step: the inner optimizer sees None where the gradient is None (an
     # Equinox model's functions), as eqx.filter(model, eqx.is_array) hands them to optax,
     # and at integer arrays.
     _, inner_params, _ = _model.held_apart(grads, params)
-    inv = restored_inverse(state)
-    # Unscaled where the loss may have been multiplied by the scale; where the traced step
-    # shows it was not (no gradient depends on it), the gradients are the bare optimizer's
-    # as they are, whatever scale a restored state holds.
-    if _forgotten.scaled(grads, state.loss_scale) is not False:
-      grads = _numerics.unscale(grads, inv)
     updates, inner_state = _model.inner_update(
-      self.inner.update, grads, inner_params, state.inner_state, **extra_args
+      self.inner.update, _numerics.unscale(grads, inv), inner_params, state.inner_state,
+      **extra_args,
     )
     return output.out(params, updates), passed(state, inv, norm, inner_state)
 

@@ -68,8 +68,11 @@ def _applied(params: Any, updates: Any) -> Any:
 
 
 def _skipped_params(params: Any, out: Any) -> Any:
-  del out
-  return params  # bit for bit
+  """The parameters bit for bit, in the applied step's sharding where that differs on
+  ``Explicit`` axes (replicated parameters whose updates are sharded, as with a sharded
+  optimizer state)."""
+  keep = lambda p, o: p if p is None or o is None else _multi_device.shard_like(p, o)
+  return jax.tree.map(keep, params, out, is_leaf=lambda x: x is None)
 
 
 UPDATES = _Output(_updates, _skipped_updates)  # tx.update

@@ -142,10 +142,8 @@ def no_loss_scale(
 ) -> LossScaledTransformation:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 
-  Gradients go to ``inner`` multiplied by 1/S (S = 1; as they are where the
-  traced step shows the loss was not multiplied by the scale: the result is then
-  ``inner``'s bit for bit), nothing is checked or skipped, and the result is that
-  of ``inner`` alone, at its cost: the product
+  Gradients go to ``inner`` multiplied by 1/S (S = 1), nothing is checked or
+  skipped, and the result is that of ``inner`` alone, at its cost: the product
   fuses into the optimizer's read of the gradients (no buffer, no more bytes),
   the state's counters are a few scalar operations, and donated, every buffer
   of the state is reused in place (the bare optimizer's scratch memory, no
