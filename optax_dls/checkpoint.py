@@ -377,6 +377,10 @@ def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
   low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
   scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
   new = np.clip(scale, np.float32(low), np.float32(high))
+  # A scale that is not valid (NaN, 0, negative, inf: a corrupted checkpoint) restarts at the
+  # transformation's initial scale, as its update would restart it (1 for no_loss_scale).
+  invalid = ~(np.isfinite(scale) & (scale > 0))
+  new = np.where(invalid, np.float32(tx.scaler.init_scale), new).astype(np.float32)
   if np.array_equal(new, scale, equal_nan=True):
     init = float(tx.scaler.init_scale)
     if not tx.scaler.passthrough and np.all(scale == 1.0) and init > 1.0:

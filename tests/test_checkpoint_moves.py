@@ -396,3 +396,15 @@ def test_under_no_loss_scale_a_restored_scale_is_undone_in_a_jitted_step(how):
     params, state = step(params, state, x, optax_dls.loss_scale(state))
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)
     assert float(state.loss_scale) == 1.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -4.0, float("inf")])
+def test_settled_restarts_a_scale_that_is_not_valid_at_the_initial_scale(bad):
+  for tx, want in (
+    (optax_dls.no_loss_scale(optax.sgd(1.0)), 1.0),
+    (optax_dls.dynamic_loss_scale(optax.sgd(1.0)), 2.0**15),
+  ):
+    state = tx.init(PARAMS)._replace(loss_scale=jnp.float32(bad))
+    with pytest.warns(UserWarning, match="loss scale"):
+      settled = optax_dls.checkpoint.settled(state, tx)
+    assert float(settled.loss_scale) == want

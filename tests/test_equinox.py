@@ -224,3 +224,16 @@ def test_a_float0_gradient_of_an_integer_parameter_is_a_zero_update_optax_applie
   assert updates["step"].dtype == jnp.int32 and int(updates["step"][0]) == 0
   new = optax.apply_updates(params, updates)
   assert int(new["step"][0]) == 5 and not np.array_equal(new["w"], params["w"])
+
+
+def test_integer_gradients_without_params_and_a_key_with_a_float0_gradient():
+  params = {"w": jnp.ones(3), "i": jnp.arange(3, dtype=jnp.int32), "key": jax.random.key(0)}
+  tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2))  # needs no params
+  state = tx.init(params)
+  loss = lambda p: optax_dls.scale_loss(jnp.sum(p["w"] * p["i"]), state)
+  grads = jax.grad(loss, allow_int=True)(params)
+  updates, _ = jax.jit(tx.update)(grads, state)  # no params: told by the gradients' dtype
+  assert updates["i"] is None and updates["key"] is None and updates["w"].dtype == jnp.float32
+  new, _ = jax.jit(functools.partial(optax_dls.apply_step, tx))(grads, state, params)
+  np.testing.assert_array_equal(new["i"], params["i"])
+  assert jax.random.key_data(new["key"]).tolist() == jax.random.key_data(params["key"]).tolist()

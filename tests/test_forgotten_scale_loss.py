@@ -112,3 +112,10 @@ def test_through_a_flax_train_state_it_points_at_the_users_line():
 def test_a_plain_optax_state_handed_to_scale_loss_names_the_conversion():
   with pytest.raises(ValueError, match=r"into_loss_scaled\(old_state, tx.init\(params\)\)"):
     optax_dls.scale_loss(jnp.float32(1.0), optax.adam(0.1).init(PARAMS))
+
+
+def test_a_tree_holding_the_state_handed_to_update_says_to_pass_the_state_itself():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+  grads = {"w": jnp.ones(3), "n": None}
+  with pytest.raises(TypeError, match="holding one: pass that state itself"):
+    tx.update(grads, (tx.init(PARAMS),), PARAMS)

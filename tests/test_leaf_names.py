@@ -115,3 +115,20 @@ def test_flax_linen_boxed_parameters_are_named_as_their_unboxed_arrays():
   grads = {"Dense_0": {"bias": jnp.zeros(2), "kernel": jnp.full((3, 2), jnp.inf)}}
   _, state = tx.update(grads, state, params)
   assert optax_dls.nonfinite_leaves(state, params) == {"Dense_0/kernel": "inf"}
+
+
+@pytest.mark.parametrize("lowering", ["auto", "where", "cond"])
+def test_a_frozen_parameter_with_a_none_gradient_keeps_the_names_and_labels_in_place(lowering):
+  params = {"backbone": jnp.ones(2), "head": jnp.ones(2), "lora": jnp.ones(2)}
+  part = {"backbone": "frozen", "head": "train", "lora": "train"}
+  inner = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, part)
+  labels = {"backbone": "bb", "head": "head", "lora": "lora"}
+  grads = {"backbone": None, "head": jnp.ones(2), "lora": jnp.array([1.0, jnp.inf])}
+  for tx in (
+    optax_dls.dynamic_loss_scale(inner, skip_lowering=lowering),
+    optax_dls.dynamic_loss_scale(inner, skip_lowering=lowering, labels=labels),
+  ):
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert optax_dls.nonfinite_leaves(state, params) == {"lora": "inf"}
+  m = optax_dls.metrics(state)
+  assert (int(m["overflows/bb"]), int(m["overflows/head"]), int(m["overflows/lora"])) == (0, 0, 1)

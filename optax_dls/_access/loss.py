@@ -94,8 +94,9 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
   if loss.dtype == jnp.float16:
     warnings.warn(
       "optax_dls: the loss is float16: differentiating loss * S starts the backward pass "
-      "at S in float16, which is inf from S = 2**16 on (the scale grows to its max_scale), "
-      "so every step at such a scale overflows and is skipped. Compute the loss in float32: "
+      "at S in float16, which is inf once S reaches 2**16 (a dynamic scale grows toward "
+      "its max_scale, 2**24 by default), and every step at such a scale overflows and is "
+      "skipped. Compute the loss in float32: "
       "cast the per-example values before the reduction "
       "(jnp.mean(per_example.astype(jnp.float32))), or reduce in float32 with "
       "optax_dls.full_precision(jnp.mean, output_dtype=jnp.float32)(per_example). A "

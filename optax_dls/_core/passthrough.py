@@ -53,7 +53,10 @@ class PassthroughScaler(LossScaler):
     # and at integer arrays.
     _, inner_params, _ = _model.held_apart(grads, params)
     updates, inner_state = _model.inner_update(
-      self.inner.update, _numerics.unscale(grads, inv), inner_params, state.inner_state,
+      self.inner.update,
+      _numerics.unscale(grads, inv),
+      inner_params,
+      state.inner_state,
       **extra_args,
     )
     return output.out(params, updates), passed(state, inv, norm, inner_state)

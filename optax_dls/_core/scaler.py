@@ -161,7 +161,8 @@ class LossScaler:
   def _step(
     self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
   ) -> tuple[Any, LossScaleState]:
-    check, loss_bad, finite = self._check(_numerics.widened(grads, params), state, loss)
+    read = _model.recorded(grads, params)  # a floating parameter's None gradient as zeros
+    check, loss_bad, finite = self._check(_numerics.widened(read, params), state, loss)
     _forgotten.warn_if_unscaled(grads, state.loss_scale, self.told_unscaled)
     # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
@@ -189,7 +190,7 @@ class LossScaler:
     if held is not None and output is PARAMS:
       result = whole(result)
     new_scale, policy_state = self._policy_step(state, finite, check)
-    record = self._record(grads, state, check, finite, loss_bad)
+    record = self._record(read, state, check, finite, loss_bad)
     new = advance(
       state, finite, check.grad_norm, record, new_scale, policy_state, inner_state, self.scale_range
     )
@@ -263,6 +264,13 @@ class LossScaler:
 
 
 def check_state(state: Any) -> None:
+  inside = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
+  if not isinstance(state, LossScaleState) and any(isinstance(x, LossScaleState) for x in inside):
+    raise TypeError(
+      f"opt_state must be this transformation's own state (the LossScaleState its init "
+      f"returned), got a {type(state).__name__} holding one: pass that state itself (a "
+      "TrainState's opt_state, say), or call the transformation that wraps this one."
+    )
   if not isinstance(state, LossScaleState):
     named = jax.tree.leaves(state, is_leaf=_is_named)
     kinds = list(dict.fromkeys(type(x).__name__ for x in named))  # in their order

@@ -26,8 +26,13 @@ def held_out(grads: Any, params: Any) -> list[bool] | None:
 
 def untrained(grads: Any, params: Any) -> list[bool] | None:
   """Per leaf of ``grads``: whether it is the gradient (not None) of an integer or bool
-  array, which the inner optimizer does not see (:func:`trained`); None when there is
-  none or ``params`` does not have the structure of ``grads``."""
+  array, which the inner optimizer does not see (:func:`trained`): told by the parameter,
+  or, with ``params`` None, by the gradient's own dtype (integer, bool, ``float0``); None
+  when there is none or ``params`` does not have the structure of ``grads``."""
+  if params is None:
+    leaves = jax.tree.leaves(grads, is_leaf=_NONE)
+    places = [g is not None and _not_trained(g) for g in leaves]
+    return places if any(places) else None
   return _places(grads, params, lambda g, p: g is not None and _not_trained(p))
 
 
@@ -64,16 +69,45 @@ def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any
   places = untrained(grads, params)
   if places is None:
     return update(grads, *args, params, **kwargs)
-  kept_grads, kept_params = without(grads, grads, places), without(grads, params, places)
+  kept_grads = without(grads, grads, places)
+  kept_params = None if params is None else without(grads, params, places)
   updates, state = update(kept_grads, *args, kept_params, **kwargs)
   leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
   ups = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]
-  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
-  filled = [
-    (jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g) if t else u
-    for g, u, p, t in zip(leaves, ups, subs, places, strict=True)
-  ]
+  subs = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+  filled = [_passed(g, p) if t else u for g, u, p, t in zip(leaves, ups, subs, places, strict=True)]
   return jax.tree.unflatten(treedef, filled), state
+
+
+def _passed(grad: Any, param: Any) -> Any:
+  """The update of an integer parameter: its gradient, or, for a ``float0`` one, zeros of
+  the parameter's type (None for a PRNG key, or without the parameter: nothing to add)."""
+  if grad.dtype != jax.dtypes.float0:
+    return grad
+  if param is None or jax.dtypes.issubdtype(param.dtype, jax.dtypes.prng_key):
+    return None
+  return jnp.zeros_like(param)
+
+
+def recorded(grads: Any, params: Any) -> Any:
+  """``grads`` as the check and the record read them: zeros of the parameter's type where a
+  floating parameter's gradient is None (frozen by ``multi_transform`` and
+  ``set_to_zero``, say), so that the record has a bit for every floating parameter, in the
+  order of the names :func:`optax_dls.leaf_names` gives them; ``grads`` itself where no
+  such parameter is held out."""
+  held = held_out(grads, params)
+  if held is None:
+    return grads
+  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
+  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+  if not any(h and not has_non_arrays(p) for p, h in zip(subs, held, strict=True)):
+    return grads  # only functions and other leaves that are not floating arrays held out
+  zero = lambda x: jnp.zeros_like(x) if _is_inexact_array(x) else None
+  filled = [
+    jax.tree.map(zero, p) if h and not has_non_arrays(p) else g
+    for g, p, h in zip(leaves, subs, held, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, filled)
 
 
 def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
