@@ -28,7 +28,8 @@ compute over float32 master parameters, on 8 virtual CPU devices, under
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)  # before any other JAX call
+if jax.config.jax_num_cpu_devices != 8:  # unless already set (by a test session)
+  jax.config.update("jax_num_cpu_devices", 8)  # before any other JAX call
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import tempfile

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _compat import requires_jax
+
 import optax_dls
 
 F16 = jnp.float16
@@ -332,6 +334,11 @@ def test_a_mask_at_the_dtype_s_largest_value_is_no_headroom_used():
   assert masked.forward_fraction < 0.01  # the logits are 2, the probabilities at most 1
 
 
+@requires_jax(
+  "0.10",
+  "older JAX converts a Python -inf to float16 inside jnp.where's own jitted body, from a "
+  "constant locate does not see made, and it is reported",
+)
 def test_an_explicit_inf_is_no_overflow():
   """A deliberate -inf (a mask, as ``jax.nn.softmax(where=...)`` writes it) is no constant
   beyond the range: the layer that does overflow is reported."""
@@ -546,6 +553,8 @@ def test_linen_blocks_made_in_a_loop_keep_their_module_paths():
 
 def test_nnx_blocks_in_a_list_are_named_by_their_path():
   nnx = pytest.importorskip("flax.nnx")
+  if not hasattr(nnx, "List"):
+    pytest.skip("nnx.List is flax 0.12's: older flax keeps a module's list otherwise")
 
   class Block(nnx.Module):
     def __init__(self, rngs):
