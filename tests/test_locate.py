@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from _compat import requires_jax
 
 import optax_dls
