@@ -1,6 +1,7 @@
 """locate: the first operation that made an inf or NaN (phase, scope, source line) and
 each scope's headroom, for a linen model, an nnx model and a function with named scopes."""
 
+import functools
 import inspect
 import json
 import pathlib
@@ -449,7 +450,7 @@ def block(x, w):
   return x + h
 
 
-def blocks_loss(params, x):
+def blocks_loss(params, x, block=block):
   for w in params["blocks"]:
     x = block(x, w)
   return jnp.sum(x.astype(jnp.float32))
@@ -476,12 +477,8 @@ def test_a_named_scope_inside_a_block_follows_its_path():
       h = jnp.tanh(x) @ w
     return x + h
 
-  def loss(params, x):
-    for w in params["blocks"]:
-      x = scoped_block(x, w)
-    return jnp.sum(x.astype(jnp.float32))
-
   params = {"blocks": [jnp.full((4, 4), 0.5, F16), jnp.full((4, 4), 3.0e4, F16)]}
+  loss = functools.partial(blocks_loss, block=scoped_block)
   report = optax_dls.locate(loss, params, jnp.ones((2, 4), F16), scale=1.0)
   assert report.first.scope == "blocks/1/mix"
   assert {"blocks/0/mix", "blocks/0", "blocks/1"} <= {r.scope for r in report.headroom}

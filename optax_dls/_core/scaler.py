@@ -37,6 +37,7 @@ from optax_dls._core.state import (
   with_scale,
 )
 from optax_dls._util import model as _model
+from optax_dls._util import tree_paths as _tree_paths
 
 
 class _Output(NamedTuple):
@@ -161,15 +162,15 @@ class LossScaler:
   def _step(
     self, grads: Any, state: Any, params: Any, loss: Any, extra_args: dict, output: _Output
   ) -> tuple[Any, LossScaleState]:
-    read = _model.recorded(grads, params)  # a floating parameter's None gradient as zeros
+    # Parameters whose gradient is None (an Equinox model's functions and other non-array
+    # leaves) stay out of the skip's operands and outputs and pass through untouched.
+    held, kept, static = _model.held_apart(grads, params)
+    read = _model.recorded(grads, params, held)  # a floating parameter's None grad as zeros
     check, loss_bad, finite = self._check(_numerics.widened(read, params), state, loss)
     _forgotten.warn_if_unscaled(grads, state.loss_scale, self.told_unscaled)
     # Unscale inside the skip, so that it fuses with the optimizer; 0 on a skipped step.
     inv_scale = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 
-    # Parameters whose gradient is None (an Equinox model's functions and other non-array
-    # leaves) stay out of the skip's operands and outputs and pass through untouched.
-    held, kept, static = _model.held_apart(grads, params)
     whole = (lambda p: p) if held is None else (lambda p: _model.merge(grads, p, held, static))
 
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
@@ -264,25 +265,22 @@ class LossScaler:
 
 
 def check_state(state: Any) -> None:
+  if isinstance(state, LossScaleState):
+    return
   inside = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
-  if not isinstance(state, LossScaleState) and any(isinstance(x, LossScaleState) for x in inside):
+  if any(isinstance(x, LossScaleState) for x in inside):
     raise TypeError(
       f"opt_state must be this transformation's own state (the LossScaleState its init "
       f"returned), got a {type(state).__name__} holding one: pass that state itself (a "
       "TrainState's opt_state, say), or call the transformation that wraps this one."
     )
-  if not isinstance(state, LossScaleState):
-    named = jax.tree.leaves(state, is_leaf=_is_named)
-    kinds = list(dict.fromkeys(type(x).__name__ for x in named))  # in their order
-    held = ", ".join(kinds[:4]) or "no state"
-    raise TypeError(
-      f"opt_state must be the state this loss-scaled transformation's init returned (a "
-      f"LossScaleState), got a {type(state).__name__} (holding {held}): a plain optax "
-      "state, built by the inner optimizer alone or restored from a checkpoint written "
-      "without loss scaling? Put it inside with "
-      "optax_dls.checkpoint.into_loss_scaled(old_state, tx.init(params))."
-    )
-
-
-def _is_named(x: Any) -> bool:
-  return isinstance(x, tuple) and hasattr(x, "_fields")
+  named = jax.tree.leaves(state, is_leaf=_tree_paths.is_namedtuple)
+  kinds = list(dict.fromkeys(type(x).__name__ for x in named))  # in their order
+  held = ", ".join(kinds[:4]) or "no state"
+  raise TypeError(
+    f"opt_state must be the state this loss-scaled transformation's init returned (a "
+    f"LossScaleState), got a {type(state).__name__} (holding {held}): a plain optax "
+    "state, built by the inner optimizer alone or restored from a checkpoint written "
+    "without loss scaling? Put it inside with "
+    "optax_dls.checkpoint.into_loss_scaled(old_state, tx.init(params))."
+  )

@@ -52,11 +52,16 @@ def children(tree: Any) -> list[tuple[str, Any]] | None:
   for a leaf."""
   if isinstance(tree, Mapping):
     return [(str(k), v) for k, v in tree.items()]
-  if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple in memory (optax's)
+  if is_namedtuple(tree):  # in memory (an optax state)
     return [(str(f), getattr(tree, f)) for f in tree._fields]
   if isinstance(tree, (list, tuple)):
     return [(str(i), v) for i, v in enumerate(tree)]
   return None
+
+
+def is_namedtuple(x: Any) -> bool:
+  """Whether ``x`` is a NamedTuple (an optax state's node)."""
+  return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
 def show(path: Path) -> str:
