@@ -11,15 +11,11 @@ first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
 :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
-import copyreg as _copyreg
-import sys as _sys
-from typing import Any as _Any
-
 from optax_dls._util import versions as _versions
 
 _versions.check()  # before the rest: a clear ImportError when jax, jaxlib or optax is too old
 
-from optax_dls import _policies
+
 from optax_dls import checkpoint as checkpoint  # public submodules
 from optax_dls import compat as compat
 from optax_dls import config as config
@@ -30,17 +26,10 @@ from optax_dls._access.loss import loss_scale, scale_loss
 from optax_dls._access.metrics import metrics
 from optax_dls._access.names import leaf_names, nonfinite_leaves
 from optax_dls._access.reset import reset_scale
-from optax_dls._core import record as _record
-from optax_dls._core import state as _state
-from optax_dls._core.apply_step import apply_step
 from optax_dls._core.numerics import all_finite
 from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._core.state import LossScaleState
-from optax_dls._core.transform import LossScaledTransformation, loss_scaled
-from optax_dls._features import alerts as _alerts
-from optax_dls._features import casting as _casting
-from optax_dls._features import recompute_stats as _recompute_stats
-from optax_dls._features import underflow as _underflow
+from optax_dls._core.transform import loss_scaled
 from optax_dls._features.alerts import SkipAlerts
 from optax_dls._features.casting import CastPolicy, cast_policy, full_precision
 from optax_dls._features.locate import locate
@@ -48,77 +37,17 @@ from optax_dls._features.precision import select_precision
 from optax_dls._features.recompute import value_and_grad
 from optax_dls._features.recompute_stats import recompute_stats
 from optax_dls._features.underflow import underflow_stats
-from optax_dls._integrations import flax_serialization as _flax_serialization
 from optax_dls._policies import (
   GradStats,
   LossScalePolicy,
   amax_policy,
   dynamic_policy,
   fp32_fallback,
-  noop_policy,
   skips_at_min_scale,
-  static_policy,
 )
-from optax_dls._util import locate_report as _locate_report
 from optax_dls._util.locate_report import LocateReport, Operation, ScopeHeadroom
 
 __version__ = "0.1.0"
-
-_state.ON_INIT.append(_flax_serialization.register)  # flax's restore into a LossScaleState
-
-# The data types (every type a state holds, and the public ones a user keeps) pickle by
-# name through ``optax_dls._new``, whatever module defines them, so that moving a private
-# module never breaks such a pickle; their ``__module__`` stays where they are written.
-_PICKLED: dict[str, _Any] = {
-  t.__name__: t
-  for t in (
-    LossScaleState,
-    _record.NonFiniteRecord,
-    _policies.DynamicScaleState,
-    _policies.AmaxScaleState,
-    _policies.FallbackState,
-    _policies.SkipsAtMinScaleState,
-    _underflow.UnderflowState,
-    _recompute_stats.RecomputeState,
-    GradStats,
-    CastPolicy,
-    SkipAlerts,
-    LocateReport,
-    Operation,
-    ScopeHeadroom,
-  )
-}
-
-
-def _new(name: str, *args: _Any) -> _Any:
-  """The object of the pickled type ``name`` (a key of ``_PICKLED``), as ``__new__`` makes it;
-  pickle then restores its state."""
-  cls = _PICKLED[name]
-  return cls.__new__(cls, *args)
-
-
-def _by_name(obj: _Any) -> tuple[_Any, ...]:
-  """``obj``'s own reduction, with its class named for :func:`_new` instead of by module."""
-  _newobj, (cls, *args), *rest = obj.__reduce_ex__(4)
-  return (_new, (cls.__name__, *args), *rest)
-
-
-for _type in _PICKLED.values():
-  _copyreg.pickle(_type, _by_name)
-
-# The modules that held the data types before the package had folders: a state pickled then
-# still loads.
-for _old, _module in {
-  "_state": _state,
-  "_localisation": _record,
-  "_underflow": _underflow,
-  "_recompute_stats": _recompute_stats,
-  "_casting": _casting,
-  "_alerts": _alerts,
-  "_headroom": _locate_report,
-}.items():
-  _sys.modules.setdefault(f"{__name__}.{_old}", _module)
-  globals().setdefault(_old, _module)
 
 __all__ = [
   "CastPolicy",
@@ -126,13 +55,11 @@ __all__ = [
   "LocateReport",
   "LossScalePolicy",
   "LossScaleState",
-  "LossScaledTransformation",
   "Operation",
   "ScopeHeadroom",
   "SkipAlerts",
   "all_finite",
   "amax_policy",
-  "apply_step",
   "cast_policy",
   "dynamic_loss_scale",
   "dynamic_policy",
@@ -146,14 +73,12 @@ __all__ = [
   "metrics",
   "no_loss_scale",
   "nonfinite_leaves",
-  "noop_policy",
   "recompute_stats",
   "reset_scale",
   "scale_loss",
   "select_precision",
   "skips_at_min_scale",
   "static_loss_scale",
-  "static_policy",
   "underflow_stats",
   "value_and_grad",
 ]

@@ -11,27 +11,25 @@ from __future__ import annotations
 
 import numbers
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from optax_dls._access import find as _find
-from optax_dls._core import types as _types
+from optax_dls._core import skip as _types
 from optax_dls._integrations.carry import into_loss_scaled, like, target_states
 from optax_dls._util import optional as _optional
 from optax_dls._util import tree_paths as _tree_paths
-from optax_dls._util import validation as _validation
 
-__all__ = ["into_loss_scaled", "restore", "settled"]
+__all__ = ["into_loss_scaled", "restore"]
 
 _FIELDS_KEYS = ("loss_scale", "inner_state")
 # Fields a LossScaleState held before it kept only what was learned: dropped on restore.
-_RETIRED_FIELDS = ("min_scale", "max_scale")
+_RETIRED_FIELDS = ("min_scale", "max_scale", "last_step_finite")
 # Fields an earlier layout lacked: the target's value (made by tx.init for these parameters).
-_NEW_FIELDS = (("nonfinite", "names_digest"),)
+# The record of non-finite leaves was a NamedTuple of bit sets (restored as a fresh record).
+_NEW_FIELDS = (("nonfinite",), ("nonfinite", "names_digest"), ("overflows",))
 _DYNAMIC_SCALE_KEYS = ("scale", "fin_steps")  # a flax DynamicScale, as checkpoints store it
 
 
@@ -135,7 +133,7 @@ def _check_step(manager: Any, step: Any) -> int:
   return int(step)
 
 
-def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = None) -> Any:
+def restore(manager: Any, target: Any, step: int | None = None) -> Any:
   """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax, and
   settles its loss scale for the transformation it will train under.
 
@@ -150,19 +148,11 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
   every counter are exactly those saved.
 
   The state holds only what was learned; the transformation it is restored
-  into supplies its configuration. With ``tx`` (by default the ``tx`` of a flax
-  ``TrainState`` target), the restored scale is settled for it at once, and a
-  warning says in one line what changed: under a passthrough transformation
-  (:func:`~optax_dls.no_loss_scale`) S becomes 1, so the loss is multiplied by
-  1 and the updates are the bare optimizer's; under any other the scale is
-  kept when it lies in the policy's ``[min_scale, max_scale]`` and moved to
-  the nearest bound when it does not (a lowered ``max_scale`` applies at once;
-  a dynamic scale restored from a no-op or static state starts from the
-  scale that state had, since that is the last scale the run trained at).
-  Without ``tx`` the scale is restored as saved and the first update settles
-  it: that update unscales by the saved S, which the loss was scaled by (under
-  ``no_loss_scale`` too), and keeps the transformation's rule from there (1
-  under ``no_loss_scale``; within the range under any other).
+  into supplies its configuration, and its first update settles the scale: that
+  update unscales by the saved S, which the loss was scaled by (under
+  ``no_loss_scale`` too), and applies the transformation's rule from there (1
+  under ``no_loss_scale``; within ``[min_scale, max_scale]`` under any other;
+  the initial scale where the saved one is not valid).
 
   A checkpoint written by an earlier version, whose ``LossScaleState`` also
   held its policy's ``min_scale`` and ``max_scale`` and whose record had no
@@ -177,10 +167,6 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
     target: a pytree of arrays or ``jax.ShapeDtypeStruct`` with the expected
       layout.
     step: int, the step to restore; default ``None`` is the latest one.
-    tx: optional, the loss-scaled transformation the restored state will be
-      updated by (what :func:`~optax_dls.dynamic_loss_scale`,
-      :func:`~optax_dls.no_loss_scale`, ... return). Default None: the
-      ``tx`` of a flax ``TrainState`` target, if any.
 
   Returns:
     The restored pytree.
@@ -188,8 +174,7 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
   Raises:
     TypeError: ``manager`` is neither an ``orbax.checkpoint.CheckpointManager``
       nor a path, ``target`` is not a non-empty pytree of arrays, numbers or
-      ``jax.ShapeDtypeStruct``, ``step`` is neither an int nor None, or
-      ``tx`` is not a loss-scaled transformation.
+      ``jax.ShapeDtypeStruct``, or ``step`` is neither an int nor None.
     ValueError: ``step`` < 0; or the saved tree structure differs from
       ``target``'s: the message says where a loss-scale state is expected and
       found, and how to restore a checkpoint saved with or without loss
@@ -204,13 +189,12 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
 
       tx = optax_dls.no_loss_scale(optax.adamw(3e-4))
       target = {'params': params, 'opt_state': tx.init(params)}
-      state = optax_dls.checkpoint.restore(directory, target, tx=tx)  # S: 32768 -> 1
+      state = optax_dls.checkpoint.restore(directory, target)  # its first update: S = 1
   """
   ocp = _optional.require("orbax.checkpoint", "optax_dls.checkpoint.restore")  # only needed here
 
   manager = _manager(ocp, manager)
   _check_target(target)
-  tx = _find.loss_scaled_tx(target, tx)
   step = _check_step(manager, step)
 
   def abstract(x: Any) -> Any:
@@ -230,7 +214,7 @@ def restore(manager: Any, target: Any, step: int | None = None, *, tx: Any = Non
       # the optimizer state that the conversion above keeps.
       raise ValueError(_explain(saved, target, step, manager.directory)) from err
   restored = jax.tree.map(_weak_as, target, restored)
-  return restored if tx is None else _settled(restored, tx, stacklevel=2)
+  return restored
 
 
 def _weak_as(target: Any, value: Any) -> Any:
@@ -306,9 +290,14 @@ def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, A
   lacked."""
 
   def in_a_state(node: _tree_paths.Path) -> bool:  # the node holds a loss-scale state's fields
-    return all((*node, f) in stored for f in ("loss_scale", "num_steps", "last_step_finite"))
+    return all((*node, f) in stored for f in ("loss_scale", "num_steps", "num_skipped"))
 
-  retired = all(p[-1] in _RETIRED_FIELDS and in_a_state(p[:-1]) for p in diff.only_stored)
+  def old_record(p: _tree_paths.Path) -> bool:
+    return any(p[i] == "nonfinite" and in_a_state(p[:i]) for i in range(len(p)))
+
+  retired = all(
+    (p[-1] in _RETIRED_FIELDS and in_a_state(p[:-1])) or old_record(p) for p in diff.only_stored
+  )
   new = all(
     any(p[-len(f) :] == f and in_a_state(p[: -len(f)]) for f in _NEW_FIELDS)
     for p in diff.only_target
@@ -325,85 +314,3 @@ def _placed(restored: Any, target: Any) -> Any:
   paths = list(_tree_paths.live_leaves(target))
   values = [like(x, stored[p]) if p in stored else x for p, x in zip(paths, leaves)]
   return jax.tree.unflatten(treedef, values)
-
-
-def settled(restored: Any, tx: Any) -> Any:
-  """A restored state with its loss scale settled for the transformation ``tx``.
-
-  What :func:`restore` does with ``tx=``, for a state restored another way
-  (flax's ``restore_checkpoint``, Orbax's own ``restore``,
-  ``flax.serialization.from_state_dict``): under a passthrough transformation
-  (:func:`~optax_dls.no_loss_scale`) the scale becomes 1; under any other a
-  scale outside the policy's ``[min_scale, max_scale]`` moves to the nearest
-  bound, and one inside it is kept. A warning (``UserWarning``) says in one
-  line what changed; a kept scale of 1 under a transformation whose
-  ``init_scale`` is larger (most likely the scale of a state saved without
-  loss scaling) is warned about too, naming the :func:`~optax_dls.reset_scale`
-  call that starts from ``init_scale`` instead. Nothing else in ``restored``
-  changes.
-
-  Args:
-    restored: a pytree holding exactly one :class:`~optax_dls.LossScaleState`
-      (an optimizer state, ``{'params': ..., 'opt_state': ...}``, a flax
-      ``TrainState``), on the host or the device.
-    tx: the loss-scaled transformation the state will be updated by.
-
-  Returns:
-    ``restored``, of the same structure and dtypes, with the settled scale.
-
-  Raises:
-    TypeError: ``tx`` is not a loss-scaled transformation.
-    ValueError: ``restored`` holds none or several loss-scale states, or its
-      policy state is not of ``tx``'s policy (a state of another policy).
-
-  Example:
-    >>> import warnings, jax.numpy as jnp, optax, optax_dls
-    >>> state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.ones(2)})
-    >>> tx = optax_dls.no_loss_scale(optax.sgd(0.1))
-    >>> with warnings.catch_warnings(record=True) as said:
-    ...   warnings.simplefilter("always")
-    ...   state = optax_dls.checkpoint.settled(state, tx)
-    >>> float(optax_dls.loss_scale(state)), str(said[0].message)
-    (1.0, 'optax_dls.checkpoint: loss scale 2**15 -> 1.0 (no_loss_scale: S = 1).')
-  """
-  return _settled(restored, _find.loss_scaled_tx(None, tx, required=True), stacklevel=2)
-
-
-def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
-  """:func:`settled`, its warning pointing ``stacklevel`` frames up."""
-  state = _find.find_state(restored)
-  if not tx.scaler.passthrough:
-    tx.scaler.check_policy_state(state)
-  low, high = (1.0, 1.0) if tx.scaler.passthrough else tx.scaler.scale_range
-  scale = np.asarray(jax.device_get(state.loss_scale), np.float32)
-  new = np.clip(scale, np.float32(low), np.float32(high))
-  # A scale that is not valid (NaN, 0, negative, inf: a corrupted checkpoint) restarts at the
-  # transformation's initial scale, as its update would restart it (1 for no_loss_scale).
-  invalid = ~(np.isfinite(scale) & (scale > 0))
-  new = np.where(invalid, np.float32(tx.scaler.init_scale), new).astype(np.float32)
-  if np.array_equal(new, scale, equal_nan=True):
-    init = float(tx.scaler.init_scale)
-    if not tx.scaler.passthrough and np.all(scale == 1.0) and init > 1.0:
-      warnings.warn(  # in range, but most likely the S = 1 of a state without loss scaling
-        f"optax_dls.checkpoint: loss scale 1.0 kept (it lies in the transformation's range): "
-        f"the scale of a no_loss_scale state, or of a run at its minimum; it grows from there "
-        f"one growth_interval at a time. To start from the initial scale instead: "
-        f"optax_dls.reset_scale(state, {_validation.scale_text(init)}, tx=tx).",
-        stacklevel=stacklevel + 1,
-      )
-    return restored
-  why = (
-    "no_loss_scale: S = 1"
-    if tx.scaler.passthrough
-    else f"kept within the transformation's [min_scale, max_scale] = "
-    f"[{_validation.scale_text(low)}, {_validation.scale_text(high)}]"
-  )
-  warnings.warn(
-    f"optax_dls.checkpoint: loss scale {_scales(scale)} -> {_scales(new)} ({why}).",
-    stacklevel=stacklevel + 1,
-  )
-  return _find.replace_state(restored, state._replace(loss_scale=jax.numpy.asarray(new)))
-
-
-def _scales(values: np.ndarray) -> str:
-  return ", ".join(_validation.scale_text(float(v)) for v in values.reshape(-1))

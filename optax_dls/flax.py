@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_dls._util import optional as _optional
 from optax_dls._util import versions as _versions
@@ -38,7 +39,6 @@ from flax import nnx
 
 from optax_dls._access import find as _find
 from optax_dls._core import multi_device as _multi_device
-from optax_dls._core.apply_step import apply_step
 from optax_dls._features import recompute as _recompute
 from optax_dls._integrations.dynamic_scale import from_dynamic_scale, from_dynamic_scale_checkpoint
 from optax_dls._util import calls as _calls
@@ -443,9 +443,10 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
     )
   overwrite = isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads
   params = state.params["params"] if overwrite else state.params
-  params, opt_state = apply_step(
-    state.tx, grads["params"] if overwrite else grads, state.opt_state, params
+  updates, opt_state = state.tx.update(
+    grads["params"] if overwrite else grads, state.opt_state, params
   )
+  params = optax.apply_updates(params, updates)
   if overwrite:
     params = {"params": params, _OVERWRITE_WITH_GRADIENT: grads[_OVERWRITE_WITH_GRADIENT]}
   finite = _find.find_state(opt_state).last_step_finite

@@ -125,18 +125,3 @@ def _like(old: Any, new: Any) -> Any:
   """``new`` in ``old``'s place: same dtype, and same wrapper (an nnx Variable) if any."""
   dtype = jnp.result_type(jax.tree.leaves(old)[0])
   return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])
-
-
-def loss_scaled_tx(owner: Any, tx: Any, required: bool = False) -> Any:
-  """``tx`` when it is a loss-scaled transformation (TypeError otherwise); given None, the
-  ``tx`` of ``owner`` (a flax ``TrainState``) when that one is, else None (TypeError when
-  ``required``)."""
-  if tx is None and not required:
-    tx = getattr(owner, "tx", None)
-    return tx if getattr(tx, "scaler", None) is not None else None
-  if getattr(tx, "scaler", None) is None:
-    raise TypeError(
-      f"tx must be the loss-scaled transformation the state is for (what "
-      f"optax_dls.dynamic_loss_scale, static_loss_scale or no_loss_scale return), got {tx!r}."
-    )
-  return tx

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_dls._access.find import find_state
+from optax_dls._core import record as _record
 from optax_dls._util import validation as _validation
 
 
@@ -15,7 +16,7 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
   Every value is a 0-d array except the two bit sets; with ``scalars_only`` the
-  bit sets and the names digest are left out and the flags (``skipped``,
+  bit sets are left out and the flags (``skipped``,
   ``nonfinite_loss``, ``fp32_fallback``) are int32 0 or 1, so the dict merges into a
   trainer's metrics of 0-d values (summed or averaged over steps). The keys:
 
@@ -39,10 +40,6 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
     leaves that were not finite on that step, and those of them that held a
     NaN (the others held infinities); :func:`nonfinite_leaves` names them,
     and :class:`optax_dls.writers.MetricsWriter` logs the names.
-  - ``nonfinite_names_digest`` (uint32 ``()``): a checksum of the names of
-    the parameter leaves the state was built for, with which
-    :func:`nonfinite_leaves` and the writer refuse another params tree (the
-    writer does not log it).
   - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
     which some leaf of that parameter group was not finite.
 
@@ -57,7 +54,7 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`
       (any pytree around it, as for :func:`find_state`).
     scalars_only: bool, default False: leave out ``nonfinite_leaves``,
-      ``nonfinite_nan`` and ``nonfinite_names_digest`` (what names the leaves,
+      and ``nonfinite_nan`` (what names the leaves,
       which :func:`nonfinite_leaves` and the metrics writer read), and give the
       bool flags as int32 (a sum of bools is a logical or).
 
@@ -83,28 +80,34 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   steps = s.num_steps.astype(jnp.float32)
   applied = steps - s.num_skipped.astype(jnp.float32)
   record = s.nonfinite
+  codes = record[..., :-2]
   out = {
     "loss_scale": s.loss_scale,
-    "skipped": ~s.last_step_finite,
+    "skipped": s.consecutive_skips > 0,
     "skip_count": s.num_skipped,
     "consecutive_skips": s.consecutive_skips,
     "num_steps": s.num_steps,
     "update_ratio": jnp.where(steps > 0, applied / jnp.maximum(steps, 1.0), 1.0),
     "grad_norm": s.grad_norm,
-    "nonfinite_step": record.step,
-    "nonfinite_loss": record.loss,
-    "nonfinite_leaves": record.leaves,
-    "nonfinite_nan": record.nan,
-    "nonfinite_names_digest": record.names_digest,
-    **{f"overflows/{label}": count for label, count in record.overflows.items()},
+    "nonfinite_step": record[..., -1],
+    "nonfinite_loss": record[..., -2] > 0,
+    "nonfinite_leaves": _pack(codes > 0),
+    "nonfinite_nan": _pack(codes == 2),
+    **{f"overflows/{label}": count for label, count in s.overflows.items()},
   }
   out = {**out, **_feature_metrics((s.policy_state, s.inner_state))}
   if scalars_only:
-    for key in ("nonfinite_leaves", "nonfinite_nan", "nonfinite_names_digest"):
+    for key in ("nonfinite_leaves", "nonfinite_nan"):
       del out[key]
     # Summed over steps, a bool would be a logical or: count the flags instead.
     out = {k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v for k, v in out.items()}
   return out
+
+
+def _pack(flags: jax.Array) -> jax.Array:
+  """uint32 ``[..., W]``: the bool ``[..., n]`` flags packed, 32 to a word."""
+  flat = flags.reshape(-1, flags.shape[-1])
+  return jax.vmap(_record.pack)(flat).reshape(*flags.shape[:-1], -1)
 
 
 def _feature_metrics(tree: Any) -> dict[str, jax.Array]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from optax_dls._access.find import find_state
 from optax_dls._core import labels as _labels
-from optax_dls._core import record as _localisation
+from optax_dls._core import record as _record
 from optax_dls._util import model as _model
 
 
@@ -17,7 +17,7 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
   Host side: reads the record's small arrays from the device (its two bit
-  sets and the names' checksum). The names are the key
+  sets). The names are the key
   paths of the parameter tree (``"params/decoder/layers_3/attn/query/kernel"``),
   in leaf order.
 
@@ -34,12 +34,10 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   Raises:
     TypeError: ``params`` is neither a pytree of arrays nor a list of names.
     ValueError: ``opt_state`` holds none or several loss-scale states; the
-      floating leaves of ``params`` are not those the state was built for
-      (their names, of which the state and :func:`metrics` keep a checksum;
-      a dict without ``nonfinite_names_digest``, such as a logged row, keeps
-      no count of its leaves either: it is checked only as far as its bits
-      allow, ``params`` needing as many 32-bit words and a leaf for every
-      bit set); or
+      floating leaves of ``params`` are not as many as the state was built
+      for (a dict of :func:`metrics`, such as a logged row, is checked only as
+      far as its bits allow: ``params`` needing as many 32-bit words and a
+      leaf for every bit set); or
       the state is stacked (``jax.vmap(tx.init)``, an ensemble): name one
       member's leaves, ``jax.tree.map(lambda x: x[i], opt_state)``.
 
@@ -52,40 +50,45 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     >>> optax_dls.nonfinite_leaves(state, params)
     {'dense/kernel': 'nan'}
   """
-  digest = None
-  if isinstance(opt_state, dict) and "nonfinite_leaves" in opt_state:
-    words, nan = opt_state["nonfinite_leaves"], opt_state["nonfinite_nan"]
-    digest = opt_state.get("nonfinite_names_digest")
-  else:
-    record = find_state(opt_state).nonfinite
-    words, nan, digest = record.leaves, record.nan, record.names_digest
   names = _names_of(params)
-  words, nan = np.asarray(jax.device_get(words)), np.asarray(jax.device_get(nan))
-  if words.ndim != 1:
+  if isinstance(opt_state, dict) and "nonfinite_leaves" in opt_state:
+    words = np.asarray(jax.device_get(opt_state["nonfinite_leaves"]))
+    nan = np.asarray(jax.device_get(opt_state["nonfinite_nan"]))
+    _check_stacked(words.shape[:-1])
+    n = words.shape[-1] * 32
+    bad, is_nan = _record.unpack(words, n), _record.unpack(nan, n)
+    set_bits = np.flatnonzero(bad | is_nan)
+    if _record.num_words(len(names)) != words.shape[-1] or (
+      set_bits.size and set_bits[-1] >= len(names)
+    ):
+      raise ValueError(
+        f"params has {len(names)} floating leaves, which do not fit the record (made for "
+        f"{32 * (words.shape[-1] - 1) + 1} to {32 * words.shape[-1]} leaves; leaf "
+        f"{int(set_bits[-1]) if set_bits.size else 0} is recorded): pass the parameters the "
+        "state was built for."
+      )
+    codes = np.where(is_nan, 2, bad.astype(np.int32))[: len(names)]
+  else:
+    record = np.asarray(jax.device_get(find_state(opt_state).nonfinite))
+    _check_stacked(record.shape[:-1])
+    codes = record[:-2]
+    if codes.shape[0] != len(names):
+      raise ValueError(
+        f"params is not the tree the state was built for: it has {len(names)} floating "
+        f"leaves ({_some(names)}) and the state records {codes.shape[0]}: pass the "
+        "parameters given to tx.init, or their leaf names."
+      )
+  return {n: ("nan" if c == 2 else "inf") for n, c in zip(names, codes) if c}
+
+
+def _check_stacked(batch: tuple[int, ...]) -> None:
+  if batch:
     raise ValueError(
-      f"opt_state is stacked: its record of non-finite leaves has the shape {words.shape} "
-      f"(one row per member, as jax.vmap(tx.init) makes it), and names are given one member "
-      f"at a time: nonfinite_leaves(jax.tree.map(lambda x: x[i], opt_state), params) for "
-      f"member i of {words.shape[0]}."
+      f"opt_state is stacked: its record of non-finite leaves has {batch} leading "
+      f"dimensions (one row per member, as jax.vmap(tx.init) makes it), and names are "
+      f"given one member at a time: nonfinite_leaves(jax.tree.map(lambda x: x[i], "
+      f"opt_state), params) for member i of {batch[0]}."
     )
-  if digest is not None and int(np.asarray(jax.device_get(digest))) != _localisation.digest(names):
-    raise ValueError(
-      f"params is not the tree the state was built for: its {len(names)} floating leaves "
-      f"({_some(names)}) do not match the names the state keeps a checksum of (a leaf added, "
-      "removed, renamed or reordered): pass the parameters given to tx.init, or their "
-      "leaf_names."
-    )
-  set_bits = np.flatnonzero(_localisation.unpack(words | nan, words.shape[-1] * 32))
-  if _localisation.num_words(len(names)) != words.shape[-1] or (
-    set_bits.size and set_bits[-1] >= len(names)
-  ):
-    raise ValueError(
-      f"params has {len(names)} floating leaves, which do not fit the record (made for "
-      f"{32 * (words.shape[-1] - 1) + 1} to {32 * words.shape[-1]} leaves; leaf "
-      f"{int(set_bits[-1]) if set_bits.size else 0} is recorded): pass the parameters the "
-      "state was built for."
-    )
-  return _localisation.decode(words, nan, names)
 
 
 def _some(names: list[str], shown: int = 4) -> str:

@@ -8,23 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dls._access.find import find_state, loss_scaled_tx, replace_state
+from optax_dls._access.find import find_state, replace_state
 from optax_dls._util import validation as _validation
 
 
-def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:
+def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
   The policy state restarts its growth count (each node of it that defines
   ``after_scale_reset()``, as the built-in policies' states do); every other
   field, the inner state included, is kept. The state holds no scale range
-  (that belongs to the transformation): with ``tx``, the loss-scaled
-  transformation the state is for (by default a flax ``TrainState``'s own
-  ``tx``), a static ``value`` outside its policy's
-  ``[min_scale, max_scale]`` raises and a traced one is clamped into it;
-  without ``tx`` the value is only checked to be a valid scale, and the next
-  update of the transformation keeps the scale it leaves within its range
-  (the loss of that step is scaled by ``value`` and unscaled by it too). A
+  (that belongs to the transformation): ``value`` is only checked to be a
+  valid scale, and the next update of the transformation keeps the scale it
+  leaves within its range (the loss of that step is scaled by ``value`` and
+  unscaled by it too). A
   traced NaN makes the next step skip and restart from the policy's initial
   scale. A state stacked by ``jax.vmap(tx.init)`` (an ensemble) takes one
   ``value`` for every member, or one per member (an array of the stacked
@@ -34,18 +31,14 @@ def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
     value: the new loss scale: a real number, or a float array (traced or not)
       of shape ``()`` or of the state's ``loss_scale`` shape, in
-      ``[2**-126, 2**126]`` (and in ``tx``'s range when given).
-    tx: optional, the loss-scaled transformation (what :func:`loss_scaled`,
-      :func:`dynamic_loss_scale`, ... return) whose range ``value`` is checked
-      against. Default None.
+      ``[2**-126, 2**126]``.
 
   Raises:
     ValueError: a static ``value`` that is NaN, not finite, not > 0, outside
-      ``[2**-126, 2**126]``, or outside ``tx``'s ``[min_scale, max_scale]``;
+      ``[2**-126, 2**126]``;
       a ``value`` of another shape; none or more than one loss-scale state in
       ``opt_state``.
-    TypeError: ``value`` not a real number; ``tx`` not a loss-scaled
-      transformation.
+    TypeError: ``value`` not a real number.
 
   Returns:
     A new ``opt_state`` of the same structure and dtypes (each leaf in the
@@ -55,11 +48,11 @@ def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.ones(2)})
-    >>> optax_dls.loss_scale(optax_dls.reset_scale(state, 2.0**12))
+    >>> optax_dls.reset_scale(state, 2.0**12).loss_scale
     Array(4096., dtype=float32)
   """
   state = find_state(opt_state)
-  low, high = scale_range(opt_state, tx)
+  low, high = _validation.SCALE_MIN, _validation.SCALE_MAX
   shape = jnp.shape(state.loss_scale)
   if np.ndim(value) and not isinstance(value, jax.core.Tracer):
     values = np.asarray(value)
@@ -85,13 +78,3 @@ def reset_scale(opt_state: Any, value: Any, *, tx: Any = None) -> Any:
     lambda n: n.after_scale_reset() if restarts(n) else n, state.policy_state, is_leaf=restarts
   )
   return replace_state(opt_state, state._replace(loss_scale=scale, policy_state=policy_state))
-
-
-def scale_range(opt_state: Any, tx: Any = None) -> tuple[float, float]:
-  """``[min_scale, max_scale]`` of ``tx``'s policy (by default the ``tx`` of ``opt_state``
-  when it is a flax ``TrainState`` of a loss-scaled transformation); every valid scale
-  without one."""
-  tx = loss_scaled_tx(opt_state, tx)
-  if tx is None:
-    return _validation.SCALE_MIN, _validation.SCALE_MAX
-  return tx.scaler.scale_range

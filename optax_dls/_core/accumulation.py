@@ -42,7 +42,9 @@ def refuse_multisteps_outside(tx: Any, name: str = "tx") -> None:
   """ValueError when ``tx`` is ``optax.MultiSteps`` around a loss-scaled transformation (the
   refused order), naming the supported one."""
   inner = getattr(tx, "_opt", None) if isinstance(tx, optax.MultiSteps) else None
-  if inner is not None and getattr(inner, "back_off", None) is not None:
+  from optax_dls._core.transform import is_loss_scaled  # (transform imports this module)
+
+  if inner is not None and is_loss_scaled(inner):
     raise ValueError(f"{name} is an optax.MultiSteps around a loss-scaled transformation, {_WHY}")
 
 

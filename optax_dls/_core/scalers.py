@@ -7,7 +7,7 @@ import optax
 from optax_dls import _policies
 from optax_dls._core import labels as _labels
 from optax_dls._core import transform as _transform
-from optax_dls._core.transform import LossScaledTransformation, loss_scaled
+from optax_dls._core.transform import loss_scaled
 from optax_dls._util import validation as _validation
 
 
@@ -26,7 +26,7 @@ def dynamic_loss_scale(
   axis_name: str | tuple[str, ...] | None = None,
   skip_lowering: str = "auto",
   labels: _labels.Labels = None,
-) -> LossScaledTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling around any optax transformation.
 
   Micikevicius et al. (2018), *Mixed Precision Training*: the loss is
@@ -61,7 +61,7 @@ def dynamic_loss_scale(
   See :func:`dynamic_policy` for the rule these arguments set.
 
   Returns:
-    A :class:`LossScaledTransformation`.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaleState`.
 
   Raises:
     ValueError: a hyperparameter outside its range (the message names it).
@@ -99,7 +99,7 @@ def static_loss_scale(
   axis_name: str | tuple[str, ...] | None = None,
   skip_lowering: str = "auto",
   labels: _labels.Labels = None,
-) -> LossScaledTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
   Shorthand for ``loss_scaled(inner, static_policy(scale), ...)``.
@@ -112,7 +112,7 @@ def static_loss_scale(
     labels: as in :func:`loss_scaled`.
 
   Returns:
-    A :class:`LossScaledTransformation` whose scale stays at ``scale``.
+    An ``optax.GradientTransformationExtraArgs`` whose scale stays at ``scale``.
 
   Raises:
     ValueError: ``scale`` out of range.
@@ -139,7 +139,7 @@ def no_loss_scale(
   *,
   axis_name: str | tuple[str, ...] | None = None,
   track_grad_norm: bool = False,
-) -> LossScaledTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 
   Gradients go to ``inner`` multiplied by 1/S (S = 1), nothing is checked or
@@ -172,8 +172,7 @@ def no_loss_scale(
       performance guide). Default False: ``grad_norm`` stays NaN.
 
   Returns:
-    A :class:`LossScaledTransformation` with ``passthrough`` True and a loss
-    scale of 1.
+    An ``optax.GradientTransformationExtraArgs`` whose loss scale is 1.
 
   Raises:
     TypeError: ``inner`` is not an optax transformation, or ``track_grad_norm``
@@ -183,11 +182,9 @@ def no_loss_scale(
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> tx = optax_dls.no_loss_scale(optax.sgd(1.0))
     >>> updates, state = tx.update({'w': jnp.array([2.0])}, tx.init({'w': jnp.zeros(1)}))
-    >>> updates['w'], float(optax_dls.loss_scale(state))
+    >>> updates['w'], float(state.loss_scale)
     (Array([-2.], dtype=float32), 1.0)
   """
   track = _validation.boolean("track_grad_norm", track_grad_norm)
-  scaler = _transform.build_scaler(
-    inner, _policies.noop_policy(), axis_name, "auto", None, track_grad_norm=track
-  )
-  return _transform.transformation(scaler)
+  noop = _policies.static_policy(1.0)._replace(passthrough=True)
+  return _transform.build(inner, noop, axis_name, "auto", None, track)

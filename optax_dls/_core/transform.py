@@ -1,84 +1,29 @@
-"""``loss_scaled`` and the transformation it returns: an ordinary optax
-``GradientTransformationExtraArgs`` whose ``init`` and ``update`` are a scaler's methods."""
+"""``loss_scaled``: an optax ``GradientTransformationExtraArgs`` of two closures, ``init``
+and ``update``; one update reads top to bottom: check, unscale, skip or apply, move the
+scale, count, record."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+import warnings
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dls import _policies
 from optax_dls._core import accumulation as _accumulation
 from optax_dls._core import labels as _labels
-from optax_dls._core import lowering as _lowering
 from optax_dls._core import multi_device as _multi_device
-from optax_dls._core.passthrough import PassthroughScaler
-from optax_dls._core.scaler import LossScaler
-
-
-class LossScaledTransformation(optax.GradientTransformationExtraArgs):
-  """An optax transformation with loss scaling, and its fused step.
-
-  It is an ``optax.GradientTransformationExtraArgs`` (``init``, ``update``),
-  usable wherever optax expects one, and an ordinary Python object: it copies,
-  deep-copies, pickles (where its inner transformation's and policy's
-  functions do) and rebuilds from its two fields. Its ``update`` is the method
-  of a ``LossScaler`` (the private object that holds the definition: inner
-  transformation, policy, axis names, lowering), which also gives it
-
-  * ``fused_step(grads, state, params, **extra_args) -> (new_params,
-    new_state)``: the update and ``optax.apply_updates`` in one, which
-    :func:`apply_step` calls;
-  * ``back_off(grads, state, *, loss=None) -> (finite, state)``: the check of
-    ``update`` on (scaled) ``grads`` and, when they are not finite, ``state``
-    with the policy's move for that overflow (the scale to recompute at),
-    which :func:`value_and_grad` calls;
-  * ``passthrough``: True when the scale is 1 by construction
-    (:func:`no_loss_scale`): nothing is checked, and the loss need not be
-    multiplied by the scale.
-
-  They stay with the ``update`` they belong to through ``copy``,
-  ``_replace(init=...)`` and any rebuilding; an ``update`` replaced by another
-  function has none (None, False).
-  """
-
-  @property
-  def scaler(self) -> LossScaler | None:
-    """The ``LossScaler`` whose ``update`` this is, or None (an ``update`` replaced by
-    another function)."""
-    owner = getattr(self.update, "__self__", None)
-    return owner if isinstance(owner, LossScaler) else None
-
-  @property
-  def fused_step(self) -> Callable[..., tuple[Any, Any]] | None:
-    """``update`` and ``optax.apply_updates`` in one, or None without a ``LossScaler``.
-
-    ``fused_step(grads, state, params, *, loss=None, **extra_args) -> (new_params,
-    new_state)``, as :func:`apply_step` calls it.
-    """
-    return None if self.scaler is None else self.scaler.fused_step
-
-  @property
-  def back_off(self) -> Callable[..., tuple[jax.Array, Any]] | None:
-    """The check and the policy's move for an overflow, or None without a ``LossScaler``.
-
-    ``back_off(grads, state, *, loss=None) -> (finite, state)``, ``finite`` a bool
-    ``()``, as :func:`value_and_grad` calls it.
-    """
-    return None if self.scaler is None else self.scaler.back_off
-
-  @property
-  def passthrough(self) -> bool:
-    """Whether the loss scale is 1 by construction (:func:`no_loss_scale`)."""
-    return self.scaler is not None and self.scaler.passthrough
-
-
-def transformation(scaler: LossScaler) -> LossScaledTransformation:
-  """The optax transformation carrying ``scaler``'s functions."""
-  return LossScaledTransformation(scaler.init, scaler.update)
+from optax_dls._core import numerics as _numerics
+from optax_dls._core import record as _record
+from optax_dls._core import skip as _skip
+from optax_dls._core.state import LossScaleState, init_state, settled_inner_init
+from optax_dls._util import frames as _frames
+from optax_dls._util import model as _model
+from optax_dls._util import tree_paths as _tree_paths
 
 
 def loss_scaled(
@@ -88,7 +33,7 @@ def loss_scaled(
   axis_name: str | tuple[str, ...] | None = None,
   skip_lowering: str = "auto",
   labels: _labels.Labels = None,
-) -> LossScaledTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with loss scaling driven by ``policy``.
 
   One ``update(grads, state, params=None, *, loss=None, **extra_args)`` does, with S the
@@ -147,10 +92,8 @@ def loss_scaled(
       end, which XLA's GPU backend fuses into the optimizer's kernels). Both
       make the same skip decisions and scales; applied values agree to
       float32 rounding (some entries may differ in the last bit); ``"auto"``
-      takes ``"where"`` on GPUs, TPUs and every other platform, and on the CPU
-      ``"cond"``'s one-read check with a ``jnp.where`` skip that selects each
-      new state value where the inner update computes it (a selection at the
-      end makes XLA's CPU backend copy the state; see ``docs/design.md``).
+      takes ``"cond"`` on the CPU (where a selection at the end makes XLA copy
+      the state) and ``"where"`` on GPUs, TPUs and every other platform.
     labels: ``None`` (default), or parameter-group labels as in
       :func:`underflow_stats` (a pytree of strings matching the parameters, or
       a prefix of them, or a callable ``params -> such a pytree``; non-empty,
@@ -159,7 +102,8 @@ def loss_scaled(
       them as ``overflows/<label>``), e.g. LoRA adapters against base weights.
 
   Returns:
-    A :class:`LossScaledTransformation` whose state is a :class:`LossScaleState`.
+    An ``optax.GradientTransformationExtraArgs`` (``init``, ``update``: two closures, as
+    optax's own transformations are) whose state is a :class:`LossScaleState`.
 
   Raises:
     TypeError: ``inner`` is not an optax transformation, ``policy`` is not a
@@ -175,17 +119,275 @@ def loss_scaled(
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.static_policy(4.0))
+    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.dynamic_policy(init_scale=4.0))
     >>> state = tx.init({'w': jnp.zeros(2)})
     >>> updates, state = tx.update({'w': jnp.array([4.0, jnp.inf])}, state)
     >>> updates['w'], bool(state.last_step_finite)
     (Array([-0., -0.], dtype=float32), False)
   """
-  return transformation(build_scaler(inner, policy, axis_name, skip_lowering, labels))
+  return build(inner, policy, axis_name, skip_lowering, labels)
+
+
+def build(  # noqa: C901 (the closures of one transformation)
+  inner: Any, policy: Any, axis_name: Any, skip_lowering: Any, labels: Any, track: bool = True
+) -> optax.GradientTransformationExtraArgs:
+  """The transformation of checked arguments (``track``: whether a passthrough policy's
+  update measures the gradient norm)."""
+  inner = _with_extra_args(_accumulation.check_inner(inner))
+  policy = _policies.check_policy(policy)
+  axis_name = _multi_device.check_axis_name(axis_name)
+  lowering = _skip.check_lowering(skip_lowering)
+  labels = _labels.check_labels(labels, "loss_scaled")
+  # Nothing kept here may be a JAX value made here: the transformation may be built inside
+  # a trace (a jitted init that builds the optimizer, as flax's TrainState.create under
+  # jax.jit), and a tracer of that finished trace, closed over by every update, would be
+  # handed to the update's program as an extra argument that JAX's dispatch then drops.
+  with jax.ensure_compile_time_eval():
+    init_scale, initial = policy.init()
+  init_scale = np.float32(init_scale)
+  policy_def, policy_kind = jax.tree.structure(initial), type(initial).__name__
+  low, high = np.float32(policy.min_scale), np.float32(policy.max_scale)
+  wants_amax = "amax" in policy.stats
+  told = [False]  # whether a forgotten scale_loss was warned about
+
+  def leaf_labels(tree: Any) -> list[str]:
+    return [] if labels is None else _labels.leaf_labels(labels, tree, "loss_scaled")
+
+  def init_fn(params: Any) -> LossScaleState:
+    _model.check_init_params(params)
+    scale, policy_state = policy.init()
+    trained = _model.trained(params)
+    inner_state = inner.init(trained) if policy.passthrough else settled_inner_init(inner, trained)
+    n = len(_labels.leaf_names(params))
+    return init_state(scale, policy_state, inner_state, n, leaf_labels(params))
+
+  def passed(
+    grads: Any, state: LossScaleState, params: Any, extra_args: dict
+  ) -> tuple[Any, LossScaleState]:
+    # No loss scaling: S is 1, or a scale restored from a scaled run, divided out once.
+    valid = _numerics.valid_scale(state.loss_scale)
+    inv = 1.0 / jnp.where(valid, state.loss_scale, jnp.ones_like(state.loss_scale))
+    norm = state.grad_norm
+    if track:
+      norm = _numerics.check(grads, 1.0 / inv, axis_name).grad_norm
+    _, kept, _ = _model.held_apart(grads, params)
+    unscaled = _numerics.unscale(grads, inv)
+    updates, inner_state = _model.inner_update(
+      inner.update, unscaled, kept, state.inner_state, **extra_args
+    )
+    # The new fields computed from the old ones: a constant would cost a copy per field.
+    settled = lambda old, value: jnp.where(old == value, old, value)
+    new = state._replace(
+      loss_scale=settled(inv, 1.0),
+      num_steps=optax.safe_increment(state.num_steps),
+      consecutive_skips=settled(state.consecutive_skips, 0),
+      grad_norm=norm,
+      inner_state=inner_state,
+    )
+    return updates, new
+
+  def policy_step(state: LossScaleState, finite: jax.Array, check: Any) -> tuple[Any, Any]:
+    # The policy moves the scale, kept in its range; a scale that is not valid restarts.
+    valid = _numerics.valid_scale(state.loss_scale)
+    stats = _policies.GradStats(finite, state.num_steps, check.grad_norm, check.amax)
+    scale = jnp.where(valid, state.loss_scale, init_scale)
+    new_scale, policy_state = policy.update(scale, state.policy_state, stats)
+    new_scale = jnp.where(valid, jnp.asarray(new_scale, jnp.float32), init_scale)
+    return jnp.clip(new_scale, low, high), policy_state
+
+  def update_fn(
+    updates: Any, state: Any, params: Any = None, *, loss: Any = None, **extra_args: Any
+  ) -> tuple[Any, LossScaleState]:
+    check_state(state)
+    if policy.passthrough and isinstance(state.inner_state, BackOff):
+      return jnp.ones([], jnp.bool_), state  # nothing is checked: nothing to back off from
+    if policy.passthrough:
+      return passed(updates, state, params, extra_args)
+    if jax.tree.structure(state.policy_state) != policy_def:  # type: ignore[operator]
+      raise ValueError(_other_policy(state, policy_kind))
+    grads, loss = updates, _checked_loss(loss)
+    # Parameters whose gradient is None (an Equinox model's functions) and integer arrays
+    # stay out of the skip and pass through untouched.
+    plain = _plain(grads, params)
+    held, kept, _ = (None, params, []) if plain else _model.held_apart(grads, params)
+    read = grads if held is None else _model.recorded(grads, params, held)
+    read = _numerics.widened(read, params)
+    losses = [] if loss is None else [loss]
+    _multi_device.check_axis_coverage(
+      _numerics.float_leaves(read) + losses, state.loss_scale, axis_name
+    )
+    check = _numerics.check(read, state.loss_scale, axis_name, wants_amax)
+    if state.nonfinite.shape != (check.codes.shape[0] + 2,):
+      raise ValueError(_other_params(state, check))
+    step = optax.safe_increment(state.num_steps)
+    loss_code = _loss_code(loss, axis_name)
+    pending = (state.nonfinite[-2] > 0) & (state.nonfinite[-1] == step)
+    finite = check.finite & (loss_code == 0) & ~pending
+    if not told[0] and _unscaled(grads, state.loss_scale):
+      told[0] = True
+      warnings.warn(_FORGOTTEN, UserWarning, stacklevel=_frames.user_stacklevel())
+    new_scale, policy_state = policy_step(state, finite, check)
+    # The record of a non-finite step: each leaf's code, the loss's (or the one a
+    # recomputation left for this very step) and the step's number.
+    pending = jnp.where(state.nonfinite[-1] == step, state.nonfinite[-2], 0)
+    codes = [check.codes.astype(jnp.int32), jnp.stack([jnp.maximum(loss_code, pending), step])]
+    record = jnp.where(finite, state.nonfinite, jnp.concatenate(codes))
+    overflows = state.overflows
+    if labels is not None:
+      masks = _record.group_masks(leaf_labels(read))
+      overflows = _record.counted(state.overflows, finite, check.codes, masks)
+    if isinstance(state.inner_state, BackOff):  # a recomputation's check: the scale moves only
+      keep = lambda old, new: jnp.where(finite, old, new)
+      moved = jax.tree.map(keep, (state.loss_scale, state.policy_state), (new_scale, policy_state))
+      return finite, state._replace(loss_scale=moved[0], policy_state=moved[1], nonfinite=record)
+    # Unscaled inside the skip, so that the product fuses with the optimizer's read.
+    inv = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
+
+    def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
+      unscaled = _numerics.unscale(g, inv, p)
+      if plain:
+        out, new = inner.update(unscaled, inner_state, p, **extra_args)
+      else:
+        out, new = _model.inner_update(inner.update, unscaled, p, inner_state, **extra_args)
+      return out, jax.tree.map(_skip.as_weak_as, new, inner_state)
+
+    skip = lambda p, out: jax.tree.map(_skip.negative_zeros_like, out)
+    out, inner_state = _skip.skipped(lowering, finite, apply, skip, grads, state.inner_state, kept)
+    inc = optax.safe_increment
+    return out, LossScaleState(
+      loss_scale=new_scale,
+      num_steps=step,
+      num_skipped=jnp.where(finite, state.num_skipped, inc(state.num_skipped)),
+      consecutive_skips=jnp.where(finite, 0, inc(state.consecutive_skips)),
+      grad_norm=check.grad_norm,
+      nonfinite=record,
+      overflows=overflows,
+      policy_state=policy_state,
+      inner_state=inner_state,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class BackOff(NamedTuple):
+  """In place of a state's ``inner_state`` (an empty pytree): ``update`` then checks the
+  gradients and returns ``(finite, state)`` with only the policy's move for an overflow and
+  the record, the inner optimizer untouched (:func:`optax_dls.value_and_grad`'s tries)."""
+
+
+def _plain(grads: Any, params: Any) -> bool:
+  """Whether every leaf of ``grads`` and of ``params`` is a floating array (no None, no
+  integer array, no function): nothing to hold out of the step."""
+  none = lambda x: x is None
+  leaves = jax.tree.leaves(grads, is_leaf=none)
+  leaves += [] if params is None else jax.tree.leaves(params, is_leaf=none)
+  return all(hasattr(x, "dtype") and _numerics.is_float(x) for x in leaves)
+
+
+def _checked_loss(loss: Any) -> jax.Array | None:
+  """``loss`` as a real floating array (None stays None); TypeError naming it otherwise."""
+  if loss is None:
+    return None
+  try:
+    value = None if isinstance(loss, (str, bytes, dict)) else jnp.asarray(loss)
+  except (TypeError, ValueError):
+    value = None
+  if value is None or not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(
+      f"loss must be None or a real floating-point array (the loss of this step), got "
+      f"{loss!r} of type {type(loss).__name__}."
+    )
+  return value
+
+
+def _loss_code(loss: jax.Array | None, axis_name: Any) -> jax.Array:
+  """int32 ``()``: 2 when ``loss`` holds a NaN, 1 an infinity, 0 otherwise or when not
+  given; the same on every device of ``axis_name``."""
+  if loss is None:
+    return jnp.zeros([], jnp.int32)
+  code = jnp.where(jnp.any(jnp.isnan(loss)), 2, jnp.where(jnp.all(jnp.isfinite(loss)), 0, 1))
+  return _multi_device.pmax(code.astype(jnp.int32), axis_name)
+
+
+_FORGOTTEN = (
+  "optax_dls: no gradient this update receives depends on the loss scale in opt_state: "
+  "the loss was not multiplied by optax_dls.scale_loss(loss, opt_state) before "
+  "differentiation, so each update divides unscaled gradients by the scale (Adam hides "
+  "it, SGD stalls). Return optax_dls.scale_loss(loss, opt_state) from the function you "
+  "differentiate, or use optax_dls.value_and_grad(loss_fn, tx) "
+  "(optax_dls.flax.value_and_grad for a TrainState or an nnx.Optimizer), which "
+  "multiplies it."
+)
+
+
+def _unscaled(grads: Any, scale: Any) -> bool:
+  """Whether the step is traced with its gradients (computed in the trace the scale is an
+  argument of) and none of them depends on the scale: the loss was not multiplied by it.
+  The walk reads the tracers' ``parent`` equations, which JAX records while tracing; an
+  eager step, gradients handed in as arguments or a JAX without such records tell
+  nothing, and nothing is said."""
+  trace = getattr(scale, "_trace", None)
+  if trace is None or not hasattr(scale, "parent"):
+    return False
+  leaves = [
+    g
+    for g in jax.tree.leaves(grads)
+    if getattr(g, "_trace", None) is trace
+    and getattr(g, "parent", None) is not None
+    and _numerics.is_float(g)
+  ]
+  roots: set[int] = set()
+
+  def root(x: Any) -> bool:
+    if getattr(x, "parent", None) is None:
+      roots.add(id(x))
+    return False
+
+  root(scale)
+  if not leaves or _walk([scale], root) is None:
+    return False
+  return _walk(leaves, lambda x: id(x) in roots) is False
+
+
+def _walk(start: list[Any], hit: Any, limit: int = 1_000_000) -> bool | None:
+  """Walks the equations ``start`` is computed by, back to the arguments: True at the
+  first input ``hit`` accepts, False when none does, None when the walk is too long."""
+  stack, seen = list(start), set()
+  while stack:
+    eqn = getattr(stack.pop(), "parent", None)
+    if eqn is None or id(eqn) in seen:
+      continue
+    seen.add(id(eqn))
+    inputs = getattr(eqn, "in_tracers", None)
+    if inputs is None or len(seen) > limit:
+      return None
+    if any(hit(x) for x in inputs):
+      return True
+    stack.extend(inputs)
+  return False
+
+
+def _other_policy(state: LossScaleState, kind: str) -> str:
+  return (
+    f"opt_state's policy state ({type(state.policy_state).__name__}) is not of this "
+    f"transformation's policy, which keeps a {kind}: the state was built, or restored, "
+    "under another policy (amax_policy, fp32_fallback or a policy of your own differ "
+    "from the dynamic rule). Build the state with this transformation "
+    "(tx.init(params)), or keep only the optimizer's state: "
+    "optax_dls.checkpoint.into_loss_scaled(old.inner_state, tx.init(params))."
+  )
+
+
+def _other_params(state: LossScaleState, check: _numerics.Check) -> str:
+  return (
+    f"opt_state records {state.nonfinite.shape[0] - 2} floating gradient leaves and this "
+    f"update receives {check.codes.shape[0]}: the state was built (tx.init) for other "
+    "parameters. Build it with tx.init(params) for the parameters these gradients are of."
+  )
 
 
 def _without_extra_args(
-  update: Callable[..., Any], updates: Any, state: Any, params: Any = None, **extra_args: Any
+  update: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
 ) -> Any:
   del extra_args
   return update(updates, state, params)
@@ -201,15 +403,33 @@ def _with_extra_args(inner: optax.GradientTransformation) -> optax.GradientTrans
   )
 
 
-def build_scaler(
-  inner: Any, policy: Any, axis_name: Any, skip_lowering: Any, labels: Any, **options: Any
-) -> LossScaler:
-  """The :class:`LossScaler` of checked arguments (a :class:`PassthroughScaler` for a
-  passthrough policy, which takes ``options``)."""
-  inner = _with_extra_args(_accumulation.check_inner(inner))
-  policy = _policies.check_policy(policy)
-  axis_name = _multi_device.check_axis_name(axis_name)
-  lowering = _lowering.lowering(skip_lowering)
-  labels = _labels.check_labels(labels, "loss_scaled")
-  kind = PassthroughScaler if policy.passthrough else LossScaler
-  return kind(inner, policy, axis_name, lowering, labels, **options)
+def is_loss_scaled(tx: Any) -> bool:
+  """Whether ``tx`` is a transformation :func:`loss_scaled` built (its ``update`` is this
+  module's closure)."""
+  update = getattr(tx, "update", None)
+  return getattr(update, "__qualname__", "") == "build.<locals>.update_fn" and (
+    getattr(update, "__module__", None) == __name__
+  )
+
+
+def check_state(state: Any) -> None:
+  """TypeError, saying what to do, unless ``state`` is a :class:`LossScaleState`."""
+  if isinstance(state, LossScaleState):
+    return
+  inside = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
+  if any(isinstance(x, LossScaleState) for x in inside):
+    raise TypeError(
+      f"opt_state must be this transformation's own state (the LossScaleState its init "
+      f"returned), got a {type(state).__name__} holding one: pass that state itself (a "
+      "TrainState's opt_state, say), or call the transformation that wraps this one."
+    )
+  named = jax.tree.leaves(state, is_leaf=_tree_paths.is_namedtuple)
+  kinds = list(dict.fromkeys(type(x).__name__ for x in named))  # in their order
+  held = ", ".join(kinds[:4]) or "no state"
+  raise TypeError(
+    f"opt_state must be the state this loss-scaled transformation's init returned (a "
+    f"LossScaleState), got a {type(state).__name__} (holding {held}): a plain optax "
+    "state, built by the inner optimizer alone or restored from a checkpoint written "
+    "without loss scaling? Put it inside with "
+    "optax_dls.checkpoint.into_loss_scaled(old_state, tx.init(params))."
+  )

@@ -23,9 +23,8 @@ from optax_dls._access import loss as _loss
 from optax_dls._core import accumulation as _accumulation
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._core import numerics as _numerics
-from optax_dls._core.record import NonFiniteRecord
-from optax_dls._core.state import LossScaleState, settled_scale
-from optax_dls._core.transform import LossScaledTransformation
+from optax_dls._core import transform as _transform
+from optax_dls._core.state import LossScaleState
 from optax_dls._features import recompute_stats as _recompute_stats
 from optax_dls._util import calls as _calls
 from optax_dls._util import model as _model
@@ -44,7 +43,7 @@ class Try(NamedTuple):
   at: LossScaleState  # the state this pass ran at: the scale of its gradients
   next: LossScaleState  # the state to compute at after this pass
   out: tuple[Any, Any]  # (value, grads)
-  record: NonFiniteRecord  # for tx.update: this pass's check when its loss was not finite
+  record: jax.Array  # for tx.update: this pass's check when its loss was not finite
 
 
 class Outcome(NamedTuple):
@@ -61,13 +60,12 @@ class Plan(NamedTuple):
 
   fp16: Callable[..., Any]  # jax.grad of the scaled fun: (scale, /, *args, **kwargs)
   fp32: Callable[..., Any] | None
-  back_off: Callable[..., Any]
+  update: Callable[..., Any]  # the loss-scaled transformation's
   max_tries: int
   argnums: int | tuple[int, ...]
   has_aux: bool
   axis_name: _multi_device.AxisName  # the gradients averaged over it in every pass
   pin: bool  # whether the gradients leave a retry branch (and are pinned to row-major)
-  passthrough: bool = False  # S = 1 by construction: the loss is not multiplied
 
 
 def checked(
@@ -99,28 +97,23 @@ def make_plan(
   """The :class:`Plan` of a recomputing ``grad_fn``; raises what :func:`value_and_grad` does."""
   max_tries, argnums, has_aux = checked(fun, fp32_fun, max_tries, argnums, has_aux)
   _accumulation.refuse_multisteps_outside(tx, tx_name)
-  back_off = tx.back_off if isinstance(tx, LossScaledTransformation) else None
-  if back_off is None:
+  if not _transform.is_loss_scaled(tx):
     raise TypeError(
       f"{tx_name} must be a loss-scaled transformation, got {tx!r}: wrap the optimizer with "
       f"optax_dls.dynamic_loss_scale (e.g. dynamic_loss_scale(optax.adam(1e-3)), or "
       "no_loss_scale for bfloat16); a chain around a loss-scaled transformation is not one "
       "either: put the chain inside it (dynamic_loss_scale(optax.chain(...)))."
     )
-  # S = 1 by construction: the loss is not multiplied by it, nothing overflows, nothing is retried.
-  passthrough = tx.passthrough
-  fp32 = None if fp32_fun is None or passthrough else _grads_of(fp32_fun, has_aux, argnums, False)
-  max_tries = 0 if passthrough else max_tries
+  fp32 = None if fp32_fun is None else _grads_of(fp32_fun, has_aux, argnums)
   return Plan(
-    fp16=_grads_of(fun, has_aux, argnums, passthrough),
+    fp16=_grads_of(fun, has_aux, argnums),
     fp32=fp32,
-    back_off=back_off,
+    update=tx.update,
     max_tries=max_tries,
     argnums=argnums,
     has_aux=has_aux,
     axis_name=_multi_device.check_axis_name(axis_name),
     pin=bool(max_tries) or fp32 is not None,
-    passthrough=passthrough,
   )
 
 
@@ -260,8 +253,6 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   """One recomputing call of ``plan`` on ``fun(*args, **kwargs)``, at the scale in ``opt_state``."""
   _calls.check_reach(plan.argnums, args, "opt_state")
   state = _loss_scale_state(opt_state, args)
-  if plan.passthrough:  # the gradients are not scaled: the state says S = 1, as update makes it
-    state = settled_scale(state)
   fp16, fp32, rebuild = _passes(plan, state, args, kwargs)
   light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
   last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop
@@ -302,16 +293,16 @@ def _holds_state(tree: Any) -> bool:
 
 
 def _grads_of(
-  f: Callable[..., Any], has_aux: bool, argnums: int | tuple[int, ...], passthrough: bool
+  f: Callable[..., Any], has_aux: bool, argnums: int | tuple[int, ...]
 ) -> Callable[..., Any]:
-  """``jax.grad`` of ``S * loss`` (``loss`` itself when ``passthrough``) with respect to
+  """``jax.grad`` of ``S * loss`` with respect to
   ``argnums``, taking ``(scale, /, *args, **kwargs)`` and returning ``(grads, out)``."""
 
   def scaled(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     out = f(*args, **kwargs)
     loss, _ = _calls.loss_and_aux(f, has_aux, out)
     times = _loss.times_scale(loss, scale)  # checks the loss: a floating array
-    return (loss if passthrough else times), out
+    return times, out
 
   nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
   grad = jax.grad(scaled, argnums=nums, has_aux=True)
@@ -386,8 +377,7 @@ def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Tr
   stuck = ~loss_finite | (backed_off.loss_scale == at.loss_scale)
   # It is kept for tx.update, so that metrics say the loss was the cause even when update
   # is not given the loss; the overflow counts stay update's to move, once per step.
-  cause = backed_off.nonfinite._replace(overflows=at.nonfinite.overflows)
-  record = jax.tree.map(functools.partial(jnp.where, loss_finite), at.nonfinite, cause)
+  record = jnp.where(loss_finite, at.nonfinite, backed_off.nonfinite)
   return Try(tries, finite, stuck, at, after, out, record)
 
 
@@ -398,9 +388,10 @@ def _check(
   the loss (reduced over its ``axis_name``, and over ``plan.axis_name`` too), whether the
   loss was finite, and the state after the policy's move for an overflow (whose record says
   when the loss was the cause)."""
-  finite, backed_off = plan.back_off(grads, at, loss=loss)
+  finite, backed_off = plan.update(grads, at._replace(inner_state=_transform.BackOff()), loss=loss)
+  backed_off = backed_off._replace(inner_state=at.inner_state)
   # The record is kept as it was by a finite check: only a non-finite one speaks of this loss.
-  loss_finite = finite | ~backed_off.nonfinite.loss
+  loss_finite = finite | (backed_off.nonfinite[-2] == 0)
   if plan.axis_name is not None:
     loss_finite &= _numerics.all_finite(loss, plan.axis_name)
   return finite & loss_finite, loss_finite, backed_off

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from optax_dls._access import find as _find
-from optax_dls._access import reset as _reset
 from optax_dls._integrations.carry import into_loss_scaled
 from optax_dls._util import validation as _validation
 
@@ -66,7 +65,7 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
   """
   scale, fin_steps = _dynamic_scale_fields(dynamic_scale)
   lss = _find.find_state(opt_state)
-  _validation.scale("dynamic_scale.scale", scale, *_reset.scale_range(opt_state))
+  _validation.scale("dynamic_scale.scale", scale, _validation.SCALE_MIN, _validation.SCALE_MAX)
   fin_steps = _validation.count("dynamic_scale.fin_steps", fin_steps, low=0)
   tracker = lambda n: (
     n._replace(growth_tracker=jnp.asarray(fin_steps, jnp.int32))

@@ -1,0 +1,123 @@
+"""The skip: a ``jnp.where`` selection or a ``lax.cond``, and matching one value's type to
+another's (dtype, weak type, sharding, the mesh axes it varies over).
+
+Both make the same skip decisions, keep the same scales and counters, and leave
+everything untouched on a skipped step bit for bit; applied values agree to float32
+rounding (XLA may contract the optimizer's arithmetic differently in the two programs).
+
+* ``"where"``: the inner update always runs, on zeros where the step is not finite, and
+  ``jnp.where`` at the end keeps the old value of every output. XLA's GPU backend fuses
+  each selection into the optimizer's own kernels (one extra read of the gradients in
+  all), and no predicate has to reach the host.
+* ``"cond"``: the inner update runs only on a finite step. XLA's CPU backend copies the
+  state for a selection at the end; a conditional costs it nothing.
+
+``"auto"`` takes ``"cond"`` on the CPU and ``"where"`` everywhere else, with
+``lax.platform_dependent``: the platform is the one the program is lowered for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_dls._core import multi_device as _multi_device
+
+LOWERINGS = ("auto", "cond", "where")
+
+
+def check_lowering(lowering: Any) -> str:
+  """``lowering`` if it is one of :data:`LOWERINGS`; TypeError / ValueError otherwise."""
+  if not isinstance(lowering, str):
+    raise TypeError(
+      f"skip_lowering must be one of {LOWERINGS}, got {lowering!r} of type "
+      f"{type(lowering).__name__}."
+    )
+  if lowering not in LOWERINGS:
+    raise ValueError(f"skip_lowering must be one of {LOWERINGS}, got skip_lowering={lowering!r}.")
+  return lowering
+
+
+def skipped(lowering: str, finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> Any:
+  """``apply(grads, inner_state, params) -> (out, inner_state)`` where ``finite``, else
+  ``(skip(params, out), inner_state)`` in the types ``apply`` returns, lowered as
+  ``lowering`` says."""
+  if lowering == "auto":
+    cond = lambda f, *o: by_cond(f, apply, skip, *o)
+    where = lambda f, *o: by_where(f, apply, skip, *o)
+    return lax.platform_dependent(finite, *ops, cpu=cond, default=where)
+  return (by_cond if lowering == "cond" else by_where)(finite, apply, skip, *ops)
+
+
+def by_cond(finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> Any:
+  def skipped_step(g: Any, s: Any, p: Any) -> tuple[Any, Any]:
+    out, new_s = jax.eval_shape(apply, g, s, p)
+    return skip(p, out), jax.tree.map(like, s, new_s)
+
+  return lax.cond(finite, apply, skipped_step, *ops)
+
+
+def by_where(
+  finite: jax.Array, apply: Callable, skip: Callable, grads: Any, inner_state: Any, params: Any
+) -> Any:
+  safe = jax.tree.map(lambda g: select(finite, g, jnp.zeros_like(g)), grads)
+  out, new_s = apply(safe, inner_state, params)
+  keep = lambda new, old: select(finite, new, like(old, new))
+  out = jax.tree.map(lambda n, o: select(finite, n, o), out, skip(params, out))
+  return out, jax.tree.map(keep, new_s, inner_state)
+
+
+def select(pred: jax.Array, new: Any, old: Any) -> Any:
+  """``jnp.where(pred, new, old)`` for a bool ``()`` ``pred``: one ``lax.select_n`` where
+  ``new`` and ``old`` are arrays of one type."""
+  if (
+    isinstance(new, jax.Array)
+    and isinstance(old, jax.Array)
+    and (new.shape, new.dtype, weak(new)) == (old.shape, old.dtype, weak(old))
+  ):
+    return lax.select_n(pred, old, new)
+  return jnp.where(pred, new, old)
+
+
+def strong(x: Any) -> Any:
+  """``x`` strongly typed (same dtype and value); other leaves pass through."""
+  if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.number):
+    return x
+  return lax.convert_element_type(x, x.dtype) if jax.typeof(x).weak_type else x
+
+
+def weak(x: Any) -> bool:
+  """Whether ``x`` (an array, a tracer, a ``jax.ShapeDtypeStruct``, an abstract value) is
+  weakly typed; a Python number is (a Python bool is not)."""
+  if isinstance(x, (int, float, complex)):
+    return not isinstance(x, bool)
+  if isinstance(x, jax.Array):
+    return bool(jax.typeof(x).weak_type)
+  return bool(getattr(x, "weak_type", False))
+
+
+def like(x: Any, target: Any) -> Any:
+  """``x`` given ``target``'s dtype, ``Explicit`` sharding and the mesh axes it varies over
+  (an old inner state value made to match what the inner update returns: it may widen a
+  dtype or take the gradients' sharding); weakly typed only where both are."""
+  if not hasattr(x, "dtype") or not hasattr(target, "dtype"):
+    return x
+  x = x if x.dtype == target.dtype else x.astype(target.dtype)
+  x = x if weak(target) else strong(x)
+  return _multi_device.vary_like(_multi_device.shard_like(x, target), target)
+
+
+def as_weak_as(new: Any, old: Any) -> Any:
+  """``new`` weakly typed only where ``old`` is too."""
+  return new if weak(old) else strong(new)
+
+
+def negative_zeros_like(target: Any) -> Any:
+  """``-0.0`` of ``target``'s type (plain zeros for integer and bool leaves): the updates of
+  a skipped step, since ``p + (-0.0)`` is ``p`` bit for bit, ``-0.0`` included."""
+  zero = -0.0 if jnp.issubdtype(jnp.result_type(target), jnp.inexact) else 0
+  return _multi_device.vary_like(lax.full_like(target, zero), target)
