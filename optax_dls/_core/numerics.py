@@ -126,17 +126,20 @@ def _reads(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, ...]:
   ct = compute_dtype(x.dtype)
   real = jnp.finfo(ct).dtype
   x = _as(x, ct)
+  t = _as(tiny, real)
   if jnp.issubdtype(ct, jnp.complexfloating):
     abs2 = lambda v: jnp.real(v * jnp.conj(v))
     top = lax.max(lax.abs(lax.real(x)), lax.abs(lax.imag(x)))
+    # Each part times the real factor: a complex product would make inf * 0 a NaN.
+    small = lax.complex(lax.mul(lax.real(x), t), lax.mul(lax.imag(x), t))
   else:
-    abs2, top = (lambda v: lax.mul(v, v)), lax.abs(x)
+    abs2, top, small = (lambda v: lax.mul(v, v)), lax.abs(x), lax.mul(x, t)
   zero = jnp.zeros([], real)
 
   def combine(a: tuple, b: tuple) -> tuple:
     return lax.add(a[0], b[0]), lax.add(a[1], b[1]), lax.max(a[2], b[2])
 
-  operands = (abs2(x), abs2(lax.mul(x, _as(tiny, ct))), top)
+  operands = (abs2(x), abs2(small), top)
   return tuple(lax.reduce(operands, (zero,) * 3, combine, tuple(range(x.ndim))))
 
 
