@@ -66,7 +66,8 @@ def main(argv=None):
   @eqx.filter_jit
   def step(model, state, x, y):
     (loss, grads), state = grad_fn(state, model, x, y)  # float32 gradients, scaled
-    model, state = optax_dls.apply_step(tx, grads, state, model)
+    updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
+    model = eqx.apply_updates(model, updates)
     return model, state, loss
 
   rng = np.random.default_rng(1)

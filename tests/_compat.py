@@ -26,6 +26,14 @@ def jit_xla_defaults(fun, **kwargs):
   return jax.jit(fun, compiler_options=XLA_DEFAULTS, **kwargs)
 
 
+def apply_step(tx, grads, opt_state, params, **extra_args):
+  """``tx.update`` then ``optax.apply_updates``: new ``(params, opt_state)``. A parameter whose
+  update is ``None`` (an Equinox model's functions) comes back as it is."""
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  apply = lambda u, p: p if u is None else optax.apply_updates(p, u)
+  return jax.tree.map(apply, updates, params, is_leaf=lambda x: x is None), opt_state
+
+
 def requires_jax(version: str, reason: str):
   """Skips the test on jax older than ``version``, saying why."""
   return pytest.mark.skipif(

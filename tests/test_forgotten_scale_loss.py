@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -31,7 +32,7 @@ def _loss(p, x):
   return jnp.sum((p["w"] * x) ** 2)
 
 
-def _step(tx, how, fused=False):
+def _step(tx, how):
   def step(p, s, x):
     def lf(p):
       loss = _loss(p, x)
@@ -42,26 +43,23 @@ def _step(tx, how, fused=False):
       return loss  # forgotten
 
     g = jax.grad(lf, allow_int=True)(p)
-    if fused:
-      return optax_dls.apply_step(tx, g, s, p)
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
   return jax.jit(step)
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("lowering", ["auto", "where", "cond"])
-def test_a_forgotten_scale_loss_is_said_once_at_the_users_line(lowering, fused):
+def test_a_forgotten_scale_loss_is_said_once_at_the_users_line(lowering):
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), skip_lowering=lowering)
-  state, step = tx.init(PARAMS), _step(tx, "forgotten", fused)
+  state, step = tx.init(PARAMS), _step(tx, "forgotten")
   with pytest.warns(UserWarning, match=r"scale_loss\(loss, opt_state\)") as told:
     step(PARAMS, state, jnp.ones(3))
   assert [w.filename for w in told if "scale_loss" in str(w.message)] == [__file__]
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     step(PARAMS, state, jnp.ones((3,)) * 2)  # cached: no trace, nothing said
-    _step(tx, "forgotten", fused)(PARAMS, state, jnp.ones(3))  # said once per tx
+    _step(tx, "forgotten")(PARAMS, state, jnp.ones(3))  # said once per tx
 
 
 @pytest.mark.parametrize("how", ["scale_loss", "loss_scale"])
@@ -69,8 +67,7 @@ def test_a_multiplied_loss_says_nothing(how):
   tx = optax_dls.dynamic_loss_scale(optax.MultiSteps(optax.adam(0.1), 2))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    for fused in (False, True):
-      _step(tx, how, fused)(PARAMS, tx.init(PARAMS), jnp.ones(3))
+    _step(tx, how)(PARAMS, tx.init(PARAMS), jnp.ones(3))
 
 
 def test_value_and_grad_no_loss_scale_and_given_gradients_say_nothing():
@@ -82,7 +79,7 @@ def test_value_and_grad_no_loss_scale_and_given_gradients_say_nothing():
 
       def step(p, s, x, tx=tx, grad_fn=grad_fn):
         (_, g), s = grad_fn(s, p, x)
-        return optax_dls.apply_step(tx, g, s, p)
+        return apply_step(tx, g, s, p)
 
       jax.jit(step)(PARAMS, tx.init(PARAMS), jnp.ones(3))
     plain = optax_dls.no_loss_scale(optax.sgd(0.1))

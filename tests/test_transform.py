@@ -1,13 +1,14 @@
-"""The core transformation: apply_step and its fused form, donation, no host synchronisation."""
+"""The core transformation: an optax one, a skip that keeps the parameters bit for bit,
+donation, no host synchronisation."""
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -18,54 +19,14 @@ def _grads(v):
   return {"w": jnp.array([v, 2.0, -1.0]), "b": jnp.array([v], jnp.float16)}
 
 
-@pytest.mark.parametrize(
-  "make, values",
-  [
-    (
-      lambda: optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=8.0, growth_interval=2),
-      [1.0, float("inf"), 0.25, float("nan"), 2.0],
-    ),
-    (lambda: optax_dls.no_loss_scale(optax.adam(1e-2)), [1.0, 0.25, 2.0]),
-    (lambda: optax.adam(1e-2), [1.0, 0.25, 2.0]),  # not loss-scaled: the two-call fallback
-  ],
-  ids=["dynamic", "noop", "plain"],
-)
-def test_same_params_and_state_as_update_then_apply(make, values):
-  tx = make()
-  fused = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))
-
-  @jax.jit
-  def two_calls(g, s, p):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  a = b = PARAMS
-  sa = sb = tx.init(PARAMS)
-  for v in values:
-    a, sa = fused(_grads(v), sa, a)
-    b, sb = two_calls(_grads(v), sb, b)
-    # XLA may fuse (and so round) the applied update differently: equal to float32 rounding.
-    for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
-      np.testing.assert_allclose(
-        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6, atol=1e-9
-      )
-
-
 def test_skip_returns_params_bit_for_bit():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0)
   state = tx.init(PARAMS)
-  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
-    _grads(float("inf")), state, PARAMS
-  )
+  new, state = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))(_grads(float("inf")), state, PARAMS)
   assert not bool(state.last_step_finite)
   assert np.signbit(np.asarray(new["w"])[1])  # -0.0 stays -0.0 (p + 0 would give +0.0)
   for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(PARAMS)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def test_rejects_non_transformation():
-  with pytest.raises(TypeError, match="tx must be an optax.GradientTransformation"):
-    optax_dls.apply_step(lambda g: g, {}, None, {})
 
 
 @pytest.mark.parametrize(
@@ -136,46 +97,21 @@ def test_update_has_no_host_communication(make, lowering):
   assert HOST_OPS.search(_compiled_text(tx, alert))
 
 
-def test_a_loss_scaled_transformation_is_an_optax_one_with_its_fused_step():
+def test_a_loss_scaled_transformation_is_an_optax_one():
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
-  assert isinstance(tx, optax.GradientTransformationExtraArgs) and isinstance(
-    tx, optax_dls.LossScaledTransformation
-  )
-  assert callable(tx.fused_step) and len(tx) == 2
+  assert type(tx) is optax.GradientTransformationExtraArgs and len(tx) == 2
   init, update = tx  # unpacks like any optax transformation
   assert init is tx.init and update is tx.update
 
 
-def test_rebuilt_from_its_leaves_it_keeps_its_fused_step():
+def test_rebuilt_from_its_leaves_it_is_the_same_transformation():
   """As flax 0.11's ``nnx.Optimizer`` rebuilds its ``tx`` from the leaves."""
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
   leaves, treedef = jax.tree.flatten(tx)
   rebuilt = jax.tree.unflatten(treedef, leaves)
   assert type(rebuilt) is type(tx) and rebuilt == tx
-  assert (rebuilt.fused_step, rebuilt.back_off) == (tx.fused_step, tx.back_off)
-  assert rebuilt.fused_step is not None and rebuilt.scaler is tx.scaler
-  # Two fields, as every optax transformation: the fused step comes with the update.
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tx)[0]]
   assert paths == [".init", ".update"]
-  assert type(tx)(*tx).fused_step is not None and tx._replace(init=tx.init).fused_step
-
-
-def test_apply_step_warns_when_the_fused_step_is_lost_in_a_chain():
-  tx = optax.chain(optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0), optax.scale(1.0))
-  params = {"w": jnp.ones(2)}
-  state = tx.init(params)
-  with pytest.warns(UserWarning, match="no fused step"):
-    new, state = optax_dls.apply_step(tx, {"w": jnp.full(2, 2.0)}, state, params)
-  np.testing.assert_array_equal(new["w"], [0.0, 0.0])
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # a plain optax transformation: no warning
-    optax_dls.apply_step(optax.sgd(1.0), {"w": jnp.ones(2)}, optax.sgd(1.0).init(params), params)
-
-
-def test_apply_step_needs_params():
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0))
-  with pytest.raises(TypeError, match="params"):
-    optax_dls.apply_step(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
 
 
 def test_a_scale_below_the_policys_range_is_checked_exactly_then_kept_in_range(lowering):
@@ -218,7 +154,7 @@ def test_update_and_apply_step_run_under_rank_promotion_raise(lowering, extra):
     state = tx.init(params)
     bad = {"a": jnp.full((3, 4), jnp.inf), "b": jnp.ones(5)}
     _, state = jax.jit(tx.update)(bad, state, params)
-    new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(params, state, params)
+    new, state = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))(params, state, params)
   assert optax_dls.nonfinite_leaves(state, params) == {"a": "inf"}
   assert bool(state.last_step_finite) and int(state.num_skipped) == 1
   np.testing.assert_allclose(new["b"], np.full(5, 1.0 - 1e-3), rtol=1e-5)  # Adam's first step
