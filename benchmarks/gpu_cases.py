@@ -75,17 +75,15 @@ def _bare(opt: Callable[[], optax.GradientTransformation]):
   return build
 
 
-def _wrapped(make: Callable[[], optax.GradientTransformation], fused: bool, loss: bool = False):
-  """``make()`` (an optax_dls transformation) through ``tx.update`` + ``apply_updates``, or
-  ``apply_step`` when ``fused``; ``loss``: the loss handed over as ``loss=``."""
+def _wrapped(make: Callable[[], optax.GradientTransformation], loss: bool = False):
+  """``make()`` (an optax_dls transformation) through ``tx.update`` + ``apply_updates``;
+  ``loss``: the loss handed over as ``loss=``."""
 
   def build(tree):
     tx = make()
     extra = {"loss": jnp.float32(1.0)} if loss else {}
 
     def step(g, p, s):
-      if fused:
-        return optax_dls.apply_step(tx, g, s, p, **extra)
       u, s = tx.update(g, s, p, **extra)
       return optax.apply_updates(p, u), s
 
@@ -164,12 +162,9 @@ CASES = {
   "bare_sgdm": Case(_bare(sgdm), "bare_sgdm"),
 }
 for _low in ("auto", "where", "cond"):
-  for _path in ("update", "apply_step"):
-    _make = functools.partial(lambda low: dls(adam(), skip_lowering=low), _low)
-    CASES[f"dls_{_low}_{_path}"] = Case(_wrapped(_make, _path == "apply_step"), "bare_adam")
-for _path in ("update", "apply_step"):
-  _build = _wrapped(lambda: dls(sgdm()), _path == "apply_step")
-  CASES[f"dls_sgdm_{_path}"] = Case(_build, "bare_sgdm")
+  _make = functools.partial(lambda low: dls(adam(), skip_lowering=low), _low)
+  CASES[f"dls_{_low}_update"] = Case(_wrapped(_make), "bare_adam")
+CASES["dls_sgdm_update"] = Case(_wrapped(lambda: dls(sgdm())), "bare_sgdm")
 # Each feature that reads the gradients, on (off is dls_auto_update), and the other scalers.
 FEATURES = {
   "static": lambda: optax_dls.static_loss_scale(adam(), 2.0**15),
@@ -181,8 +176,8 @@ FEATURES = {
   "clip_by_global_norm": lambda: dls(optax.chain(optax.clip_by_global_norm(1.0), adam())),
 }
 for _name, _make in FEATURES.items():
-  CASES[f"feature_{_name}"] = Case(_wrapped(_make, False), "bare_adam")
-CASES["feature_loss"] = Case(_wrapped(lambda: dls(adam()), False, loss=True), "bare_adam")
+  CASES[f"feature_{_name}"] = Case(_wrapped(_make), "bare_adam")
+CASES["feature_loss"] = Case(_wrapped(lambda: dls(adam()), loss=True), "bare_adam")
 CASES["bare_clip_adam"] = Case(
   _bare(lambda: optax.chain(optax.clip_by_global_norm(1.0), adam())), "bare_clip_adam"
 )
@@ -247,7 +242,6 @@ GROUPS = {
     "bare_adam",
     "bare_sgdm",
     "dls_auto_update",
-    "dls_auto_apply_step",
     "dls_cond_update",
     "dls_sgdm_update",
     "peer_select_at_end",
@@ -257,8 +251,6 @@ GROUPS = {
     "bare_adam",
     "bare_sgdm",
     "dls_auto_update",
-    "dls_auto_apply_step",
     "dls_sgdm_update",
-    "dls_sgdm_apply_step",
   ],
 }

@@ -3,8 +3,8 @@
 For the largest tree that fits (default about 1B float32 parameters in 256 leaves of
 mixed sizes), times one optimizer step of bare ``optax.adam``, the floor (the bare
 step on unscaled gradients plus one extra read of them) and ``dynamic_loss_scale``
-under each skip lowering, on both call paths (``tx.update`` + ``optax.apply_updates``,
-and ``optax_dls.apply_step``), on finite and non-finite gradients. Each variant is
+under each skip lowering (``tx.update`` + ``optax.apply_updates``), on finite and
+non-finite gradients. Each variant is
 timed two ways: step by step (blocking after each step), and as a pipeline of steps
 dispatched back to back (blocking once at the end), where a step that reads a value
 back to the host stalls the dispatch of the next. Then it looks for device-to-host
@@ -100,7 +100,7 @@ def plain():
   return init, step
 
 
-def ours(lowering, fused):
+def ours(lowering):
   if lowering == "no_loss_scale":
     tx = optax_dls.no_loss_scale(optax.adam(1e-3))
   else:
@@ -109,8 +109,6 @@ def ours(lowering, fused):
     )
 
   def step(params, state, grads):
-    if fused:
-      return optax_dls.apply_step(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -122,24 +120,17 @@ VARIANTS = {
   "floor": (functools.partial(bare, unscaled=True, extra_read=True), False),
   "plain": (plain, False),
   **{
-    f"{lowering}_{path}_{kind}": (
-      functools.partial(ours, lowering, path == "apply_step"),
-      kind == "nonfinite",
-    )
+    f"{lowering}_update_{kind}": (functools.partial(ours, lowering), kind == "nonfinite")
     for lowering in ("auto", "cond", "where")
-    for path in ("update", "apply_step")
     for kind in ("finite", "nonfinite")
   },
-  **{
-    f"no_loss_scale_{path}": (functools.partial(ours, "no_loss_scale", path == "apply_step"), False)
-    for path in ("update", "apply_step")
-  },
+  "no_loss_scale_update": (functools.partial(ours, "no_loss_scale"), False),
 }
 
 
-# The variants of one short run on a lent GPU: the references, the default on both paths
-# (finite, and skipped on the update path), and the conditional.
-DEVICE = ["bare_adam", "floor", "plain", "auto_update_finite", "auto_apply_step_finite",
+# The variants of one short run on a lent GPU: the references, the default (finite and
+# skipped), and the conditional.
+DEVICE = ["bare_adam", "floor", "plain", "auto_update_finite",
           "auto_update_nonfinite", "cond_update_finite", "no_loss_scale_update"]  # fmt: skip
 GROUPS = {"device": DEVICE}
 

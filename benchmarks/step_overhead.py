@@ -1,9 +1,9 @@
 """Cost of one optimizer step with loss scaling, as a ratio to a bare ``optax.adam`` step.
 
 Same run, same pytrees, same inner ``optax.adam``, donated parameters and optimizer
-state. Each skip lowering ("auto", the platform's default; "cond"; "where") on both call
-paths: ``tx.update`` then ``optax.apply_updates`` (what most users and flax's
-``TrainState`` call) and ``optax_dls.apply_step``; and ``no_loss_scale`` on both paths.
+state. Each skip lowering ("auto", the platform's default; "cond"; "where") through
+``tx.update`` then ``optax.apply_updates`` (what most users and flax's ``TrainState``
+call); and ``no_loss_scale``.
 Every row has its compile seconds (``compile_s``, lowering and compiling, one process
 for all rows). References: the bare step; the floor, the bare step on gradients times a
 run-time ``1/S`` plus one extra read of the gradients (the unscale and the finite check
@@ -123,7 +123,7 @@ def floor_step(skip=None):
   return init, step
 
 
-def ours_step(lowering, fused=False):
+def ours_step(lowering):
   if lowering == "no_loss_scale":  # the passthrough wrapper, for bfloat16 / float32 runs
     tx = optax_dls.no_loss_scale(inner())
   else:
@@ -132,8 +132,6 @@ def ours_step(lowering, fused=False):
     )
 
   def step(params, state, grads):
-    if fused:  # updates applied inside the skip
-      return optax_dls.apply_step(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -210,21 +208,11 @@ VARIANTS = {  # name -> (factory, non-finite gradients?)
   "floor_cond_skip": (functools.partial(floor_step, "cond"), False),
   "floor_where_skip": (functools.partial(floor_step, "where"), False),
   **{
-    f"{lowering}_{path}_{kind}": (
-      functools.partial(ours_step, lowering, path == "apply_step"),
-      kind == "nonfinite",
-    )
+    f"{lowering}_update_{kind}": (functools.partial(ours_step, lowering), kind == "nonfinite")
     for lowering in ("auto", "cond", "where")
-    for path in ("update", "apply_step")
     for kind in ("finite", "nonfinite")
   },
-  **{
-    f"no_loss_scale_{path}": (
-      functools.partial(ours_step, "no_loss_scale", path == "apply_step"),
-      False,
-    )
-    for path in ("update", "apply_step")
-  },
+  "no_loss_scale_update": (functools.partial(ours_step, "no_loss_scale"), False),
   "jmp_pattern": (jmp_step, False),
   "flax_where_pattern": (flax_step, False),
   "apply_if_finite_pattern": (apply_if_finite_step, False),

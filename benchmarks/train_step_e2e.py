@@ -47,7 +47,6 @@ VARIANTS = {
     inner(), growth_interval=50, skip_lowering="where"
   ),
 }
-FUSED = ("dynamic_loss_scale", "no_loss_scale")  # also timed with optax_dls.apply_step
 RECOMPUTE = "dynamic_loss_scale"  # also timed with optax_dls.value_and_grad
 
 
@@ -59,7 +58,7 @@ def counted():
   )
 
 
-def make_step(model, tx, fused=False, recompute=False):
+def make_step(model, tx, recompute=False):
   grad_fn = optax_dls.value_and_grad(lambda p, batch: loss_fn(model, p, batch), tx, max_tries=3)
 
   def step(params, opt_state, batch):
@@ -71,9 +70,6 @@ def make_step(model, tx, fused=False, recompute=False):
       (loss, grads), opt_state = grad_fn(opt_state, params, batch)
     else:
       grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-    if fused:
-      params, opt_state = optax_dls.apply_step(tx, grads, opt_state, params)
-      return params, opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -97,15 +93,14 @@ def main(argv=None) -> dict:
     np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32
   )
   runs = {}
-  variants = [(name, make, False, False) for name, make in VARIANTS.items()]
-  variants += [(name + "+apply_step", VARIANTS[name], True, False) for name in FUSED]
+  variants = [(name, make, False) for name, make in VARIANTS.items()]
   variants += [
-    (RECOMPUTE + "+value_and_grad", counted, False, True),
-    (RECOMPUTE + "+again", VARIANTS[RECOMPUTE], False, False),
+    (RECOMPUTE + "+value_and_grad", counted, True),
+    (RECOMPUTE + "+again", VARIANTS[RECOMPUTE], False),
   ]
-  for name, make, fused, recompute in variants:
+  for name, make, recompute in variants:
     tx = make()
-    step = make_step(model, tx, fused, recompute)
+    step = make_step(model, tx, recompute)
     params = jax.tree.map(jnp.copy, params0)
     state = tx.init(params)
     for _ in range(3):  # compile and warm up
@@ -135,10 +130,6 @@ def main(argv=None) -> dict:
   for name, run in runs.items():
     med = statistics.median(run["times"])
     out["results"][name] = {"median_ms": med * 1e3, "ratio_to_no_loss_scale": med / base}
-  fused_base = statistics.median(runs["no_loss_scale+apply_step"]["times"])
-  out["results"]["dynamic_loss_scale+apply_step"]["ratio_to_no_loss_scale+apply_step"] = (
-    statistics.median(runs["dynamic_loss_scale+apply_step"]["times"]) / fused_base
-  )
   for name in (RECOMPUTE + "+value_and_grad", RECOMPUTE + "+again"):
     row, base_run = out["results"][name], runs[RECOMPUTE]
     row["ratio_to_" + RECOMPUTE] = statistics.median(runs[name]["times"]) / statistics.median(
