@@ -15,11 +15,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
+from optax_dls import _policies
 from optax_dls import config as _config
 
 PARAMS = {"w": jnp.array([0.5, -1.0, 2.0, 4.0], jnp.float32), "b": jnp.array([0.25], jnp.float32)}
 D = optax_dls.dynamic_policy
-NOOP = optax_dls.noop_policy
+NOOP = _policies.noop_policy
 
 # (the loss_scale section, the policy it means, loss_scaled keyword arguments, underflow_stats)
 CASES = {
@@ -46,7 +47,7 @@ CASES = {
   "preset": ({"preset": "text_llm"}, D(**_config.preset("text_llm")), {}, False),
   "kind=static, scale": (
     {"kind": "static", "scale": 1024},
-    optax_dls.static_policy(1024),
+    _policies.static_policy(1024),
     {},
     False,
   ),

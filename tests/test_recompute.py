@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _compat import jit_xla_defaults
+from _compat import apply_step, jit_xla_defaults
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -409,10 +409,15 @@ def test_no_loss_scale_takes_one_pass_and_never_multiplies_the_loss():
   plain_loss, plain_grads = jit_xla_defaults(jax.value_and_grad(LOSS32))(PARAMS, SMALL)
   assert float(loss) == float(plain_loss)
   jax.tree.map(np.testing.assert_array_equal, grads, plain_grads)
-  # S = 1 by construction: the scale in the state is not even read.
+  # A scale restored from a scaled run multiplies the loss once; the update divides it out
+  # and leaves S = 1.
   forged = optax_dls.find_state(state)._replace(loss_scale=jnp.float32(8.0))
-  (_, forged_grads), _ = grad_fn(forged, PARAMS, SMALL)
-  jax.tree.map(np.testing.assert_array_equal, forged_grads, plain_grads)
+  (_, forged_grads), forged = grad_fn(forged, PARAMS, SMALL)
+  jax.tree.map(lambda g, p: np.testing.assert_array_equal(g, 8 * p), forged_grads, plain_grads)
+  updates, settled = tx.update(forged_grads, forged, PARAMS)
+  plain_updates, _ = tx.update(plain_grads, state, PARAMS)
+  jax.tree.map(np.testing.assert_array_equal, updates, plain_updates)
+  assert float(settled.loss_scale) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -539,7 +544,7 @@ def test_a_non_finite_loss_with_finite_gradients_skips_the_next_update(lowering)
   grad_fn = jax.jit(optax_dls.value_and_grad(_with_data_term(LOSS16), tx, max_tries=3))
   (loss, grads), state = grad_fn(tx.init(PARAMS), PARAMS, SMALL, jnp.float32(0.0))
   assert np.isneginf(loss) and optax_dls.all_finite(grads)
-  for step in (jax.jit(tx.update), jax.jit(functools.partial(optax_dls.apply_step, tx))):
+  for step in (jax.jit(tx.update), jax.jit(functools.partial(apply_step, tx))):
     _, after = step(grads, state, PARAMS)
     m = optax_dls.metrics(after)
     assert bool(m["skipped"]) and int(m["skip_count"]) == 1 and bool(m["nonfinite_loss"])
