@@ -2,10 +2,11 @@
 
 The state holds what was learned (the scale, the counters, the record); the transformation
 it is restored into supplies its configuration: under ``no_loss_scale`` the loss is
-multiplied by 1 and the updates are the bare optimizer's, a lowered ``max_scale`` applies at
-once, a raised one lets the scale grow, a dynamic transformation restored from a no-op or a
-static state starts from the scale that state had. Checkpoints of the earlier layout (whose
-state also held ``min_scale`` and ``max_scale``) still restore.
+multiplied by the restored scale once and the updates are the bare optimizer's, a lowered
+``max_scale`` applies at the first update, a raised one lets the scale grow, a dynamic
+transformation restored from a no-op or a static state starts from the scale that state had.
+Checkpoints of the earlier layouts (whose state held ``last_step_finite`` and a record of
+bit sets, or also ``min_scale`` and ``max_scale``) still restore.
 """
 
 from typing import Any, NamedTuple
@@ -57,22 +58,21 @@ def test_a_dynamic_checkpoint_under_no_loss_scale_trains_as_the_bare_optimizer(t
   assert float(state.loss_scale) == 2.0**15
   _save(tmp_path, {"params": params, "opt_state": state})
   tx = optax_dls.no_loss_scale(optax.sgd(0.1))
-  with pytest.warns(UserWarning, match=r"loss scale 2\*\*15 -> 1.0 \(no_loss_scale: S = 1\)"):
-    restored = _restore(tmp_path, tx, params, tx=tx)
-  state = restored["opt_state"]
+  state = _restore(tmp_path, tx, params)["opt_state"]
+  assert float(optax_dls.loss_scale(state)) == 2.0**15  # the loss is scaled by it once
+  new, state = _quick_start_step(tx, params, state, jnp.float32(2.0))
   assert float(optax_dls.loss_scale(state)) == 1.0
-  new, _ = _quick_start_step(tx, params, state, jnp.float32(2.0))
   sgd = optax.sgd(0.1)
   bare_updates, _ = sgd.update(jax.grad(_loss)(params, 2.0), sgd.init(params), params)
   bare = optax.apply_updates(params, bare_updates)
   np.testing.assert_array_equal(new["w"], bare["w"])
 
 
-def test_without_tx_the_first_no_loss_scale_update_sets_the_scale_to_one(tmp_path):
+def test_the_first_no_loss_scale_update_sets_the_scale_to_one(tmp_path):
   params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1)))
   _save(tmp_path, {"params": params, "opt_state": state})
   tx = optax_dls.no_loss_scale(optax.sgd(0.1))
-  restored = _restore(tmp_path, tx, params)  # nothing settled: the docs say to pass tx
+  restored = _restore(tmp_path, tx, params)  # the saved scale: the next update settles it
   assert float(restored["opt_state"].loss_scale) == 2.0**15
   _, state = tx.update(jax.tree.map(jnp.zeros_like, params), restored["opt_state"], params)
   assert float(state.loss_scale) == 1.0
@@ -84,15 +84,12 @@ def test_a_no_loss_scale_checkpoint_under_dynamic_scaling_adapts_from_its_scale(
   params, state = _trained(optax_dls.no_loss_scale(optax.sgd(0.1)))
   _save(tmp_path, {"params": params, "opt_state": state})
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=1)
-  with pytest.warns(
-    UserWarning, match=r"loss scale 1.0 kept .*reset_scale\(state, 2\*\*15, tx=tx\)"
-  ):
-    state = _restore(tmp_path, tx, params, tx=tx)["opt_state"]
+  state = _restore(tmp_path, tx, params)["opt_state"]
   assert float(state.loss_scale) == 1.0
   for i in range(3):
     params, state = _quick_start_step(tx, params, state, jnp.float32(1.0))
     assert float(state.loss_scale) == 2.0 ** (i + 1)
-  reset = optax_dls.reset_scale(state, 2.0**15, tx=tx)  # the earlier layout refused this
+  reset = optax_dls.reset_scale(state, 2.0**15)  # the earlier layout refused this
   assert float(reset.loss_scale) == 2.0**15
 
 
@@ -100,15 +97,12 @@ def test_a_lowered_max_scale_applies_at_once_and_a_raised_one_lets_the_scale_gro
   params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1), max_scale=2.0**15))
   _save(tmp_path, {"params": params, "opt_state": state})
   lowered = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, max_scale=2.0**10)
-  with pytest.warns(UserWarning, match=r"2\*\*15 -> 1024.0 \(kept within .* \[1.0, 1024.0\]\)"):
-    state = _restore(tmp_path, lowered, params, tx=lowered)["opt_state"]
-  assert float(state.loss_scale) == 2.0**10
-  # Without tx, the first update keeps the scale within the new range.
+  # The first update keeps the scale within the new range.
   raw = _restore(tmp_path, lowered, params)["opt_state"]
   _, raw = _quick_start_step(lowered, params, raw, jnp.float32(1.0))
   assert float(raw.loss_scale) == 2.0**10
   raised = optax_dls.dynamic_loss_scale(optax.sgd(0.1), max_scale=2.0**20, growth_interval=1)
-  state = _restore(tmp_path, raised, params, tx=raised)["opt_state"]
+  state = _restore(tmp_path, raised, params)["opt_state"]
   _, state = _quick_start_step(raised, params, state, jnp.float32(1.0))
   assert float(state.loss_scale) == 2.0**16
 
@@ -117,37 +111,31 @@ def test_a_static_checkpoint_under_dynamic_scaling_starts_from_the_static_scale(
   params, state = _trained(optax_dls.static_loss_scale(optax.sgd(0.1), 2.0**12))
   _save(tmp_path, {"params": params, "opt_state": state})
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=1)
-  state = _restore(tmp_path, tx, params, tx=tx)["opt_state"]
+  state = _restore(tmp_path, tx, params)["opt_state"]
   _, state = _quick_start_step(tx, params, state, jnp.float32(1.0))
   assert float(state.loss_scale) == 2.0**13
   below = optax_dls.dynamic_loss_scale(optax.sgd(0.1), min_scale=2.0**14, init_scale=2.0**15)
-  with pytest.warns(UserWarning, match=r"2\*\*12 -> 2\*\*14"):
-    state = _restore(tmp_path, below, params, tx=below)["opt_state"]
+  state = _restore(tmp_path, below, params)["opt_state"]
+  _, state = _quick_start_step(below, params, state, jnp.float32(1.0))
   assert float(state.loss_scale) == 2.0**14
 
 
-def test_the_tx_of_a_train_state_target_settles_the_scale(tmp_path):
-  from flax.training import train_state
+class _PreviousRecord(NamedTuple):
+  """The non-finite record as the previous layout saved it: bit sets of the leaves."""
 
-  params, state = _trained(optax_dls.dynamic_loss_scale(optax.sgd(0.1)))
-  _save(tmp_path, {"params": params, "opt_state": state})
-  tx = optax_dls.no_loss_scale(optax.sgd(0.1))
-  target = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
-  with ocp.CheckpointManager(tmp_path) as manager:
-    saved = {"params": params, "opt_state": state}
-    with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
-      optax_dls.checkpoint.restore(manager, {"params": params, "opt_state": state}, tx=tx.update)
-    restored = manager.restore(0, args=ocp.args.StandardRestore(saved))
-  fresh = target.replace(opt_state=restored["opt_state"])
-  assert float(optax_dls.loss_scale(optax_dls.checkpoint.settled(fresh, tx))) == 1.0
+  step: Any
+  leaves: Any
+  nan: Any
+  loss: Any
+  overflows: Any
+  names_digest: Any
 
 
-class _EarlierState(NamedTuple):
-  """The loss-scale state as the earlier layout saved it: with its policy's range."""
+class _PreviousState(NamedTuple):
+  """The loss-scale state as the previous layout saved it: ``last_step_finite`` stored and
+  the record a NamedTuple."""
 
   loss_scale: Any
-  min_scale: Any
-  max_scale: Any
   num_steps: Any
   num_skipped: Any
   consecutive_skips: Any
@@ -168,20 +156,49 @@ class _EarlierRecord(NamedTuple):
   overflows: Any
 
 
+class _EarlierState(NamedTuple):
+  """The loss-scale state as the earlier layout saved it: with its policy's range."""
+
+  loss_scale: Any
+  min_scale: Any
+  max_scale: Any
+  num_steps: Any
+  num_skipped: Any
+  consecutive_skips: Any
+  last_step_finite: Any
+  grad_norm: Any
+  nonfinite: Any
+  policy_state: Any
+  inner_state: Any
+
+
+def _previous(state):
+  """``state`` (nothing non-finite recorded) in the previous layout."""
+  fields = {k: v for k, v in state._asdict().items() if k != "overflows"}
+  words = jnp.zeros([1], jnp.uint32)
+  fields["nonfinite"] = _PreviousRecord(
+    jnp.int32(0), words, words, jnp.bool_(False), {}, jnp.uint32(0)
+  )
+  return _PreviousState(last_step_finite=state.last_step_finite, **fields)
+
+
 def _earlier(state, low, high):
-  fields = state._asdict()
-  record = {k: v for k, v in state.nonfinite._asdict().items() if k != "names_digest"}
-  fields["nonfinite"] = _EarlierRecord(**record)
+  """``state`` (nothing non-finite recorded) in the earlier layout."""
+  fields = _previous(state)._asdict()
+  fields["nonfinite"] = _EarlierRecord(*fields["nonfinite"][:-1])
   return _EarlierState(min_scale=jnp.float32(low), max_scale=jnp.float32(high), **fields)
 
 
-def test_a_checkpoint_of_the_earlier_layout_restores_and_trains_on_unchanged(tmp_path):
+@pytest.mark.parametrize("layout", ["previous", "earlier"])
+def test_a_checkpoint_of_an_earlier_layout_restores_and_trains_on_unchanged(tmp_path, layout):
   tx = optax_dls.dynamic_loss_scale(optax.adam(0.01), init_scale=2.0**10, growth_interval=2)
   params, state = _trained(tx, steps=3)
-  _save(tmp_path, {"params": params, "opt_state": _earlier(state, 1.0, 2.0**24)})
-  restored = _restore(tmp_path, tx, params, tx=tx)
+  assert int(state.num_skipped) == 0  # nothing recorded: the target's fresh record is the same
+  old = _previous(state) if layout == "previous" else _earlier(state, 1.0, 2.0**24)
+  _save(tmp_path, {"params": params, "opt_state": old})
+  restored = _restore(tmp_path, tx, params)
   for a, b in zip(
-    jax.tree.leaves(restored), jax.tree.leaves({"params": params, "opt_state": state})
+    jax.tree.leaves(restored), jax.tree.leaves({"params": params, "opt_state": state}), strict=True
   ):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(a, b)
@@ -189,13 +206,6 @@ def test_a_checkpoint_of_the_earlier_layout_restores_and_trains_on_unchanged(tmp
   two = _quick_start_step(tx, restored["params"], restored["opt_state"], jnp.float32(1.0))
   for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
     np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("bad", [None, optax.sgd(0.1), "no_loss_scale"])
-def test_settled_names_a_tx_that_is_not_loss_scaled(bad):
-  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
-    optax_dls.checkpoint.settled(state, bad)
 
 
 def _flax_states(tx):
@@ -234,13 +244,6 @@ def test_a_plain_flax_checkpoint_under_restore_names_the_conversion_and_it_carri
   np.testing.assert_array_equal(moved.opt_state.inner_state[0].mu["w"], plain.opt_state[0].mu["w"])
 
 
-def test_the_warning_of_settled_points_at_its_caller():
-  state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
-  with pytest.warns(UserWarning, match="loss scale 2") as said:
-    optax_dls.checkpoint.settled(state, optax_dls.no_loss_scale(optax.sgd(0.1)))
-  assert said[0].filename == __file__
-
-
 def test_a_tuple_handed_over_as_the_loss_says_to_pass_has_aux():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   state = tx.init(PARAMS)
@@ -263,20 +266,13 @@ def test_a_state_of_other_labels_is_refused_naming_both():
 
 
 def test_a_state_of_another_policy_is_refused_naming_the_fix():
-  """A state of amax_policy handed to a dynamic transformation (or settled for one) is
-  refused before anything reads its policy state, naming how to start over."""
-  import warnings
-
+  """A state of amax_policy handed to a dynamic transformation is refused before anything
+  reads its policy state, naming how to start over."""
   params = {"w": jnp.ones(2)}
   amax_state = optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy()).init(params)
   dynamic = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"AmaxScaleState.*DynamicScaleState.*tx.init\(params\)"):
     dynamic.update(params, amax_state, params)
-  with pytest.raises(ValueError, match="not of this transformation's policy"):
-    optax_dls.apply_step(dynamic, params, amax_state, params)
-  with warnings.catch_warnings(), pytest.raises(ValueError, match="another policy"):
-    warnings.simplefilter("ignore")
-    optax_dls.checkpoint.settled(amax_state, dynamic)
   static_state = optax_dls.static_loss_scale(optax.sgd(0.1), 8.0).init(params)
   dynamic.update(params, static_state, params)  # the same rule's layout: accepted
 
@@ -399,12 +395,11 @@ def test_under_no_loss_scale_a_restored_scale_is_undone_in_a_jitted_step(how):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.0, -4.0, float("inf")])
-def test_settled_restarts_a_scale_that_is_not_valid_at_the_initial_scale(bad):
+def test_a_restored_scale_that_is_not_valid_restarts_at_the_initial_scale(bad):
   for tx, want in (
     (optax_dls.no_loss_scale(optax.sgd(1.0)), 1.0),
     (optax_dls.dynamic_loss_scale(optax.sgd(1.0)), 2.0**15),
   ):
     state = tx.init(PARAMS)._replace(loss_scale=jnp.float32(bad))
-    with pytest.warns(UserWarning, match="loss scale"):
-      settled = optax_dls.checkpoint.settled(state, tx)
+    _, settled = tx.update({"w": jnp.ones(3)}, state, PARAMS)
     assert float(settled.loss_scale) == want

@@ -232,10 +232,10 @@ def build(  # noqa: C901 (the closures of one transformation)
     pending = jnp.where(state.nonfinite[-1] == step, state.nonfinite[-2], 0)
     codes = [check.codes.astype(jnp.int32), jnp.stack([jnp.maximum(loss_code, pending), step])]
     record = jnp.where(finite, state.nonfinite, jnp.concatenate(codes))
-    overflows = state.overflows
-    if labels is not None:
-      masks = _record.group_masks(leaf_labels(read))
-      overflows = _record.counted(state.overflows, finite, check.codes, masks)
+    masks = {} if labels is None else _record.group_masks(leaf_labels(read))
+    if set(masks) != set(state.overflows):  # a state of another labels= (restored)
+      raise ValueError(_other_labels(state, masks))
+    overflows = _record.counted(state.overflows, finite, check.codes, masks)
     if isinstance(state.inner_state, BackOff):  # a recomputation's check: the scale moves only
       keep = lambda old, new: jnp.where(finite, old, new)
       moved = jax.tree.map(keep, (state.loss_scale, state.policy_state), (new_scale, policy_state))
@@ -375,6 +375,16 @@ def _other_policy(state: LossScaleState, kind: str) -> str:
     "from the dynamic rule). Build the state with this transformation "
     "(tx.init(params)), or keep only the optimizer's state: "
     "optax_dls.checkpoint.into_loss_scaled(old.inner_state, tx.init(params))."
+  )
+
+
+def _other_labels(state: LossScaleState, masks: dict) -> str:
+  return (
+    f"opt_state counts overflows for the parameter groups {sorted(state.overflows) or 'none'}, "
+    f"and this transformation labels {sorted(masks) or 'none'} (labels=): the state was built "
+    "by a transformation with other labels. Build the state with this one (tx.init(params)), "
+    "or restore it into a target built by it and carry only the inner state over "
+    "(optax_dls.checkpoint.into_loss_scaled(restored.inner_state, tx.init(params)))."
   )
 
 
