@@ -27,10 +27,9 @@ def test_nonfinite_leaves_names_the_leaf_and_refuses_parameters_that_cannot_be_t
   assert optax_dls.nonfinite_leaves(state, PARAMS) == {"b": "nan"}
   with pytest.raises(ValueError, match=r"params is not the tree the state was built for"):
     optax_dls.nonfinite_leaves(state, {"x": jnp.ones(1)})  # the NaN would be lost
-  with pytest.raises(ValueError, match="its 1 floating leaves"):
+  with pytest.raises(ValueError, match=r"has 1 floating leaves \(q\)"):
     optax_dls.nonfinite_leaves(state, ["q"])
-  logged = dict(optax_dls.metrics(state))  # a logged row keeps no digest: the leaf count is checked
-  del logged["nonfinite_names_digest"]
+  logged = dict(optax_dls.metrics(state))  # a logged row: the leaf count is checked too
   with pytest.raises(ValueError, match=r"params has 1 floating leaves.*leaf 1 is recorded"):
     optax_dls.nonfinite_leaves(logged, {"x": jnp.ones(1)})
   for bad in (None, "abc", ["a", 1]):

@@ -3,7 +3,6 @@ unique for every tree, and a stacked (vmapped) state is named one member at a ti
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -20,19 +19,18 @@ def _overflowed(params, bad):
   return tx, state
 
 
-def test_a_params_tree_of_another_layout_is_refused_not_misnamed():
+def test_a_params_tree_of_another_leaf_count_is_refused_not_misnamed():
   params = {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(2)}
   _, state = _overflowed(params, {"c"})
   assert optax_dls.nonfinite_leaves(state, params) == {"c": "inf"}
   for other in (
-    {"a": jnp.ones(2), "b": jnp.ones(2), "z": jnp.ones(2)},  # renamed, same count
     {"a": jnp.ones(2), "b": jnp.ones(2)},  # a leaf fewer
     {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(2), "d": jnp.ones(2)},  # one more
   ):
     with pytest.raises(ValueError, match="params is not the tree the state was built for"):
       optax_dls.nonfinite_leaves(state, other)
   with pytest.raises(ValueError, match="not the tree the state was built for"):
-    optax_dls.nonfinite_leaves(state, ["a", "b", "x"])
+    optax_dls.nonfinite_leaves(state, ["a", "b"])
   assert optax_dls.nonfinite_leaves(state, optax_dls.leaf_names(params)) == {"c": "inf"}
 
 
@@ -66,7 +64,6 @@ def test_a_stacked_state_is_named_one_member_at_a_time():
   assert named == [{}, {"w": "inf"}, {}]
   with pytest.raises(ValueError, match="opt_state is stacked"):
     optax_dls.nonfinite_leaves(optax_dls.metrics(state), one)
-  np.testing.assert_array_equal(state.nonfinite.names_digest, [state.nonfinite.names_digest[0]] * 3)
 
 
 def test_metrics_and_the_writer_refuse_another_tree_too(tmp_path):
@@ -74,17 +71,18 @@ def test_metrics_and_the_writer_refuse_another_tree_too(tmp_path):
 
   params = {"enc": jnp.ones(2), "dec": jnp.ones(2)}
   _, state = _overflowed(params, {"enc"})
-  other = {"alpha": jnp.ones(2), "beta": jnp.ones(2)}
+  # A logged row is checked as far as its bits allow: leaf 1 (enc) is recorded.
+  other = {"alpha": jnp.ones(2)}
   m = optax_dls.metrics(state)
   assert optax_dls.nonfinite_leaves(m, params) == {"enc": "inf"}
-  with pytest.raises(ValueError, match="not the tree the state was built for"):
+  with pytest.raises(ValueError, match="do not fit the record"):
     optax_dls.nonfinite_leaves(m, other)
   with writers.MetricsWriter(tmp_path / "ok", params=params, tensorboard=False) as w:
     w.log(0, m)
   row = (tmp_path / "ok" / writers.JSONL_NAME).read_text()
   assert '"nonfinite_leaves": {"enc": "inf"}' in row and "nonfinite_names_digest" not in row
   bad = writers.MetricsWriter(tmp_path / "bad", params=other, tensorboard=False)
-  with bad, pytest.raises(ValueError, match="not the tree the state was built for"):
+  with bad, pytest.raises(ValueError, match="not the tree the state was built for|do not fit"):
     bad.log(0, m)
 
 
