@@ -76,18 +76,19 @@ def test_dynamic_loss_scale_shows_the_policy_arguments_in_its_signature():
   assert all(params[k].default == policy[k].default for k in policy)
 
 
-def test_reset_scale_stays_in_each_scaler_s_range():
+def test_after_a_reset_the_next_update_keeps_each_scaler_s_range():
   params = {"w": jnp.ones(2)}
-  for tx, ok, bad in [
-    (optax_dls.no_loss_scale(optax.sgd(1.0)), 1.0, 2.0),
-    (optax_dls.static_loss_scale(optax.sgd(1.0), 8.0), 8.0, 4.0),
+  for tx, value, kept in [
+    (optax_dls.no_loss_scale(optax.sgd(1.0)), 2.0, 1.0),
+    (optax_dls.static_loss_scale(optax.sgd(1.0), 8.0), 4.0, 8.0),
     (
       optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10, max_scale=2.0**12),
-      2.0**12,
       2.0**13,
+      2.0**12,
     ),
   ]:
-    state = tx.init(params)
-    assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, ok, tx=tx))) == ok
-    with pytest.raises(ValueError, match="value"):
-      optax_dls.reset_scale(state, bad, tx=tx)
+    state = optax_dls.reset_scale(tx.init(params), value)
+    assert float(optax_dls.loss_scale(state)) == value
+    updates, state = tx.update({"w": jnp.full(2, value)}, state, params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])  # unscaled by the reset value
+    assert float(optax_dls.loss_scale(state)) == kept
