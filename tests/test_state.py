@@ -21,53 +21,36 @@ def _state0():
 
 def test_every_field_has_its_fixed_dtype_and_its_own_buffer():
   s = _state0()
-  own = [f for f in s._fields if f not in ("nonfinite", "policy_state", "inner_state")]
+  own = [f for f in s._fields if f not in ("overflows", "policy_state", "inner_state")]
   dtypes = {f: getattr(s, f).dtype for f in own}
   assert dtypes == {
     "loss_scale": jnp.float32,
     "num_steps": jnp.int32,
     "num_skipped": jnp.int32,
     "consecutive_skips": jnp.int32,
-    "last_step_finite": jnp.bool_,
     "grad_norm": jnp.float32,
+    "nonfinite": jnp.int32,
   }
-  record = s.nonfinite  # the last non-finite step's record: none yet
-  assert int(record.step) == 0 and record.leaves.dtype == record.nan.dtype == jnp.uint32
-  assert record.leaves.shape == (1,) and not bool(record.loss) and record.overflows == {}
+  # The last non-finite step's record: none yet (one code per leaf, the loss's, the step).
+  np.testing.assert_array_equal(s.nonfinite, [0, 0, 0])
+  assert s.overflows == {} and bool(s.last_step_finite)
   assert np.isnan(float(s.grad_norm))
   leaves = jax.tree.leaves(s)
   assert len({x.unsafe_buffer_pointer() for x in leaves}) == len(leaves)  # donatable
 
 
-def test_advance_keeps_the_scale_in_range_and_saturates_the_counters():
+def test_an_update_keeps_the_scale_in_range_and_saturates_the_counters():
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, max_scale=2.0**10)
   s = _state0()._replace(
+    loss_scale=jnp.float32(2.0**20),
     num_steps=jnp.int32(INT32_MAX),
     num_skipped=jnp.int32(INT32_MAX),
     consecutive_skips=jnp.int32(INT32_MAX),
   )
-  f = jnp.bool_(False)
-  new = _state.advance(
-    s,
-    f,
-    jnp.float32(np.inf),
-    s.nonfinite,
-    jnp.float32(2.0**20),
-    s.policy_state,
-    s.inner_state,
-    RANGE,
-  )
-  assert float(new.loss_scale) == 2.0**10  # clamped to max_scale
+  new = tx.update({"w": jnp.full(2, jnp.inf)}, s)[1]
+  assert float(new.loss_scale) == 2.0**10  # kept within max_scale
   assert int(new.num_steps) == int(new.num_skipped) == int(new.consecutive_skips) == INT32_MAX
-  new = _state.advance(
-    new,
-    jnp.bool_(True),
-    jnp.float32(1.0),
-    s.nonfinite,
-    jnp.float32(0.25),
-    s.policy_state,
-    s.inner_state,
-    RANGE,
-  )
+  new = tx.update({"w": jnp.ones(2)}, new._replace(loss_scale=jnp.float32(0.25)))[1]
   assert (
     float(new.loss_scale) == 1.0 and int(new.consecutive_skips) == 0 and bool(new.last_step_finite)
   )
