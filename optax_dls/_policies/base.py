@@ -244,8 +244,8 @@ def check_policy(policy: Any) -> LossScalePolicy:
     passthrough=_validation.boolean("policy.passthrough", policy.passthrough),
   )
   treedef, specs = _check_init(policy)
-  if getattr(getattr(policy.update, "func", policy.update), "__module__", "").startswith(
-    "optax_dls._policies."
-  ):
+  # A function made by exec has no module (None): a policy of the user's.
+  module = getattr(getattr(policy.update, "func", policy.update), "__module__", None) or ""
+  if module.startswith("optax_dls._policies."):
     return policy  # a built-in rule: its output is held by its tests, not checked per trace
   return policy._replace(update=_checked_update(policy, treedef, specs))
