@@ -1,8 +1,8 @@
 """Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs,
 and moving a checkpoint saved without loss scaling into a loss-scaled state.
 
-A public submodule: ``optax_dls.checkpoint.restore``,
-``optax_dls.checkpoint.settled`` and ``optax_dls.checkpoint.into_loss_scaled``.
+A public submodule: ``optax_dls.checkpoint.restore`` and
+``optax_dls.checkpoint.into_loss_scaled``.
 Orbax (``orbax-checkpoint``, the ``checkpoint`` extra) is imported only when
 :func:`restore` runs.
 """

@@ -211,7 +211,8 @@ def static_policy(scale: float) -> LossScalePolicy:
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.static_policy(8.0))
+    >>> from optax_dls._policies import static_policy
+    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), static_policy(8.0))
     >>> state = tx.init({'w': jnp.zeros(1)})
     >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)  # skipped, S unchanged
     >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['skip_count'])
@@ -246,8 +247,8 @@ def noop_policy() -> LossScalePolicy:
     A :class:`LossScalePolicy` with ``passthrough=True`` and a scale of 1.
 
   Example:
-    >>> import optax_dls
-    >>> policy = optax_dls.noop_policy()
+    >>> from optax_dls._policies import noop_policy
+    >>> policy = noop_policy()
     >>> float(policy.init()[0]), policy.passthrough
     (1.0, True)
   """
