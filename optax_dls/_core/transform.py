@@ -217,8 +217,15 @@ def build(  # noqa: C901 (the closures of one transformation)
       _numerics.float_leaves(read) + losses, state.loss_scale, axis_name
     )
     check = _numerics.check(read, state.loss_scale, axis_name, wants_amax)
-    if state.nonfinite.shape != (check.codes.shape[0] + 2,):
-      raise ValueError(_other_params(state, check))
+    backing_off = isinstance(state.inner_state, BackOff)
+    num_leaves = state.nonfinite.shape[0] - 2
+    leaf_codes = check.codes.astype(jnp.int32)
+    if check.codes.shape[0] != num_leaves:
+      if not backing_off:
+        raise ValueError(_other_params(state, check))
+      # A recomputation's gradients of more than the parameters (argnums of several
+      # arguments): the check covers them all, the record names no leaf of them.
+      leaf_codes = jnp.zeros([num_leaves], jnp.int32)
     step = optax.safe_increment(state.num_steps)
     loss_code = _loss_code(loss, axis_name)
     pending = (state.nonfinite[-2] > 0) & (state.nonfinite[-1] == step)
@@ -230,16 +237,16 @@ def build(  # noqa: C901 (the closures of one transformation)
     # The record of a non-finite step: each leaf's code, the loss's (or the one a
     # recomputation left for this very step) and the step's number.
     pending = jnp.where(state.nonfinite[-1] == step, state.nonfinite[-2], 0)
-    codes = [check.codes.astype(jnp.int32), jnp.stack([jnp.maximum(loss_code, pending), step])]
+    codes = [leaf_codes, jnp.stack([jnp.maximum(loss_code, pending), step])]
     record = jnp.where(finite, state.nonfinite, jnp.concatenate(codes))
+    if backing_off:  # a recomputation's check: the scale moves only
+      keep = lambda old, new: jnp.where(finite, old, new)
+      moved = jax.tree.map(keep, (state.loss_scale, state.policy_state), (new_scale, policy_state))
+      return finite, state._replace(loss_scale=moved[0], policy_state=moved[1], nonfinite=record)
     masks = {} if labels is None else _record.group_masks(leaf_labels(read))
     if set(masks) != set(state.overflows):  # a state of another labels= (restored)
       raise ValueError(_other_labels(state, masks))
     overflows = _record.counted(state.overflows, finite, check.codes, masks)
-    if isinstance(state.inner_state, BackOff):  # a recomputation's check: the scale moves only
-      keep = lambda old, new: jnp.where(finite, old, new)
-      moved = jax.tree.map(keep, (state.loss_scale, state.policy_state), (new_scale, policy_state))
-      return finite, state._replace(loss_scale=moved[0], policy_state=moved[1], nonfinite=record)
     # Unscaled inside the skip, so that the product fuses with the optimizer's read.
     inv = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
 
