@@ -218,14 +218,7 @@ def build(  # noqa: C901 (the closures of one transformation)
     )
     check = _numerics.check(read, state.loss_scale, axis_name, wants_amax)
     backing_off = isinstance(state.inner_state, BackOff)
-    num_leaves = state.nonfinite.shape[0] - 2
-    leaf_codes = check.codes.astype(jnp.int32)
-    if check.codes.shape[0] != num_leaves:
-      if not backing_off:
-        raise ValueError(_other_params(state, check))
-      # A recomputation's gradients of more than the parameters (argnums of several
-      # arguments): the check covers them all, the record names no leaf of them.
-      leaf_codes = jnp.zeros([num_leaves], jnp.int32)
+    leaf_codes = _leaf_codes(state, check, backing_off)
     step = optax.safe_increment(state.num_steps)
     loss_code = _loss_code(loss, axis_name)
     pending = (state.nonfinite[-2] > 0) & (state.nonfinite[-1] == step)
@@ -280,6 +273,18 @@ class BackOff(NamedTuple):
   """In place of a state's ``inner_state`` (an empty pytree): ``update`` then checks the
   gradients and returns ``(finite, state)`` with only the policy's move for an overflow and
   the record, the inner optimizer untouched (:func:`optax_dls.value_and_grad`'s tries)."""
+
+
+def _leaf_codes(state: LossScaleState, check: _numerics.Check, backing_off: bool) -> jax.Array:
+  """The record's code of each parameter leaf; ValueError for gradients of other parameters
+  but in a recomputation's check, whose gradients may be of more than the parameters
+  (argnums of several arguments): the check covers them all, the record names no leaf."""
+  num_leaves = state.nonfinite.shape[0] - 2
+  if check.codes.shape[0] == num_leaves:
+    return check.codes.astype(jnp.int32)
+  if not backing_off:
+    raise ValueError(_other_params(state, check))
+  return jnp.zeros([num_leaves], jnp.int32)
 
 
 def _plain(grads: Any, params: Any) -> bool:
