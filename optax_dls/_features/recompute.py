@@ -173,8 +173,9 @@ def value_and_grad(
   without the retries may still differ in the last bit of a parameter, as
   XLA may contract the optimizer's arithmetic differently in the two
   programs. With a passthrough ``tx`` (:func:`no_loss_scale`: S = 1 by
-  construction) the loss is not multiplied at all and nothing is retried:
-  the step is bit for bit a plain ``jax.value_and_grad`` step.
+  construction) nothing is retried and no retry is compiled: the loss is
+  multiplied by the state's scale (1, or a restored scale that the next
+  update divides out), one pass.
 
   **Counts.** Chain :func:`recompute_stats` inside ``tx`` to count the
   recomputed steps and the extra passes (``metrics`` reports
@@ -253,6 +254,8 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   """One recomputing call of ``plan`` on ``fun(*args, **kwargs)``, at the scale in ``opt_state``."""
   _calls.check_reach(plan.argnums, args, "opt_state")
   state = _loss_scale_state(opt_state, args)
+  if _passthrough(plan, state):  # S = 1 by its rule: nothing overflows, nothing is retried
+    plan = plan._replace(fp32=None, max_tries=0, pin=False)
   fp16, fp32, rebuild = _passes(plan, state, args, kwargs)
   light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
   last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop
@@ -265,6 +268,21 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   )
   value, grads = last.out
   return Outcome(rebuild(value), grads, last.finite, _find.replace_state(opt_state, at))
+
+
+def _passthrough(plan: Plan, state: LossScaleState) -> bool:
+  """Whether the transformation's policy checks nothing (:func:`no_loss_scale`): its check
+  of no gradients, traced on an abstract state, is then a constant True, not a traced flag."""
+  said: list[bool] = []
+
+  def probe(s: LossScaleState) -> tuple:
+    with jax.ensure_compile_time_eval():  # a constant stays one inside the trace
+      finite, _ = plan.update(None, s._replace(inner_state=_transform.BackOff()))
+    said.append(not isinstance(finite, jax.core.Tracer) and bool(finite))
+    return ()
+
+  jax.eval_shape(probe, state._replace(inner_state=()))
+  return said[0]
 
 
 def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
