@@ -205,11 +205,11 @@ def _named_grads(mesh, bad):
   }
 
 
-def _each_device_names(leaves, nan):
-  """The names each device's copy of the record (``[8, W]`` words) decodes to."""
+def _each_device_names(state, rows):
+  """The names each device's copy of the record (``[8, n + 2]``) decodes to."""
   return [
-    optax_dls.nonfinite_leaves({"nonfinite_leaves": w, "nonfinite_nan": n}, NAMED_NAMES)
-    for w, n in zip(np.asarray(leaves), np.asarray(nan))
+    optax_dls.nonfinite_leaves(state._replace(nonfinite=row), NAMED_NAMES)
+    for row in np.asarray(rows)
   ]
 
 
@@ -225,25 +225,23 @@ def test_shard_map_every_device_names_the_leaf_of_one_device_s_shard(check_vma, 
 
   def update(grads, state, params):
     _, state = tx.update(grads, state, params)
-    r = state.nonfinite
-    # Each device's own copy, one row per device.
-    mine = [x[None] for x in (r.leaves, r.nan, r.step)]
-    return state, [pcast_varying(x, names) for x in mine] if check_vma else mine
+    mine = state.nonfinite[None]  # each device's own copy, one row per device
+    return state, pcast_varying(mine, names) if check_vma else mine
 
   step = jax.jit(
     jax.shard_map(
       update,
       mesh=mesh,
       in_specs=(pspecs, sspecs, pspecs),
-      out_specs=(sspecs, [P(names)] * 3),
+      out_specs=(sspecs, P(names)),
       check_vma=check_vma,
     )
   )
   for i, (bad, expected) in enumerate(NAMED_STEPS, start=1):
-    state, (leaves, nan, steps) = step(_named_grads(mesh, bad), state, params)
-    assert leaves.shape == (8, 1)
-    assert _each_device_names(leaves, nan) == [expected] * 8, i
-    np.testing.assert_array_equal(np.asarray(steps), [i] * 8)
+    state, rows = step(_named_grads(mesh, bad), state, params)
+    assert rows.shape == (8, len(NAMED_NAMES) + 2)
+    assert _each_device_names(state, rows) == [expected] * 8, i
+    np.testing.assert_array_equal(np.asarray(rows)[:, -1], [i] * 8)
     assert optax_dls.nonfinite_leaves(state, params) == expected
     assert int(optax_dls.metrics(state)["nonfinite_step"]) == i
 
@@ -260,11 +258,9 @@ def test_jit_every_device_names_the_leaf_of_one_device_s_shard(axis_type, loweri
   for i, (bad, expected) in enumerate(NAMED_STEPS, start=1):
     _, state = update(_named_grads(mesh, bad), state, params)
     record = state.nonfinite
-    assert record.leaves.sharding.is_fully_replicated and record.nan.sharding.is_fully_replicated
-    copies = [
-      [np.asarray(s.data) for s in x.addressable_shards] for x in (record.leaves, record.nan)
-    ]
-    assert len(copies[0]) == 8
-    assert _each_device_names(*copies) == [expected] * 8, i
-    assert {int(s.data) for s in record.step.addressable_shards} == {i}
+    assert record.sharding.is_fully_replicated
+    copies = [np.asarray(s.data) for s in record.addressable_shards]
+    assert len(copies) == 8
+    assert _each_device_names(state, copies) == [expected] * 8, i
+    assert {int(c[-1]) for c in copies} == {i}
     assert optax_dls.nonfinite_leaves(state, params) == expected
