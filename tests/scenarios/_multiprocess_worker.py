@@ -61,17 +61,15 @@ def _global(tree, mesh, specs):
   return jax.tree.map(one, tree, specs)
 
 
-def _local_records(record):
+def _local_records(state):
   """Each local device's copy of the record: its leaf names and its step."""
-  shards = zip(*(x.addressable_shards for x in (record.leaves, record.nan, record.step)))
+  rows = [np.asarray(s.data) for s in state.nonfinite.addressable_shards]
   return [
     {
-      "leaves": optax_dls.nonfinite_leaves(
-        {"nonfinite_leaves": w.data, "nonfinite_nan": n.data}, _params()
-      ),
-      "step": int(step.data),
+      "leaves": optax_dls.nonfinite_leaves(state._replace(nonfinite=row), _params()),
+      "step": int(row[-1]),
     }
-    for w, n, step in shards
+    for row in rows
   ]
 
 
@@ -87,8 +85,8 @@ def _run(mesh, tx, step, state_specs, inf_row):
     params, state = step(params, state, _global(_grads(scale, row), mesh, PSPECS))
     out[f"step{i}"] = {
       "scales": [float(s.data) for s in state.loss_scale.addressable_shards],
-      "finite": [bool(s.data) for s in state.last_step_finite.addressable_shards],
-      "nonfinite": _local_records(state.nonfinite),
+      "finite": [int(s.data) == 0 for s in state.consecutive_skips.addressable_shards],
+      "nonfinite": _local_records(state),
       "nonfinite_leaves": optax_dls.nonfinite_leaves(state, params),
       "nonfinite_step": int(optax_dls.metrics(state)["nonfinite_step"]),
       "params": {
