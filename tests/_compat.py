@@ -49,3 +49,18 @@ def enable_x64(on: bool = True):
   from jax import experimental
 
   return experimental.enable_x64(on)
+
+
+def apply_step(tx, grads, opt_state, params, **extra_args):
+  """``tx.update`` then the updates applied (a parameter whose update is None, an Equinox
+  model's function, kept as it is), as a training step runs them."""
+  import optax
+
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  applied = jax.tree.map(
+    lambda p, u: p if u is None else optax.apply_updates(p, u),
+    params,
+    updates,
+    is_leaf=lambda x: x is None,
+  )
+  return applied, opt_state

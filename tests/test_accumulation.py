@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -134,7 +135,7 @@ def test_apply_step_and_value_and_grad_refuse_multisteps_outside_by_name():
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
   for call in (
-    lambda: optax_dls.apply_step(tx, params, state, params),
+    lambda: apply_step(tx, params, state, params),
     lambda: optax_dls.value_and_grad(lambda p: jnp.sum(p["w"]), tx),
   ):
     with pytest.raises(ValueError, match=r"MultiSteps.*dynamic_loss_scale\(optax\.MultiSteps"):

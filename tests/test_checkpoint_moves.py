@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -273,7 +274,7 @@ def test_a_state_of_another_policy_is_refused_naming_the_fix():
   with pytest.raises(ValueError, match=r"AmaxScaleState.*DynamicScaleState.*tx.init\(params\)"):
     dynamic.update(params, amax_state, params)
   with pytest.raises(ValueError, match="not of this transformation's policy"):
-    optax_dls.apply_step(dynamic, params, amax_state, params)
+    apply_step(dynamic, params, amax_state, params)
   with warnings.catch_warnings(), pytest.raises(ValueError, match="another policy"):
     warnings.simplefilter("ignore")
     optax_dls.checkpoint.settled(amax_state, dynamic)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -50,7 +51,7 @@ def _collectives(text):
 def _programs(tx, params, grads):
   state = tx.init(params)
   update = jax.jit(lambda g, s, p: tx.update(g, s, p))
-  step = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))
+  step = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))
   return [f.lower(grads, state, params).compile().as_text() for f in (update, step)]
 
 
@@ -97,7 +98,7 @@ def test_shard_map_adds_no_parameter_sized_collective():
     out = []
     for fn in (
       lambda g, s, p: tx.update(g, s, p),
-      lambda g, s, p: optax_dls.apply_step(tx, g, s, p),
+      lambda g, s, p: apply_step(tx, g, s, p),
     ):
       mapped = jax.shard_map(fn, mesh=mesh, in_specs=(spec, sspec, spec), out_specs=(spec, sspec))
       out.append(jax.jit(mapped).lower(grads, state, params).compile().as_text())
@@ -119,7 +120,7 @@ def test_pmap_adds_no_parameter_sized_collective():
     out = []
     for fn in (
       lambda g, s, p: tx.update(g, s, p),
-      lambda g, s, p: optax_dls.apply_step(tx, g, s, p),
+      lambda g, s, p: apply_step(tx, g, s, p),
     ):
       out.append(jax.pmap(fn, axis_name="i").lower(grads, state, params).compile().as_text())
     return out

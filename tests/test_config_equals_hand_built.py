@@ -46,7 +46,7 @@ CASES = {
   "preset": ({"preset": "text_llm"}, D(**_config.preset("text_llm")), {}, False),
   "kind=static, scale": (
     {"kind": "static", "scale": 1024},
-    optax_dls.static_policy(1024),
+    optax_dls._policies.static_policy(1024),
     {},
     False,
   ),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -36,7 +37,7 @@ def test_model_with_functions_trains_through_value_and_grad_update_and_apply_ste
   def step(model, state, x):
     (loss, grads), state = grad_fn(state, model, x)
     updates, _ = tx.update(grads, state, model)
-    new_model, state = optax_dls.apply_step(tx, grads, state, model)
+    new_model, state = apply_step(tx, grads, state, model)
     return new_model, state, loss, grads, updates
 
   new_model, state, _, grads, updates = step(model, state, x)
@@ -61,7 +62,7 @@ def test_skipped_step_leaves_the_model_and_names_the_leaf(tmp_path):
   state = tx.init(eqx.filter(model, eqx.is_array))
   grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_array))
   grads = eqx.tree_at(lambda m: m.layers[1].weight, grads, jnp.full((2, 3), jnp.inf))
-  new_model, state = optax_dls.apply_step(tx, grads, state, model)
+  new_model, state = apply_step(tx, grads, state, model)
   assert not bool(state.last_step_finite)
   assert eqx.tree_equal(new_model, model)
   assert optax_dls.nonfinite_leaves(state, model) == {"layers/1/weight": "inf"}
@@ -119,7 +120,7 @@ def test_value_and_grad_differentiates_only_floating_arrays_of_a_model_with_drop
   assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
   assert grads.temp is None and grads.drop.p is None
   np.testing.assert_allclose(grads.lin.weight / 2.0**15, ref_grads.lin.weight, rtol=1e-6)
-  new = optax_dls.apply_step(tx, grads, state, net)[0]
+  new = apply_step(tx, grads, state, net)[0]
   assert new.temp == 2.0 and isinstance(new.temp, float)
 
 
@@ -180,7 +181,7 @@ def test_an_integer_array_of_the_model_is_held_out_and_passed_through(make, lowe
     grads = eqx.filter_grad(lambda m: optax_dls.scale_loss(jnp.sum(m(x)), state))(model)
     assert grads.idx is None
     updates, state1 = tx.update(grads, state, eqx.filter(model, eqx.is_array))
-    fused, state2 = optax_dls.apply_step(tx, grads, state, model)
+    fused, state2 = apply_step(tx, grads, state, model)
     return eqx.apply_updates(model, updates), state1, fused, state2
 
   model1, state1, fused, _ = steps(model, state, x)
@@ -209,7 +210,7 @@ def test_an_integer_parameter_with_a_gradient_passes_it_through_beside_adam():
     assert [a.shape for a in jax.tree.leaves(state.inner_state[0].mu)] == [(3,)]
     updates, _ = jax.jit(tx.update)(grads, state, params)
     assert updates["step"].dtype == jnp.int32 and int(updates["step"][0]) == 2  # untouched
-    new, _ = jax.jit(functools.partial(optax_dls.apply_step, tx))(grads, state, params)
+    new, _ = jax.jit(functools.partial(apply_step, tx))(grads, state, params)
     assert int(new["step"][0]) == 7 and not np.array_equal(new["w"], params["w"])
 
 
@@ -234,6 +235,6 @@ def test_integer_gradients_without_params_and_a_key_with_a_float0_gradient():
   grads = jax.grad(loss, allow_int=True)(params)
   updates, _ = jax.jit(tx.update)(grads, state)  # no params: told by the gradients' dtype
   assert updates["i"] is None and updates["key"] is None and updates["w"].dtype == jnp.float32
-  new, _ = jax.jit(functools.partial(optax_dls.apply_step, tx))(grads, state, params)
+  new, _ = jax.jit(functools.partial(apply_step, tx))(grads, state, params)
   np.testing.assert_array_equal(new["i"], params["i"])
   assert jax.random.key_data(new["key"]).tolist() == jax.random.key_data(params["key"]).tolist()

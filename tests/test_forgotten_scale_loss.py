@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -43,7 +44,7 @@ def _step(tx, how, fused=False):
 
     g = jax.grad(lf, allow_int=True)(p)
     if fused:
-      return optax_dls.apply_step(tx, g, s, p)
+      return apply_step(tx, g, s, p)
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
@@ -82,7 +83,7 @@ def test_value_and_grad_no_loss_scale_and_given_gradients_say_nothing():
 
       def step(p, s, x, tx=tx, grad_fn=grad_fn):
         (_, g), s = grad_fn(s, p, x)
-        return optax_dls.apply_step(tx, g, s, p)
+        return apply_step(tx, g, s, p)
 
       jax.jit(step)(PARAMS, tx.init(PARAMS), jnp.ones(3))
     plain = optax_dls.no_loss_scale(optax.sgd(0.1))

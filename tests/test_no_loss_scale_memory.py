@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _compat import jit_xla_defaults
+from _compat import apply_step, jit_xla_defaults
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +46,7 @@ def _step(tx, path):
     elif path == "grad":
       grads = jax.grad(_loss)(params, x)
     if path in ("apply_step", "value_and_grad"):
-      return optax_dls.apply_step(tx, grads, opt_state, params)
+      return apply_step(tx, grads, opt_state, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 

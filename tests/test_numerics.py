@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,7 +118,7 @@ def test_scale_set_below_one_by_reset_scale_is_still_checked_exactly(lowering):
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), min_scale=2.0**-4, skip_lowering=lowering)
   params = {"w": jnp.zeros(2, jnp.float16)}
   state = optax_dls.reset_scale(tx.init(params), 0.5)
-  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
+  new, state = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))(
     {"w": jnp.array([40000.0, 1.0], jnp.float16)}, state, params
   )
   assert not bool(state.last_step_finite)

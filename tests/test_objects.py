@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -48,7 +49,7 @@ def _run(tx):
   params = optax.apply_updates(PARAMS, updates)
   out = jax.tree.leaves((updates, state, tx.update(BAD, state, params)))
   if getattr(tx, "fused_step", None) is not None:
-    out += jax.tree.leaves(optax_dls.apply_step(tx, BAD, state, params))
+    out += jax.tree.leaves(apply_step(tx, BAD, state, params))
   return [np.asarray(x).tobytes() for x in out]
 
 

@@ -46,7 +46,7 @@ def test_the_state_layout_is_the_same_for_every_kind_lowering_and_wrapper():
   assert all(layout == layouts[0] for layout in layouts)
   wrapped = [
     optax_dls.loss_scaled(adam, optax_dls.fp32_fallback(policy, after=3, steps=5))
-    for policy in (optax_dls.dynamic_policy(), optax_dls.static_policy(8.0))
+    for policy in (optax_dls.dynamic_policy(), optax_dls._policies.static_policy(8.0))
   ]
   first, second = (_layout(tx.init(PARAMS)) for tx in wrapped)
   assert first == second and first != layouts[0]  # the wrapper's own fields, on both sides

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -100,11 +101,11 @@ RAISES = [
   ("amax_policy", lambda: optax_dls.amax_policy(margin=65), ValueError, "margin=65"),
   ("amax_policy", lambda: optax_dls.amax_policy(max_value=1e39), ValueError, "max_value"),
   ("amax_policy", lambda: optax_dls.amax_policy(history_len=2.0), TypeError, "history_len"),
-  ("apply_step", lambda: optax_dls.apply_step(object(), P, _state(), P), TypeError, "tx must"),
-  ("apply_step", lambda: optax_dls.apply_step(_tx(), P, _state(), None), TypeError, "params"),
+  ("apply_step", lambda: apply_step(object(), P, _state(), P), TypeError, "tx must"),
+  ("apply_step", lambda: apply_step(_tx(), P, _state(), None), TypeError, "params"),
   (
     "apply_step",
-    lambda: optax_dls.apply_step(_tx(), P, SGD.init(P), P),
+    lambda: apply_step(_tx(), P, SGD.init(P), P),
     TypeError,
     "opt_state must be the state",
   ),
@@ -141,17 +142,17 @@ RAISES = [
   ("locate", lambda: optax_dls.locate(_loss, P, scale=0.0), ValueError, "scale=0.0"),
   ("locate", lambda: optax_dls.locate(_loss, P, argnums=1), ValueError, "argnums=1"),
   ("loss_scale", lambda: optax_dls.loss_scale({}), ValueError, "no LossScaleState"),
-  ("loss_scaled", lambda: optax_dls.loss_scaled(3, optax_dls.noop_policy()), TypeError, "inner"),
+  ("loss_scaled", lambda: optax_dls.loss_scaled(3, optax_dls._policies.noop_policy()), TypeError, "inner"),
   ("loss_scaled", lambda: optax_dls.loss_scaled(SGD, 3), TypeError, "policy"),
   (
     "loss_scaled",
-    lambda: optax_dls.loss_scaled(SGD, optax_dls.noop_policy(), skip_lowering=3),
+    lambda: optax_dls.loss_scaled(SGD, optax_dls._policies.noop_policy(), skip_lowering=3),
     TypeError,
     "skip_lowering",
   ),
   (
     "loss_scaled",
-    lambda: optax_dls.loss_scaled(SGD, optax_dls.noop_policy(), skip_lowering="x"),
+    lambda: optax_dls.loss_scaled(SGD, optax_dls._policies.noop_policy(), skip_lowering="x"),
     ValueError,
     "skip_lowering",
   ),
@@ -392,7 +393,7 @@ def test_grad_stats_count_every_step_and_norm_the_unscaled_gradients():
 
 
 def test_static_policy_is_its_own_range_in_the_dynamic_policy_s_layout():
-  policy = optax_dls.static_policy(4.0)
+  policy = optax_dls._policies.static_policy(4.0)
   assert policy.min_scale == policy.max_scale == 4.0
   dynamic = optax_dls.dynamic_policy().init()
   assert jax.tree.structure(policy.init()) == jax.tree.structure(dynamic)
@@ -507,7 +508,7 @@ def test_dynamic_and_static_loss_scale_are_shorthands_for_loss_scaled():
     ),
     (
       optax_dls.static_loss_scale(SGD, 4.0),
-      optax_dls.loss_scaled(SGD, optax_dls.static_policy(4.0)),
+      optax_dls.loss_scaled(SGD, optax_dls._policies.static_policy(4.0)),
     ),
   ]
   for short, long in pairs:

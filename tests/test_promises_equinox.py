@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -22,7 +23,7 @@ def _trainer(tx, path):
   def step(model, state, x):
     (_, grads), state = grad_fn(state, model, x)
     if path == "apply_step":
-      return optax_dls.apply_step(tx, grads, state, model)
+      return apply_step(tx, grads, state, model)
     updates, state = tx.update(grads, state, model)
     return eqx.apply_updates(model, updates), state
 

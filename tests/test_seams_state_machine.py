@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _compat import apply_step
 from flax import serialization
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -58,7 +59,7 @@ def _compiled(kind):
   grad_fn = optax_dls.value_and_grad(_loss, tx, max_tries=0)
   return {
     "update": jax.jit(tx.update),
-    "apply_step": jax.jit(functools.partial(optax_dls.apply_step, tx)),
+    "apply_step": jax.jit(functools.partial(apply_step, tx)),
     "value_and_grad": jax.jit(grad_fn),
   }
 

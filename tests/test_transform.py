@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 
@@ -32,7 +33,7 @@ def _grads(v):
 )
 def test_same_params_and_state_as_update_then_apply(make, values):
   tx = make()
-  fused = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))
+  fused = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))
 
   @jax.jit
   def two_calls(g, s, p):
@@ -54,9 +55,7 @@ def test_same_params_and_state_as_update_then_apply(make, values):
 def test_skip_returns_params_bit_for_bit():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0)
   state = tx.init(PARAMS)
-  new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
-    _grads(float("inf")), state, PARAMS
-  )
+  new, state = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))(_grads(float("inf")), state, PARAMS)
   assert not bool(state.last_step_finite)
   assert np.signbit(np.asarray(new["w"])[1])  # -0.0 stays -0.0 (p + 0 would give +0.0)
   for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(PARAMS)):
@@ -65,7 +64,7 @@ def test_skip_returns_params_bit_for_bit():
 
 def test_rejects_non_transformation():
   with pytest.raises(TypeError, match="tx must be an optax.GradientTransformation"):
-    optax_dls.apply_step(lambda g: g, {}, None, {})
+    apply_step(lambda g: g, {}, None, {})
 
 
 @pytest.mark.parametrize(
@@ -165,17 +164,17 @@ def test_apply_step_warns_when_the_fused_step_is_lost_in_a_chain():
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
   with pytest.warns(UserWarning, match="no fused step"):
-    new, state = optax_dls.apply_step(tx, {"w": jnp.full(2, 2.0)}, state, params)
+    new, state = apply_step(tx, {"w": jnp.full(2, 2.0)}, state, params)
   np.testing.assert_array_equal(new["w"], [0.0, 0.0])
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # a plain optax transformation: no warning
-    optax_dls.apply_step(optax.sgd(1.0), {"w": jnp.ones(2)}, optax.sgd(1.0).init(params), params)
+    apply_step(optax.sgd(1.0), {"w": jnp.ones(2)}, optax.sgd(1.0).init(params), params)
 
 
 def test_apply_step_needs_params():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0))
   with pytest.raises(TypeError, match="params"):
-    optax_dls.apply_step(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
+    apply_step(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
 
 
 def test_a_scale_below_the_policys_range_is_checked_exactly_then_kept_in_range(lowering):
@@ -218,7 +217,7 @@ def test_update_and_apply_step_run_under_rank_promotion_raise(lowering, extra):
     state = tx.init(params)
     bad = {"a": jnp.full((3, 4), jnp.inf), "b": jnp.ones(5)}
     _, state = jax.jit(tx.update)(bad, state, params)
-    new, state = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(params, state, params)
+    new, state = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))(params, state, params)
   assert optax_dls.nonfinite_leaves(state, params) == {"a": "inf"}
   assert bool(state.last_step_finite) and int(state.num_skipped) == 1
   np.testing.assert_allclose(new["b"], np.full(5, 1.0 - 1e-3), rtol=1e-5)  # Adam's first step

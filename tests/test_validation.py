@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 
 import optax_dls
 from optax_dls import _policies
@@ -67,7 +68,7 @@ def test_static_scale_out_of_range(value):
     optax_dls.static_loss_scale(INNER, value)
   assert "scale" in str(e.value) and _value_in(str(e.value), value)
   with pytest.raises(ValueError):
-    optax_dls.static_policy(value)
+    optax_dls._policies.static_policy(value)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +156,7 @@ def test_reset_scale_value_checked():
 )
 def test_fallback_options_checked_around_every_policy(kw, error):
   name, value = next(iter(kw.items()))
-  for policy in (optax_dls.dynamic_policy(), optax_dls.static_policy(2.0), optax_dls.amax_policy()):
+  for policy in (optax_dls.dynamic_policy(), optax_dls._policies.static_policy(2.0), optax_dls.amax_policy()):
     with pytest.raises(error, match=name) as e:
       optax_dls.fp32_fallback(policy, **kw)
     assert repr(value) in str(e.value)
@@ -360,11 +361,11 @@ def test_apply_step_and_update_name_a_wrong_state_or_missing_params():
   params = {"w": jnp.ones(3)}
   plain_state = optax.adam(1e-3).init(params)
   with pytest.raises(TypeError, match="opt_state must be .*LossScaleState.*got a tuple"):
-    optax_dls.apply_step(tx, params, plain_state, params)
+    apply_step(tx, params, plain_state, params)
   with pytest.raises(TypeError, match="opt_state must be"):
     tx.update(params, plain_state, params)
   with pytest.raises(TypeError, match="params=None"):
-    optax_dls.apply_step(tx, params, tx.init(params), None)
+    apply_step(tx, params, tx.init(params), None)
 
 
 def test_all_finite_takes_python_numbers():
