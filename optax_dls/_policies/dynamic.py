@@ -196,6 +196,8 @@ def dynamic_policy(
 def static_policy(scale: float) -> LossScalePolicy:
   """A fixed loss scale: the scale never moves, non-finite steps are still skipped.
 
+  Private: the policy :func:`~optax_dls.static_loss_scale` wraps its optimizer in.
+
   Args:
     scale: float in [2**-126, 2**126], the constant loss scale S. It is also
       the policy's ``min_scale`` and ``max_scale``.
@@ -211,7 +213,8 @@ def static_policy(scale: float) -> LossScalePolicy:
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), optax_dls.static_policy(8.0))
+    >>> from optax_dls._policies import static_policy
+    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), static_policy(8.0))
     >>> state = tx.init({'w': jnp.zeros(1)})
     >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)  # skipped, S unchanged
     >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['skip_count'])
@@ -240,14 +243,14 @@ def noop_policy() -> LossScalePolicy:
   (``passthrough=True``), so the result is the bare inner optimizer's, to
   rounding (see :func:`no_loss_scale`). The state layout is the
   dynamic policy's, so the same training loop and checkpoints serve every
-  precision. :func:`no_loss_scale` is this policy around an optimizer.
+  precision. Private: :func:`no_loss_scale` is this policy around an optimizer.
 
   Returns:
     A :class:`LossScalePolicy` with ``passthrough=True`` and a scale of 1.
 
   Example:
-    >>> import optax_dls
-    >>> policy = optax_dls.noop_policy()
+    >>> from optax_dls._policies import noop_policy
+    >>> policy = noop_policy()
     >>> float(policy.init()[0]), policy.passthrough
     (1.0, True)
   """
