@@ -40,14 +40,6 @@ nitpick_ignore_regex = [
   (r"py:.*", r"(jax|jaxlib|jnp|optax|flax|nnx|numpy|np|orbax|tensorboardX|yaml|torch)(\..+)?"),
   (r"py:.*", r"(collections\.abc|os|pathlib|typing)\..+"),  # the standard library's
 ]
-# The private classes that public annotations name (the state's non-finite record, the
-# scaler behind a transformation) have no entry: the docstrings that return or hold them
-# describe their fields. Only these exact names are let through.
-nitpick_ignore = [
-  ("py:class", "NonFiniteRecord"),  # LossScaleState's signature, as NamedTuple writes it
-  ("py:class", "optax_dls._core.record.NonFiniteRecord"),
-  ("py:class", "optax_dls._core.scaler.LossScaler"),
-]
 
 # MyST: the guide pages are plain Markdown; "#anchor" links to headings of other pages.
 myst_heading_anchors = 4

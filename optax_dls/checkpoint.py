@@ -155,9 +155,10 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
   the initial scale where the saved one is not valid).
 
   A checkpoint written by an earlier version, whose ``LossScaleState`` also
-  held its policy's ``min_scale`` and ``max_scale`` and whose record had no
-  ``names_digest``, restores into the current layout: those two fields are
-  dropped (the transformation supplies them) and the digest is the target's.
+  held its policy's ``min_scale`` and ``max_scale`` or lacked a field the
+  current layout has, restores into the current layout: those two fields are
+  dropped (the transformation supplies them) and a missing field is the
+  target's.
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``, or the checkpoint

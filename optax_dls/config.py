@@ -407,7 +407,7 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
   Each key builds exactly what the same argument does by hand: the result
   equals ``loss_scaled(inner, policy, axis_name=..., skip_lowering=...)``
   with ``policy`` from :func:`~optax_dls.dynamic_policy`, or the policy of
-  :func:`~optax_dls.static_loss_scale` or of :func:`~optax_dls.no_loss_scale`
+  :func:`~optax_dls.static_loss_scale` or :func:`~optax_dls.no_loss_scale`
   (wrapped in :func:`~optax_dls.fp32_fallback` for the ``fallback_*`` keys).
 
   Args:

@@ -397,15 +397,16 @@ def _write_in_place(opt_state: Any, new: Any) -> None:
 
 
 def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
-  """``state.apply_gradients(grads=grads, **kwargs)`` for a linen ``TrainState``
-  whose ``tx`` is loss-scaled, with the other fields kept as they were on a skipped step.
+  """``state.apply_gradients(grads=grads, **kwargs)`` for a linen ``TrainState``,
+  with the other fields kept as they were on a skipped step.
 
-  Same result as the method, including flax's ``_overwrite_with_gradient``
-  collection. On a skipped step the
-  parameters come back bit for bit, and so does every array field given in
-  ``kwargs`` (``batch_stats=`` from the step's forward pass, which may hold
-  NaN when that pass overflowed): a skipped step leaves the whole model as it
-  was. ``step`` advances by one either way, as with the method.
+  The same ``state.tx.update`` and ``optax.apply_updates`` as the method,
+  including flax's ``_overwrite_with_gradient`` collection. On a skipped step
+  the parameters come back bit for bit (the updates are zero), and so does
+  every array field given in ``kwargs`` (``batch_stats=`` from the step's
+  forward pass, which may hold NaN when that pass overflowed): a skipped step
+  leaves the whole model as it was. ``step`` advances by one either way, as
+  with the method.
 
   Args:
     state: a ``flax.training.train_state.TrainState`` (or subclass) whose

@@ -26,14 +26,6 @@ def jit_xla_defaults(fun, **kwargs):
   return jax.jit(fun, compiler_options=XLA_DEFAULTS, **kwargs)
 
 
-def apply_step(tx, grads, opt_state, params, **extra_args):
-  """``tx.update`` then ``optax.apply_updates``: new ``(params, opt_state)``. A parameter whose
-  update is ``None`` (an Equinox model's functions) comes back as it is."""
-  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-  apply = lambda u, p: p if u is None else optax.apply_updates(p, u)
-  return jax.tree.map(apply, updates, params, is_leaf=lambda x: x is None), opt_state
-
-
 def requires_jax(version: str, reason: str):
   """Skips the test on jax older than ``version``, saying why."""
   return pytest.mark.skipif(
@@ -57,3 +49,18 @@ def enable_x64(on: bool = True):
   from jax import experimental
 
   return experimental.enable_x64(on)
+
+
+def apply_step(tx, grads, opt_state, params, **extra_args):
+  """``tx.update`` then the updates applied (a parameter whose update is None, an Equinox
+  model's function, kept as it is), as a training step runs them."""
+  import optax
+
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  applied = jax.tree.map(
+    lambda p, u: p if u is None else optax.apply_updates(p, u),
+    params,
+    updates,
+    is_leaf=lambda x: x is None,
+  )
+  return applied, opt_state

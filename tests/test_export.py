@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _compat import apply_step
 from jax import export
 
 import optax_dls
@@ -31,7 +32,7 @@ def _step(tx, path):
     return optax.apply_updates(params, updates), state
 
   def apply_step_path(params, state, grads):
-    return optax_dls.apply_step(tx, grads, state, params)
+    return apply_step(tx, grads, state, params)
 
   return {"update": update_path, "apply_step": apply_step_path}[path]
 

@@ -5,13 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _compat import XLA_DEFAULTS, requires_optax
+from _compat import XLA_DEFAULTS, apply_step, requires_optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dls
-from optax_dls._core import jaxpr_select as _jaxpr_select
-from optax_dls._core import lowering as _lowering
 
 PARAMS = {"a": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([[1.0, 3.0]], jnp.float32)}
 KEYS = jax.random.split(jax.random.key(0), 4)
@@ -84,7 +82,7 @@ def test_both_lowerings_give_identical_results():
     )
     params, state = PARAMS, tx.init(PARAMS)
     update = jax.jit(tx.update)
-    fused = jax.jit(lambda g, s, p, tx=tx: optax_dls.apply_step(tx, g, s, p))
+    fused = jax.jit(lambda g, s, p, tx=tx: apply_step(tx, g, s, p))
     for g in seq:
       updates, _ = update(g, state, params)
       params, state = fused(g, state, params)
@@ -153,7 +151,7 @@ def test_sharded_skip_matches_the_applied_step_in_type(layout, axis_type, eager,
     )
     tx = optax_dls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0, skip_lowering=lowering)
     update = tx.update if eager else jax.jit(tx.update)
-    fused = lambda g, s, p: optax_dls.apply_step(tx, g, s, p)
+    fused = lambda g, s, p: apply_step(tx, g, s, p)
     fused = fused if eager else jax.jit(fused)
     state = tx.init(params)
     applied, s1 = update(good, state, params)
@@ -183,7 +181,7 @@ def test_an_invalid_loss_scale_never_lets_an_update_through(value, lowering):
   assert not np.any(np.asarray(updates["w"]))
   assert _bits(new.inner_state) == _bits(before)
   assert float(new.loss_scale) == init  # back to the policy's initial scale
-  new_params, _ = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))(
+  new_params, _ = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))(
     {"w": jnp.ones(2)}, state, params
   )
   assert _bits(new_params) == _bits(params)
@@ -234,69 +232,16 @@ def _temp_bytes(tx, n=1 << 16, leaves=8):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="what XLA's CPU backend compiles")
-def test_auto_takes_the_cond_check_and_the_where_skip_on_the_cpu(monkeypatch):
+def test_auto_takes_the_cond_on_the_cpu():
   build = lambda k: optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering=k)
   assert "conditional" in _compiled(build("cond")) and "conditional" not in _compiled(
     build("where")
   )
-  assert _lowering.AUTO == {"cpu": ("cond", "at_definition")}
-  assert "conditional" in _compiled(build("auto"))  # compiled for the CPU: the check of "cond"
-  # The skip of "where" with each state value selected where it is computed: the updates
-  # are computed from the selected state and fuse with the parameter update; no leaf of
-  # the state is copied to scratch memory (the cond's updates leave the conditional: all
-  # 8 leaves' worth; "where" selects at the end, as XLA's GPU backend wants it, and XLA's
-  # CPU backend copies the state for that). The rare exact path of the check writes its
-  # products out (faster to compile than fused reads): two leaves' worth at most,
-  # whatever the number of leaves.
-  # XLA releases before jax 0.10's still copy part of the state here.
+  assert "conditional" in _compiled(build("auto"))  # compiled for the CPU
+  # The cond skip runs the optimizer only on a finite step; "where" runs it always and
+  # selects at the end, which XLA's CPU backend pays for with copies of the state.
   leaf_bytes = 4 << 16
-  assert _temp_bytes(build("cond")) >= 8 * leaf_bytes
-  if jax.__version_info__ >= (0, 10):
-    assert _temp_bytes(build("auto")) <= 2 * leaf_bytes + 4096
-    assert _temp_bytes(build("where")) >= 8 * leaf_bytes
-  # A platform missing from AUTO takes the default, "where": no conditional at all.
-  monkeypatch.setattr(_lowering, "AUTO", {})
-  assert "conditional" not in _compiled(build("auto"))
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what XLA's CPU backend compiles")
-def test_exact_path_scratch_memory_is_bounded_by_small_leaves():
-  """The exact path writes out the products of leaves of at most 2**18 entries (a few
-  MiB of scratch, reused leaf after leaf); a larger leaf's product stays fused: no
-  scratch of its size, however many such leaves."""
-  if jax.__version_info__ < (0, 10):
-    pytest.skip("XLA releases before jax 0.10's copy part of the state here")
-  build = lambda: optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering="cond")
-  small = 4 << 16  # bytes of a leaf of 2**16 float32 entries
-  cond_many_small = _temp_bytes(build(), n=1 << 16, leaves=8)
-  cond_few_big = _temp_bytes(build(), n=1 << 19, leaves=4)
-  updates_big = 4 * (4 << 19)  # the cond skip writes the updates out: four leaves of 2**19
-  auto = lambda n, leaves: _temp_bytes(
-    optax_dls.dynamic_loss_scale(optax.adam(1e-3), skip_lowering="auto"), n=n, leaves=leaves
-  )
-  assert auto(1 << 19, 4) < 4096  # big leaves: nothing written out
-  assert auto(1 << 16, 8) <= 2 * small + 4096  # small leaves: two at most, reused
-  assert auto(1 << 16, 16) <= 2 * small + 4096  # ... whatever their number
-  assert cond_few_big >= updates_big and cond_many_small >= 8 * small
-
-
-def test_where_skip_selects_each_state_value_where_it_is_computed():
-  """The updates read the selected state: on a skipped step they are built from the
-  old state (then replaced by zeros), on an applied one from the new state."""
-
-  def apply(grads, state, params):
-    del params
-    new = jax.tree.map(lambda m, g: m + g, state, grads)
-    return jax.tree.map(lambda m: m * 1.0, new), new
-
-  finite = jnp.bool_(False)
-  grads, state = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([5.0, 6.0])}
-  out, new_state = _jaxpr_select.selected_at_definition(finite, apply, grads, state, None)
-  np.testing.assert_array_equal(out["w"], state["w"])  # built from the selected (old) state
-  np.testing.assert_array_equal(new_state["w"], state["w"])
-  out, new_state = _jaxpr_select.selected_at_definition(jnp.bool_(True), apply, grads, state, None)
-  np.testing.assert_array_equal(out["w"], [6.0, 8.0])
-  np.testing.assert_array_equal(new_state["w"], [6.0, 8.0])
+  assert _temp_bytes(build("where")) >= 8 * leaf_bytes
 
 
 @pytest.mark.parametrize("bad, error", [("fast", ValueError), (None, TypeError), (1, TypeError)])

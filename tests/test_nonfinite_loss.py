@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 from flax.training.train_state import TrainState
 
 import optax_dls
@@ -53,11 +54,11 @@ def test_value_and_grad_then_update_skips(step):
     updates, state = jax.jit(tx.update)(grads, state, PARAMS)  # no loss=: the state says it
     params = optax.apply_updates(PARAMS, updates)
   else:
-    params, state = jax.jit(optax_dls.apply_step, static_argnums=0)(tx, grads, state, PARAMS)
+    params, state = jax.jit(apply_step, static_argnums=0)(tx, grads, state, PARAMS)
   _assert_one_skip(state, params)
   # The next step, with a finite loss, is applied: the record does not skip it again.
   (_, grads), state = grad_fn(state, params, jnp.float32(0.0))
-  params, state = optax_dls.apply_step(tx, grads, state, params)
+  params, state = apply_step(tx, grads, state, params)
   assert bool(state.last_step_finite) and int(state.num_skipped) == 1
   assert not np.array_equal(params["w"], PARAMS["w"])
 
@@ -79,7 +80,7 @@ def test_inspect_counts_the_skip_that_metrics_counts(tmp_path):
   with writers.MetricsWriter(tmp_path, tensorboard=False, params=params) as writer:
     for step, extra in enumerate([0.0, -jnp.inf, 0.0], start=1):
       (loss, grads), state = grad_fn(state, params, jnp.float32(extra))
-      params, state = optax_dls.apply_step(tx, grads, state, params)
+      params, state = apply_step(tx, grads, state, params)
       writer.log(step, optax_dls.metrics(state), loss=loss)
   (report,) = json.loads(cli.inspect(tmp_path, as_json=True)).values()
   summary = report["summary"]

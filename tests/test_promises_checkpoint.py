@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,25 +23,6 @@ def test_importing_optax_dls_checkpoint_does_not_import_orbax():
     "assert not [m for m in sys.modules if m.split('.')[0] == 'orbax']"
   )
   subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_settled_keeps_a_scale_in_range_silently_and_changes_nothing_else():
-  tree = {"params": PARAMS, "opt_state": optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)}
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), max_scale=2.0**20)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    assert optax_dls.checkpoint.settled(tree, tx) is tree
-  lowered = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**5, max_scale=2.0**10)
-  with pytest.warns(UserWarning, match=r"2\*\*15 -> 1024.0 .*\[1.0, 1024.0\]"):
-    out = optax_dls.checkpoint.settled(tree, lowered)
-  assert float(optax_dls.loss_scale(out)) == 2.0**10
-  assert jax.tree.structure(out) == jax.tree.structure(tree)
-  assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, tree)
-  kept = optax_dls.find_state(out)._replace(loss_scale=optax_dls.find_state(tree).loss_scale)
-  same = jax.tree.map(
-    lambda a, b: np.array_equal(a, b, equal_nan=True), out | {"opt_state": kept}, tree
-  )
-  assert jax.tree.all(same)  # only the scale moved
 
 
 def test_restore_from_a_directory_without_a_checkpoint_is_file_not_found(tmp_path):
@@ -73,10 +53,3 @@ def test_into_loss_scaled_converts_dtypes_and_refuses_an_abstract_loss_scale_sta
     match=r"state at opt_state must hold arrays, got .* at opt_state.loss_scale",
   ):
     optax_dls.checkpoint.into_loss_scaled(raw, abstract)
-
-
-@pytest.mark.parametrize("tx", [optax.sgd(0.1), 3])
-def test_restore_names_a_tx_that_is_not_loss_scaled_before_reading(tmp_path, tx):
-  tree = {"params": PARAMS, "opt_state": optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)}
-  with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
-    optax_dls.checkpoint.restore(tmp_path, tree, tx=tx)

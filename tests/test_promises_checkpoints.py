@@ -1,8 +1,6 @@
 """docs/guide/checkpoints.md and docs/integrations.md (Orbax checkpoints), sentence by sentence:
 the promises no other test holds."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 
 import optax_dls
 import optax_dls.checkpoint
+from optax_dls import _policies
 
 PARAMS = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
 
@@ -46,7 +45,7 @@ def test_the_state_layout_is_the_same_for_every_kind_lowering_and_wrapper():
   assert all(layout == layouts[0] for layout in layouts)
   wrapped = [
     optax_dls.loss_scaled(adam, optax_dls.fp32_fallback(policy, after=3, steps=5))
-    for policy in (optax_dls.dynamic_policy(), optax_dls.static_policy(8.0))
+    for policy in (optax_dls.dynamic_policy(), _policies.static_policy(8.0))
   ]
   first, second = (_layout(tx.init(PARAMS)) for tx in wrapped)
   assert first == second and first != layouts[0]  # the wrapper's own fields, on both sides
@@ -69,10 +68,10 @@ def test_a_dtype_that_differs_is_converted_and_listed_beside_a_difference_of_lay
   assert "dtypes differ (1): params.w: checkpoint float32, target float16" in message
 
 
-def test_settled_does_what_restore_with_tx_does_with_one_warning(tmp_path):
-  """checkpoints.md: restore(..., tx=tx) settles the scale saying in one warning what it
-  changed; settled(restored, tx) does the same for a state restored another way; restore
-  takes the directory or a CheckpointManager."""
+def test_the_first_update_settles_a_restored_scale_for_the_transformation(tmp_path):
+  """checkpoints.md: the scale comes back as saved; the first update unscales by it and then
+  applies the new transformation's rule (1 under no_loss_scale, a lowered max_scale at
+  once); restore takes the directory or a CheckpointManager."""
   trained = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   _save(tmp_path, {"params": PARAMS, "opt_state": trained.init(PARAMS)})
   for tx, scale in [
@@ -80,21 +79,15 @@ def test_settled_does_what_restore_with_tx_does_with_one_warning(tmp_path):
     (optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, max_scale=2.0**12), 2.0**12),
   ]:
     target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
-    with warnings.catch_warnings(record=True) as said:
-      warnings.simplefilter("always")
-      by_restore = optax_dls.checkpoint.restore(tmp_path, target, tx=tx)
-    ours = [w for w in said if str(w.message).startswith("optax_dls")]
-    assert len(ours) == 1 and "loss scale 2**15 -> " in str(ours[0].message)
-    assert float(optax_dls.loss_scale(by_restore)) == scale
+    by_directory = optax_dls.checkpoint.restore(tmp_path, target)
     with ocp.CheckpointManager(tmp_path) as manager:
-      raw = optax_dls.checkpoint.restore(manager, target)  # without tx: as saved
-    assert float(optax_dls.loss_scale(raw)) == 2.0**15
-    with warnings.catch_warnings(record=True) as said:
-      warnings.simplefilter("always")
-      by_settled = optax_dls.checkpoint.settled(raw, tx)
-    assert [str(w.message) for w in said] == [str(ours[0].message)]
-    assert jax.tree.structure(by_settled) == jax.tree.structure(by_restore)
-    assert _bits(by_settled) == _bits(by_restore)
+      by_manager = optax_dls.checkpoint.restore(manager, target)
+    assert _bits(by_directory) == _bits(by_manager)
+    assert float(optax_dls.loss_scale(by_directory)) == 2.0**15  # as saved
+    grads = {"w": jnp.full(3, 2.0**15)}
+    updates, state = tx.update(grads, by_directory["opt_state"], PARAMS)
+    np.testing.assert_allclose(updates["w"], [-0.1] * 3)  # unscaled by the saved scale
+    assert float(optax_dls.loss_scale(state)) == scale
 
 
 def test_into_loss_scaled_refuses_a_leaf_on_one_side_only(tmp_path):
@@ -158,12 +151,3 @@ def test_into_loss_scaled_refuses_an_abstract_loss_scale_state_and_takes_abstrac
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(moved))
   assert int(moved["opt_state"].inner_state[0].count) == 3
   assert float(optax_dls.loss_scale(moved)) == 2.0**15
-
-
-def test_settled_refuses_a_tree_with_no_or_several_loss_scale_states():
-  """settled docstring: ValueError when restored holds none or several loss-scale states."""
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
-  with pytest.raises(ValueError, match="holds no LossScaleState"):
-    optax_dls.checkpoint.settled(optax.sgd(0.1).init(PARAMS), tx)
-  with pytest.raises(ValueError, match="holds 2 LossScaleStates"):
-    optax_dls.checkpoint.settled((tx.init(PARAMS), tx.init(PARAMS)), tx)

@@ -11,9 +11,9 @@ import optax_dls
 eqx = pytest.importorskip("equinox")
 
 
-def _trainer(tx, path):
-  """An MLP with a function leaf, ``tx``'s state, and a jitted step through ``path``
-  (``apply_step`` or ``update`` then ``eqx.apply_updates``)."""
+def _trainer(tx):
+  """An MLP with a function leaf, ``tx``'s state, and a jitted step: ``update`` then
+  ``eqx.apply_updates``."""
   model = eqx.nn.MLP(4, 2, 8, 1, activation=jax.nn.relu, key=jax.random.key(0))
   state = tx.init(eqx.filter(model, eqx.is_array))
   grad_fn = optax_dls.value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), tx)
@@ -21,20 +21,17 @@ def _trainer(tx, path):
   @eqx.filter_jit
   def step(model, state, x):
     (_, grads), state = grad_fn(state, model, x)
-    if path == "apply_step":
-      return optax_dls.apply_step(tx, grads, state, model)
     updates, state = tx.update(grads, state, model)
     return eqx.apply_updates(model, updates), state
 
   return model, state, step
 
 
-@pytest.mark.parametrize("path", ["apply_step", "update"])
-def test_multisteps_inside_trains_an_equinox_model_and_drops_a_nan_micro_batch(path):
+def test_multisteps_inside_trains_an_equinox_model_and_drops_a_nan_micro_batch():
   """equinox.md:Accumulation: optax.MultiSteps inside the loss scaling, as for any optax
   optimizer; its conditional takes the model's arrays, never its functions."""
   inner = optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), every_k_schedule=2)
-  model, state, step = _trainer(optax_dls.dynamic_loss_scale(inner), path)
+  model, state, step = _trainer(optax_dls.dynamic_loss_scale(inner))
   x = jnp.ones((3, 4))
   moved = []
   for i in range(5):  # the second micro-batch holds an inf: dropped, the window waits
@@ -46,12 +43,11 @@ def test_multisteps_inside_trains_an_equinox_model_and_drops_a_nan_micro_batch(p
   assert int(optax_dls.metrics(state)["skip_count"]) == 1
 
 
-@pytest.mark.parametrize("path", ["apply_step", "update"])
-def test_multisteps_inside_no_loss_scale_trains_an_equinox_model(path):
+def test_multisteps_inside_no_loss_scale_trains_an_equinox_model():
   """equinox.md:Accumulation, under no_loss_scale (bfloat16) too: the passthrough step also
   hands MultiSteps the model's arrays, never its functions."""
   tx = optax_dls.no_loss_scale(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
-  model, state, step = _trainer(tx, path)
+  model, state, step = _trainer(tx)
   moved = []
   for _ in range(4):
     before = model.layers[0].weight

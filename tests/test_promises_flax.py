@@ -82,8 +82,10 @@ def test_apply_gradients_and_the_checkpoint_port_name_a_wrong_argument():
 def test_from_dynamic_scale_checks_the_scale_against_the_range_it_documents():
   state = _state(max_scale=2.0**24)
   big = {"scale": 2.0**120, "fin_steps": 0}
-  with pytest.raises(ValueError, match=r"dynamic_scale.scale must satisfy 1.0 <= value <= 2\*\*24"):
-    dls_flax.from_dynamic_scale(big, state)  # a TrainState: its tx's range
+  ported = dls_flax.from_dynamic_scale(big, state)  # a TrainState: the next update settles it
+  assert float(optax_dls.loss_scale(ported)) == 2.0**120
+  ported = ported.apply_gradients(grads=jax.tree.map(jnp.zeros_like, ported.params))
+  assert float(optax_dls.loss_scale(ported)) == 2.0**24
   assert float(dls_flax.from_dynamic_scale(big, state.opt_state).loss_scale) == 2.0**120
   for scale in (2.0**127, float("nan"), float("inf"), 0.0):
     with pytest.raises(ValueError, match="dynamic_scale.scale"):

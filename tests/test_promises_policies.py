@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import optax_dls
-from optax_dls import compat
+from optax_dls import _policies, compat
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 
@@ -113,8 +113,8 @@ def test_each_policy_s_state_is_the_one_the_tables_name():
     optax_dls.amax_policy(),
     compat.torch_policy(),
     compat.deepspeed_policy(),
-    optax_dls.static_policy(4.0),
-    optax_dls.noop_policy(),
+    _policies.static_policy(4.0),  # static_loss_scale's
+    _policies.noop_policy(),  # no_loss_scale's
     optax_dls.fp32_fallback(optax_dls.dynamic_policy()),
     optax_dls.skips_at_min_scale(optax_dls.dynamic_policy()),
   ]

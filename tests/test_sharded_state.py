@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import apply_step
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -75,7 +76,7 @@ def test_outside_a_mesh_context_and_with_a_sharded_state_over_replicated_paramet
     place = lambda a, s=state_sharding: jax.device_put(a, s) if a.ndim == 2 else a
     state = state._replace(inner_state=jax.tree.map(place, state.inner_state))
     grads = {"w": jax.device_put(jnp.full((8, 4), 2.0), params_sharding)}
-    fused = jax.jit(lambda g, s, p: optax_dls.apply_step(tx, g, s, p))
+    fused = jax.jit(lambda g, s, p: apply_step(tx, g, s, p))
     new, _ = fused(grads, state, params)
     bare = optax.adam(1e-2)
     unscaled = jax.tree.map(lambda g: g / 2.0**15, grads)  # the initial scale

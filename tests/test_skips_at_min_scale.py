@@ -34,7 +34,11 @@ def test_counts_only_skips_taken_at_the_floor_and_resets_on_a_clean_step(lowerin
 
 
 def test_a_static_scale_is_its_own_floor():
-  assert _counts(optax_dls.static_policy(8.0), [float("nan")] * 3) == [(1, 8.0), (2, 8.0), (3, 8.0)]
+  assert _counts(optax_dls._policies.static_policy(8.0), [float("nan")] * 3) == [
+    (1, 8.0),
+    (2, 8.0),
+    (3, 8.0),
+  ]
 
 
 def test_the_scale_is_the_wrapped_policy_s():

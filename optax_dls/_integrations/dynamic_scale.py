@@ -36,9 +36,8 @@ def from_dynamic_scale(dynamic_scale: Any, opt_state: Any) -> Any:
   Args:
     dynamic_scale: a flax ``DynamicScale``, or the dict flax's and Orbax's
       checkpoints restore it as, ``{'scale': ..., 'fin_steps': ...}``: a
-      scale in the policy's ``[min_scale, max_scale]`` when ``opt_state`` is
-      a ``TrainState`` (whose ``tx`` says it), else in ``[2**-126, 2**126]``
-      (the next update keeps it within the policy's range), and a whole
+      scale in ``[2**-126, 2**126]`` (the next update keeps it within the
+      policy's range), and a whole
       number of steps >= 0 (static values).
     opt_state: an optimizer state (or a ``TrainState``) holding exactly one
       :class:`optax_dls.LossScaleState`.

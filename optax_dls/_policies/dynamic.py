@@ -196,6 +196,8 @@ def dynamic_policy(
 def static_policy(scale: float) -> LossScalePolicy:
   """A fixed loss scale: the scale never moves, non-finite steps are still skipped.
 
+  Private: the policy :func:`~optax_dls.static_loss_scale` wraps its optimizer in.
+
   Args:
     scale: float in [2**-126, 2**126], the constant loss scale S. It is also
       the policy's ``min_scale`` and ``max_scale``.
@@ -241,7 +243,7 @@ def noop_policy() -> LossScalePolicy:
   (``passthrough=True``), so the result is the bare inner optimizer's, to
   rounding (see :func:`no_loss_scale`). The state layout is the
   dynamic policy's, so the same training loop and checkpoints serve every
-  precision. :func:`no_loss_scale` is this policy around an optimizer.
+  precision. Private: :func:`no_loss_scale` is this policy around an optimizer.
 
   Returns:
     A :class:`LossScalePolicy` with ``passthrough=True`` and a scale of 1.

@@ -52,8 +52,8 @@ def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> from optax_dls._policies import static_policy
-    >>> policy = optax_dls.skips_at_min_scale(static_policy(1.0))
+    >>> at_floor = optax_dls.dynamic_policy(init_scale=1.0, min_scale=1.0)
+    >>> policy = optax_dls.skips_at_min_scale(at_floor)
     >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
     >>> state = tx.init({'w': jnp.ones(1)})
     >>> _, state = tx.update({'w': jnp.array([jnp.nan])}, state)

@@ -4,7 +4,7 @@ Each inner below is wrapped by ``dynamic_loss_scale`` on two parameter trees (al
 float32, and mixed float16/float32) under each skip lowering, and run through one
 sequence of scaled gradients: a NaN step (skipped, straight from ``init``), a finite
 step, an inf step (skipped) and a finite step, on both call paths (``tx.update`` with
-``optax.apply_updates``, and ``optax_dls.apply_step``). Three checks:
+``optax.apply_updates``, and ``apply_step``). Three checks:
 
 1. a finite step equals the bare inner optimizer on the unscaled gradients, to
    float32 (float16) rounding: the updates, the parameters and the inner state;
@@ -55,6 +55,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from _compat import apply_step
 from jax import lax
 
 import optax_dls
@@ -487,7 +488,7 @@ def _program(tx, extras):
     params, state = carry
     g = _scaled(u, state)
     updates, new_state = tx.update(g, state, params, **extras(params, u))
-    fused = optax_dls.apply_step(tx, g, state, params, **extras(params, u))
+    fused = apply_step(tx, g, state, params, **extras(params, u))
     return (optax.apply_updates(params, updates), new_state), (updates, fused)
 
   return one
