@@ -106,6 +106,8 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
 
 def _pack(flags: jax.Array) -> jax.Array:
   """uint32 ``[..., W]``: the bool ``[..., n]`` flags packed, 32 to a word."""
+  if not flags.shape[-1]:  # no floating leaf: one word, clear
+    return jnp.zeros((*flags.shape[:-1], 1), jnp.uint32)
   flat = flags.reshape(-1, flags.shape[-1])
   return jax.vmap(_record.pack)(flat).reshape(*flags.shape[:-1], -1)
 

@@ -11,6 +11,7 @@ XLA cannot merge the optimizer's elementwise work into these reductions.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -143,56 +144,96 @@ def _reads(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(lax.reduce(operands, (zero,) * 3, combine, tuple(range(x.ndim))))
 
 
-def check(grads: Any, scale: jax.Array, axis_name: Any = None, want_amax: bool = False) -> Check:
+def _sums(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The sum of ``|x|**2`` and of ``|x * tiny|**2``, two plain reductions (the rare path)."""
+  ct = compute_dtype(x.dtype)
+  x = _as(x, ct)
+  parts = [lax.real(x), lax.imag(x)] if jnp.issubdtype(ct, jnp.complexfloating) else [x]
+  t = _as(tiny, parts[0].dtype)
+  total = lambda v: lax.reduce_sum(v, tuple(range(x.ndim)))
+  return sum(total(p * p) for p in parts), sum(total((p * t) * (p * t)) for p in parts)
+
+
+def _top(x: jax.Array) -> jax.Array:
+  """The largest real or imaginary magnitude of ``x``, in its real compute dtype."""
+  x = _as(x, compute_dtype(x.dtype))
+  parts = [lax.real(x), lax.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+  return functools.reduce(lax.max, [jnp.max(lax.abs(p)) for p in parts])
+
+
+def check(
+  grads: Any, scale: jax.Array, axis_name: Any = None, want_amax: bool = False, fused: bool = True
+) -> Check:
   """The exact check of ``unscale(grads, 1/scale)``, without forming it: a :class:`Check`.
 
   Exact: finite values of any size count as finite; an inf or NaN anywhere, or an entry
   that unscaling by ``1/scale`` > 1 overflows in its own dtype (a float16 leaf past 65504),
-  makes the step non-finite; so does a scale that is not valid. With ``axis_name`` the
-  flag, the codes and the norm are the same on every device: a leaf that varies over a
-  named axis (``shard_map(check_vma=True)``) is summed over it, one replicated over it
-  counted once.
+  makes the step non-finite; so does a scale that is not valid. With ``fused`` (GPUs and
+  TPUs) each leaf is read once by one variadic reduction (its sum of squares, of squares
+  times ``2**-100`` and its largest magnitude): no conditional, nothing for the host.
+  Without (the CPU) each leaf is read once for its sum of squares, which is finite only
+  when every entry is; a sum that is not, or a scale below 1, takes the exact reads in a
+  ``lax.cond`` that runs only then (plain reductions, which XLA all-reduces across a mesh).
+  With ``axis_name`` the flag, the codes and the norm are the same on every device: a leaf
+  that varies over a named axis (``shard_map(check_vma=True)``) is summed over it, one
+  replicated over it counted once.
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
-  leaves = [x for x in float_leaves(grads) if x.size]
-  empty = len(float_leaves(grads)) - len(leaves)
+  every = float_leaves(grads)
+  leaves = [x for x in every if x.size]
   if not leaves:
     zero = jnp.zeros([], jnp.float32)
-    return Check(valid, zero, jnp.zeros([empty], jnp.uint8), zero if want_amax else None)
-  tinies: dict[Any, jax.Array] = {}  # hidden from XLA, which would square the factor
-  sq, tiny, codes = [], [], []
+    return Check(valid, zero, jnp.zeros([len(every)], jnp.uint8), zero if want_amax else None)
+  reals = [jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype) for x in leaves]
+  # The factor hidden from XLA, which would square it (inf * 0 = NaN).
+  tinies = {r: lax.optimization_barrier(jnp.asarray(_TINY[r], r)) for r in dict.fromkeys(reals)}
+  if fused:
+    sq, tq, tops = zip(*[_reads(x, tinies[r]) for x, r in zip(leaves, reals, strict=True)])
+  else:
+    sq = [_sums(x, jnp.zeros([], r))[0] for x, r in zip(leaves, reals, strict=True)]
+
+    def exact(_: Any) -> tuple[list[jax.Array], list[jax.Array]]:
+      tq = [_sums(x, tinies[r])[1] for x, r in zip(leaves, reals, strict=True)]
+      return tq, [_top(x) for x in leaves]
+
+    zeros = [_multi_device.vary_like(jnp.zeros([], r), x) for x, r in zip(leaves, reals)]
+    clear = lambda _: (zeros, zeros)
+    quick = jnp.all(jnp.isfinite(jnp.stack([_as(v, jnp.float32) for v in sq]))) & (inv <= 1)
+    tq, tops = lax.cond(quick, clear, exact, None)
+  # Every leaf's results in vectors behind a barrier: XLA keeps one reduction per leaf.
+  to32 = [_as(v * jnp.asarray(_TO_FLOAT32[r], r), jnp.float32) for v, r in zip(tq, reals)]
+  vectors, tops = lax.optimization_barrier(
+    (jnp.stack([_as(v, jnp.float32) for v in sq] + to32), list(tops))
+  )
+  sq_v, tq_v = vectors.reshape(2, len(leaves))
   k = jnp.where(inv > 1, inv, 1.0)  # a scale below 1: the unscaled values are checked
-  for x in leaves:
-    real = jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype)
-    if real not in tinies:
-      tinies[real] = lax.optimization_barrier(jnp.asarray(_TINY[real], real))
-    s, t, top = _reads(x, tinies[real])
-    sq.append(_as(s, jnp.float32))
-    tiny.append(_as(lax.mul(t, jnp.asarray(_TO_FLOAT32[real], real)), jnp.float32))
-    big = ~jnp.isfinite(_as(lax.mul(top, _as(k, real)), jnp.real(x).dtype))
-    codes.append(jnp.where(jnp.isnan(s) | jnp.isnan(t), 2, big.astype(jnp.int32)))
-  # One vector of every leaf's results behind a barrier, so that XLA keeps one reduction.
-  sq_v, tiny_v = lax.optimization_barrier(jnp.stack(sq + tiny)).reshape(2, len(leaves))
-  sizes = _multi_device.axis_sizes(axis_name)
-  copies = np.asarray([_multi_device.replicas(x, sizes) for x in leaves], np.float32)
-  total = _multi_device.psum(jnp.sum(sq_v / copies), axis_name)
-  tiny_total = _multi_device.psum(jnp.sum(tiny_v / copies), axis_name)
+  big = jnp.zeros([len(leaves)], jnp.bool_)
+  for dtype in dict.fromkeys(jnp.real(x).dtype for x in leaves):  # each leaf told in its own dtype
+    at = np.asarray([i for i, x in enumerate(leaves) if jnp.real(x).dtype == dtype])
+    top = jnp.stack([tops[i] for i in at])
+    big = big.at[at].set(~jnp.isfinite(_as(top * _as(k, top.dtype), dtype)))
+  codes = jnp.where(jnp.isnan(sq_v) | jnp.isnan(tq_v), 2, big.astype(jnp.int32))
+  if axis_name is None:
+    total, tiny_total = jnp.sum(sq_v), jnp.sum(tq_v)
+  else:
+    sizes = _multi_device.axis_sizes(axis_name)
+    copies = np.asarray([_multi_device.replicas(x, sizes) for x in leaves], np.float32)
+    total = _multi_device.psum(jnp.sum(sq_v / copies), axis_name)
+    tiny_total = _multi_device.psum(jnp.sum(tq_v / copies), axis_name)
+    codes = _multi_device.pmax(codes, axis_name)
   # sqrt(tiny_total) * 2**100 * inv: no intermediate overflows unless the norm does.
   norm = jnp.where(
     jnp.isfinite(total), jnp.sqrt(total) * inv, jnp.sqrt(tiny_total) * 2.0**50 * inv * 2.0**50
   )
-  codes_v = _multi_device.pmax(jnp.stack(codes), axis_name)
-  if empty:  # empty leaves are finite: their codes in leaf order
-    at = [i for i, x in enumerate(float_leaves(grads)) if x.size]
-    codes_v = jnp.zeros([len(at) + empty], jnp.int32).at[np.asarray(at)].set(codes_v)
-  finite = valid & ~jnp.any(codes_v > 0)
+  if len(leaves) < len(every):  # empty leaves are finite: their codes in leaf order
+    at = np.asarray([i for i, x in enumerate(every) if x.size])
+    codes = jnp.zeros([len(every)], jnp.int32).at[at].set(codes)
   amax = None
   if want_amax:
-    amax = _multi_device.pmax(
-      jnp.max(jnp.stack([_as(jnp.max(jnp.abs(x)), jnp.float32) for x in leaves])), axis_name
-    )
-  return Check(finite, norm, codes_v.astype(jnp.uint8), amax)
+    top = jnp.max(jnp.stack([_as(jnp.max(jnp.abs(x)), jnp.float32) for x in leaves]))
+    amax = top if axis_name is None else _multi_device.pmax(top, axis_name)
+  return Check(valid & ~jnp.any(codes > 0), norm, codes.astype(jnp.uint8), amax)
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:

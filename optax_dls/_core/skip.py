@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_dls._core import multi_device as _multi_device
+from optax_dls._core import numerics as _numerics
 
 LOWERINGS = ("auto", "cond", "where")
 
@@ -40,6 +41,15 @@ def check_lowering(lowering: Any) -> str:
   if lowering not in LOWERINGS:
     raise ValueError(f"skip_lowering must be one of {LOWERINGS}, got skip_lowering={lowering!r}.")
   return lowering
+
+
+def check(lowering: str, grads: Any, scale: jax.Array, axis_name: Any, want_amax: bool) -> Any:
+  """The check of ``lowering`` (:func:`optax_dls._core.numerics.check`): one fused read per
+  leaf for ``"where"``, the read and a conditional exact path for ``"cond"``."""
+  one = lambda fused: lambda g, s: _numerics.check(g, s, axis_name, want_amax, fused)
+  if lowering == "auto":
+    return lax.platform_dependent(grads, scale, cpu=one(False), default=one(True))
+  return one(lowering == "where")(grads, scale)
 
 
 def skipped(lowering: str, finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> Any:

@@ -169,7 +169,7 @@ def build(  # noqa: C901 (the closures of one transformation)
     inv = 1.0 / jnp.where(valid, state.loss_scale, jnp.ones_like(state.loss_scale))
     norm = state.grad_norm
     if track:
-      norm = _numerics.check(grads, 1.0 / inv, axis_name).grad_norm
+      norm = _skip.check(lowering, grads, 1.0 / inv, axis_name, False).grad_norm
     _, kept, _ = _model.held_apart(grads, params)
     unscaled = _numerics.unscale(grads, inv)
     updates, inner_state = _model.inner_update(
@@ -216,7 +216,7 @@ def build(  # noqa: C901 (the closures of one transformation)
     _multi_device.check_axis_coverage(
       _numerics.float_leaves(read) + losses, state.loss_scale, axis_name
     )
-    check = _numerics.check(read, state.loss_scale, axis_name, wants_amax)
+    check = _skip.check(lowering, read, state.loss_scale, axis_name, wants_amax)
     backing_off = isinstance(state.inner_state, BackOff)
     leaf_codes = _leaf_codes(state, check, backing_off)
     step = optax.safe_increment(state.num_steps)
