@@ -1,18 +1,19 @@
 """``optax-dls inspect RUN_DIR``: summarise and diagnose a run's loss-scale logs, once or live.
 
 Reads, per folder under ``RUN_DIR``, the ``*.jsonl`` files written by
-:class:`optax_dls.writers.MetricsWriter` (or any JSON lines with a ``step`` key
-and the keys of :func:`optax_dls.metrics`), or, in a folder without them, its
-TensorBoard event files (read with TensorBoard's event-file loader; a run's
-TensorBoard copy beside its JSON lines is read once). Prints per run: steps,
-updates (applied and skipped), skips, update ratio, longest logged skip streak,
-the lowest / median / highest logged loss scale (exact powers of two as
-``2^k``), the logged steps at the lowest and highest scale, the overflows per
-parameter group and the non-finite steps by parameter (inf or NaN) where the
-logs carry them, then a diagnosis of the usual symptoms with what to do about
-each. ``--plot out.png`` draws the loss scale and the skips; ``--json`` prints
-the summary and diagnosis as JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading
-the logs as they grow and shows the current state of every run until Ctrl-C.
+:class:`optax_dls.writers.MetricsWriter` (or any JSON lines with a ``step`` key and the
+keys of :func:`optax_dls.metrics`), or, in a folder without them, its TensorBoard event
+files (read with TensorBoard's event-file loader; a run's TensorBoard copy beside its
+JSON lines is read once). Prints per run: steps, updates (applied and skipped), skips,
+update ratio, longest logged skip streak, the lowest / median / highest logged loss
+scale (as powers of two: ``2^k``, ``2^x`` with two decimals between two powers), the
+logged steps at the lowest and highest scale, the overflows per parameter group and the
+non-finite steps by parameter (inf or NaN) where the logs carry them, then a diagnosis
+of the usual symptoms with what to do about each. ``--plot out.png`` draws each logged
+quantity (loss scale, loss, gradient norm, skips, recomputed steps) in a panel of its
+own, skipped and recomputed steps marked; ``--json`` prints the summary and diagnosis as
+JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading the logs as they
+grow and shows the current state of every run until Ctrl-C.
 
 The logs may be written every ``k`` steps. The diagnosis then rests on the
 cumulative counters of the logged rows (``num_steps``, ``skip_count``, or
@@ -166,7 +167,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     "(searched recursively)",
   )
   p.add_argument(
-    "--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image"
+    "--plot",
+    metavar="OUT.png",
+    help="also draw the loss scale, loss, gradient norm and skips into this image",
   )
   p.add_argument("--json", action="store_true", help="print the summary and diagnosis as JSON")
   p.add_argument(

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import optax_dls
 from optax_dls import cli, writers
 
+_inspect = cli.inspect
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_lm.py")
 
@@ -1054,3 +1056,82 @@ def test_a_skip_between_two_logged_rows_is_a_streak_of_at_least_one(tmp_path, ca
     )
   cli.main(["inspect", str(tmp_path)])
   assert "longest streak at least 1" in capsys.readouterr().out
+
+
+# --- How inspect shows scales, a saved locate report and the plot ---
+
+
+def _saved_locate(path, scale, scopes):
+  """A ``locate.json`` as ``MetricsWriter.write_locate`` saves it, with a row per scope."""
+  rows = [
+    {
+      "scope": scope,
+      "forward_fraction": fraction,
+      "backward_fraction": 0.5,
+      "forward_overflow": False,
+      "backward_overflow": False,
+      "underflow_share": 0.0,
+      "first_overflow": -1,
+    }
+    for scope, fraction in scopes
+  ]
+  first = {
+    "phase": "backward",
+    "primitive": "dot_general",
+    "source": "model.py:3",
+    "scope": scopes[0][0],
+    "kind": "inf",
+    "dtype": "float16",
+    "input_max": 1.0,
+    "note": "",
+  }
+  data = {"step": 3, "scale": scale, "first": first, "headroom": rows}
+  (path / writers.LOCATE_NAME).write_text(json.dumps(data))
+
+
+def test_the_saved_locate_table_shows_whole_scope_names_and_no_top_level_row(tmp_path, capsys):
+  long = "Transformer/decoder/layers_11/self_attention/query_key_value/Dense_0"
+  _write(tmp_path, [_row(i) for i in range(3)])
+  _saved_locate(tmp_path, 2.0**26, [(long, 0.9), ("(top level)", 1.0), ("embed", 0.1)])
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  table = text[text.index("locate at loss scale") :].splitlines()
+  assert table[0] == "locate at loss scale 2^26:" and "6.71089e+07" not in text
+  assert any(line.strip().startswith(long + " ") for line in table), table
+  assert any(line.strip().startswith("embed ") for line in table), table
+  assert not any(line.strip().startswith("(top level)") for line in table), table
+
+
+def test_a_scale_that_is_not_a_power_of_two_is_shown_as_a_fractional_power(tmp_path, capsys):
+  _write(tmp_path, [_row(i, scale) for i, scale in enumerate([1500.0, 2.0**26, 2.0**26])])
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  assert "lowest 2^10.55 / median 2^26 / highest 2^26 (logged)" in text, text
+  assert "1500" not in text and "e+07" not in text
+
+
+def test_the_plot_has_a_panel_per_quantity_and_marks_skipped_and_recomputed_steps(
+  tmp_path, monkeypatch
+):
+  import matplotlib.pyplot as plt
+
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  rows = _simulate(60, ceiling=2.0**30, init=2.0**10, spikes={20, 40}).rows
+  for i, row in enumerate(rows):  # steps 10 and 30 recomputed after an overflow
+    row["recomputed_steps"] = (i >= 10) + (i >= 30)
+    row["recompute_tries"] = row["recomputed_steps"]
+  _log(tmp_path / "run", rows)
+  _inspect(tmp_path, plot_path=tmp_path / "p.png")
+  (fig,) = figures
+  axes = fig.axes
+  labels = [ax.get_ylabel() for ax in axes]
+  assert labels[0].startswith("loss scale") and axes[0].get_yscale() == "log"
+  assert axes[0].yaxis.get_transform().base == 2
+  for quantity in ("loss", "grad norm", "skipped", "recomputed"):
+    assert any(label.startswith(quantity) for label in labels), labels
+  assert all(ax.get_shared_x_axes().joined(axes[0], ax) for ax in axes)
+  marks = {line.get_label(): line for line in axes[0].lines}
+  assert list(marks["run: skipped"].get_xdata()) == [20, 40]
+  assert list(marks["run: recomputed"].get_xdata()) == [10, 30]
+  assert marks["run: skipped"].get_marker() != marks["run: recomputed"].get_marker()
