@@ -20,7 +20,7 @@ import math
 import numbers
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Self
 
 import jax
@@ -29,11 +29,11 @@ import numpy as np
 
 from optax_dls._access import names as _names
 from optax_dls._core import record as _localisation
-from optax_dls._logs import tail as _tail
+from optax_dls._logs import read as _read
 from optax_dls._util import optional as _optional
 from optax_dls._util import validation as _validation
 
-__all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
+__all__ = ["MetricsWriter"]
 
 JSONL_NAME = "metrics.jsonl"
 LOCATE_NAME = "locate.json"  # the saved report of optax_dls.locate, shown by optax-dls inspect
@@ -81,9 +81,6 @@ def _tensorboard_value(value: Any) -> float | None:
   except OverflowError:  # an int beyond the float range
     return None
   return value if math.isfinite(value) else None
-
-
-_check_path = _tail.check_path
 
 
 def _ends_without_newline(path: str) -> bool:
@@ -176,7 +173,7 @@ class MetricsWriter:
   scalars; TensorBoard also gets ``nonfinite_leaf_count``, the number of
   non-finite leaves of that step, on every row, and the names, where the JSON
   row has them, as a text summary tagged ``nonfinite_leaves`` (the same JSON
-  object; :func:`read_tensorboard` reads it back as a dict).
+  object; ``optax-dls inspect`` reads it back as a dict).
 
   Args:
     logdir: folder to write into (created if missing).
@@ -211,7 +208,7 @@ class MetricsWriter:
     run_name: str | None = None,
     params: Any = None,
   ) -> None:
-    path = _check_path("logdir", logdir)
+    path = _read.check_path("logdir", logdir)
     every = _validation.integer("every", every)
     _validation.check(every >= 1, "every", every, "value >= 1")
     tensorboard = _validation.boolean("tensorboard", tensorboard)
@@ -361,8 +358,8 @@ class MetricsWriter:
         scalar = _tensorboard_value(value) if key not in ("step", _LEAVES) else None
         if scalar is not None:
           self._tb.add_scalar(key, scalar, step)
-      if _LEAVES in row:  # the names, as a text summary that read_tensorboard reads back
-        self._tb.add_text(_tail.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
+      if _LEAVES in row:  # the names, as a text summary that inspect reads back
+        self._tb.add_text(_read.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
 
   def flush(self) -> None:
     """Flushes the TensorBoard events (the JSON lines are written unbuffered).
@@ -411,88 +408,3 @@ def _checked_values(metrics: Any, extra: dict[str, Any]) -> dict[str, Any]:
         "logged row); rename the metric."
       )
   return values
-
-
-def read_jsonl(
-  path: str | os.PathLike, on_bad_line: Callable[[int, str], Any] | None = None
-) -> list[dict[str, Any]]:
-  """The rows of a ``metrics.jsonl`` file: the JSON objects with a ``"step"`` key, in file order.
-
-  Blank lines are ignored. Any other line that is not such an object (not
-  JSON, cut short, undecodable bytes, a number too long to parse, ...) is
-  skipped on its own: it costs that line only.
-
-  Args:
-    path: the file to read.
-    on_bad_line: optional callable ``on_bad_line(line_number, reason)``
-      called for each skipped line (line numbers start at 1). Default None:
-      skip silently.
-
-  Raises:
-    OSError: the file cannot be read.
-    TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_line``
-      is neither callable nor None.
-  """
-  return _read_whole(path, _tail.JsonlTail, "on_bad_line", on_bad_line)
-
-
-def read_tensorboard(
-  path: str | os.PathLike, on_bad_record: Callable[[int, str], Any] | None = None
-) -> list[dict[str, Any]]:
-  """Scalars of one TensorBoard event file as rows ``{"step": s, tag: value, ...}``, sorted by step.
-
-  Reads the file with TensorBoard's event-file loader
-  (``tensorboard.backend.event_processing.event_file_loader``), which checks
-  both CRC-32C sums of every record; no TensorFlow needed. Scalars written as
-  ``simple_value`` (tensorboardX, ``torch.utils.tensorboard``) or as a
-  one-element numeric tensor (TensorBoard's and TensorFlow's own writers) are
-  read, and so are the names of the non-finite leaves that
-  :class:`MetricsWriter` writes as a text summary (``"nonfinite_leaves":
-  {name: "inf" | "nan"}``, as in its JSON rows); other summaries are ignored.
-  A record that is not an ``Event`` costs that record only. A corrupt record
-  stops the loader: the scalars before it are returned, those after it are
-  lost, and ``on_bad_record`` is called once with its offset; so is a last
-  record cut short by the end of the file.
-
-  Args:
-    path: the event file.
-    on_bad_record: optional callable ``on_bad_record(byte_offset, reason)``
-      called for each skipped record. Default None: skip silently.
-
-  Raises:
-    OSError: the file cannot be read.
-    TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_record``
-      is neither callable nor None.
-    ImportError: ``tensorboard`` is not installed (a
-      ``MissingExtraError`` naming the ``monitoring`` extra).
-  """
-  return _read_whole(path, _tail.EventsTail, "on_bad_record", on_bad_record)
-
-
-def _read_whole(
-  path: Any,
-  tail: Callable[[str], _tail.JsonlTail | _tail.EventsTail],
-  name: str,
-  on_bad: Callable[[int, str], Any] | None,
-) -> list[dict[str, Any]]:
-  """The rows of the whole file at ``path``, read once by ``tail``, each part it skips
-  handed to ``on_bad``.
-
-  Args:
-    path: ``str`` or ``os.PathLike``, the file.
-    tail: :class:`optax_dls._logs.tail.JsonlTail` or :class:`optax_dls._logs.tail.EventsTail`.
-    name: the callback's argument name, for the error.
-    on_bad: ``on_bad(where, reason)`` (a line number or a byte offset), or None.
-
-  Raises:
-    TypeError: ``path`` not a ``str`` or ``os.PathLike``; ``on_bad`` neither
-      callable nor None (the message names ``name``).
-    OSError: the file cannot be read.
-    ImportError: ``tail`` needs a package that is not installed.
-  """
-  path = _check_path("path", path)
-  report = _tail.reporter(name, on_bad)
-  chunk = tail(path).read(final=True)
-  for where, why in chunk.bad:
-    report(where, why)
-  return chunk.rows

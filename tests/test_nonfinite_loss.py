@@ -12,7 +12,8 @@ from flax.training.train_state import TrainState
 
 import optax_dls
 import optax_dls.flax
-from optax_dls import cli, writers
+from optax_dls import writers
+from optax_dls._logs.report import inspect
 
 PARAMS = {"w": jnp.ones(3)}
 BAD = jnp.float32(-jnp.inf)  # one batch's data term: -inf, and no gradient through it
@@ -81,7 +82,7 @@ def test_inspect_counts_the_skip_that_metrics_counts(tmp_path):
       (loss, grads), state = grad_fn(state, params, jnp.float32(extra))
       params, state = optax_dls.apply_step(tx, grads, state, params)
       writer.log(step, optax_dls.metrics(state), loss=loss)
-  (report,) = json.loads(cli.inspect(tmp_path, as_json=True)).values()
+  (report,) = json.loads(inspect(tmp_path, as_json=True)).values()
   summary = report["summary"]
   assert summary["skips"] == int(optax_dls.metrics(state)["skip_count"]) == 1
   assert summary["applied_updates"] == 2 and summary["nonfinite"]["loss_steps"] == [2]

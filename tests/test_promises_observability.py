@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import optax_dls
+from optax_dls._logs.report import inspect
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 
@@ -56,7 +57,7 @@ def test_the_snippets_run_and_print_what_the_page_says(page):
   assert "step 28 was non-finite" in ns["alerts"].fired[-1]
   assert out[1].split() == ["0.625", "1.0", "0.125", "0.25"]  # underflow statistics
   assert out[3].split() == ["False", "inf"]  # select_precision: float16 ran
-  assert "stuck at the minimum" in out[5]  # cli.inspect of the logged run
+  assert "stuck at the minimum" in out[5]  # optax-dls inspect of the logged run
   keys = ast.literal_eval(out[6].splitlines()[0])  # the printed sorted list of metric keys
   assert {"fp32_fallback", "underflow/zero_frac"} <= set(keys)
   assert "SkipAlerts(alert_after=...)" in out[6].splitlines()[1]
@@ -118,7 +119,7 @@ def _pinned(tmp_path, name, scales, skips=0):
     for i, scale in enumerate(scales):
       skip_count = skips if i == len(scales) - 1 else 0
       w.log(i, {"loss_scale": scale, "skip_count": skip_count, "num_steps": i + 1, "loss": 1.0})
-  found = optax_dls.cli.inspect(str(tmp_path / name))
+  found = inspect(str(tmp_path / name))
   return "scale pinned" in found
 
 
@@ -229,7 +230,7 @@ def test_rows_without_loss_scale_keys_are_ignored_and_runs_are_told_apart_by_run
   rows = _rows(range(4), run="a") + [{"step": 4, "run": "a", "val_loss": 1.0}]
   _write_jsonl(tmp_path / "one", rows + _rows(range(6), run="b"))
   _write_jsonl(tmp_path / "two", _rows(range(3)))
-  report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
+  report = json.loads(inspect(str(tmp_path), as_json=True))
   assert {name: r["summary"]["updates"] for name, r in report.items()} == {"a": 4, "b": 6, "two": 3}
 
 
@@ -242,7 +243,7 @@ def test_tensorboard_tags_are_matched_by_their_last_component(tmp_path):
     writer.add_scalar("train/skip_count", 0, step)
     writer.add_scalar("train/num_steps", step + 1, step)
   writer.close()
-  report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
+  report = json.loads(inspect(str(tmp_path), as_json=True))
   (summary,) = [r["summary"] for r in report.values()]
   assert summary["updates"] == 5 and summary["scale_max"] == 2.0**10
 
@@ -259,7 +260,7 @@ def test_the_json_report_has_the_keys_the_page_lists(tmp_path):
       grads = {"a": jnp.full(2, jnp.inf if i == 1 else 1.0), "b": jnp.ones(2)}
       _, state = tx.update(grads, state, params)
       w.log(i, optax_dls.metrics(state))
-  (run,) = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True)).values()
+  (run,) = json.loads(inspect(str(tmp_path), as_json=True)).values()
   summary = run["summary"]
   assert (summary["updates"], summary["applied_updates"], summary["skips"]) == (4, 3, 1)
   assert summary["overflows_by_group"] == {"a": 1, "b": 0}
