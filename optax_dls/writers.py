@@ -83,19 +83,6 @@ def _tensorboard_value(value: Any) -> float | None:
   return value if math.isfinite(value) else None
 
 
-def _ends_without_newline(path: str) -> bool:
-  """Whether the file at ``path`` exists, is not empty and its last byte is not a newline."""
-  try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      if f.tell() == 0:
-        return False
-      f.seek(-1, os.SEEK_END)
-      return f.read(1) != b"\n"
-  except FileNotFoundError:
-    return False
-
-
 def _write_all(f: Any, data: bytes) -> None:
   """Writes ``data`` to the unbuffered binary file ``f`` (a raw write may be partial)."""
   view = memoryview(data)
@@ -144,58 +131,46 @@ def _words(name: str, value: Any) -> np.ndarray:
 class MetricsWriter:
   """Writes scalar metrics every ``every`` steps as JSON lines and TensorBoard events.
 
-  One JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step":
-  int, "run": run_name (if given), <metric>: value, ...}``, with bools as
-  ``true``/``false`` and non-finite floats as ``NaN`` / ``Infinity``. The file
-  is opened for appending, so a resumed run continues it; if its last line was
-  cut short (a crash in the middle of a write), a newline is written first so
-  that the new rows start on lines of their own. Each row is written with one
-  unbuffered append, so several writers may share a folder.
+  One JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step": int,
+  "run": run_name (if given), <metric>: value, ...}``, bools as ``true``/``false``,
+  non-finite floats as ``NaN`` / ``Infinity``. The file is opened for appending (a resumed
+  run continues it; a last line cut short by a crash is ended with a newline first), and
+  each row is one unbuffered append, so several writers may share a folder.
 
-  With ``tensorboard=True`` every finite numeric value is also written as a
-  TensorBoard scalar (tag = the metric key, e.g. ``loss_scale``,
-  ``underflow/zero_frac``) with a ``tensorboardX.SummaryWriter`` on
-  ``logdir``, into an event file of this writer's own (its name ends in the
-  process id and a random suffix); non-finite values (``grad_norm`` on a
-  skipped step) are kept in the JSON lines only.
+  With ``tensorboard=True`` every finite numeric value is also a TensorBoard scalar (tag =
+  the metric key, e.g. ``underflow/zero_frac``), written by a ``tensorboardX.SummaryWriter``
+  into an event file of this writer's own (named with the process id and a random
+  suffix); non-finite values (``grad_norm`` on a skipped step), strings and None stay in
+  the JSON lines only.
 
-  Where the gradients went non-finite: the metrics' packed records
-  ``nonfinite_leaves`` and ``nonfinite_nan`` (the only arrays
-  :func:`optax_dls.metrics` holds) are not written as such. When
-  ``nonfinite_step`` (the update number of the last non-finite step) is > 0
-  and differs from that of the last row this writer wrote, or on its first
-  row, the JSON row gets ``"nonfinite_leaves": {name: "inf" | "nan", ...}``:
-  the gradient leaves that were not finite on that step, ``"nan"`` where a
-  leaf held a NaN, ``"inf"`` where it held infinities only (what
-  :func:`optax_dls.nonfinite_leaves` gives). Logging every
-  ``k`` steps records the last non-finite step before each logged row only.
-  ``nonfinite_step`` and ``nonfinite_loss`` are written on every row as
-  scalars; TensorBoard also gets ``nonfinite_leaf_count``, the number of
-  non-finite leaves of that step, on every row, and the names, where the JSON
-  row has them, as a text summary tagged ``nonfinite_leaves`` (the same JSON
-  object; ``optax-dls inspect`` reads it back as a dict).
+  The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics`
+  are written as names: on the first row, and whenever ``nonfinite_step`` (> 0) differs
+  from that of the last row written, the row gets ``"nonfinite_leaves": {name: "inf" |
+  "nan", ...}``, the gradient leaves that were not finite on that step (``"nan"`` where a
+  leaf held a NaN), as :func:`optax_dls.nonfinite_leaves` gives them. Logging every ``k``
+  steps records the last non-finite step before each logged row only. TensorBoard also
+  gets ``nonfinite_leaf_count`` on every row, and the names as a text summary tagged
+  ``nonfinite_leaves`` (the same JSON object; ``optax-dls inspect`` reads it back).
 
   Args:
     logdir: folder to write into (created if missing).
-    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the
-      steps with ``step % every == 0``. Default 1.
-    tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``).
-      Default True.
+    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the steps
+      with ``step % every == 0``. Default 1.
+    tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``). Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
     run_name: optional str stored in every JSON line under ``"run"``.
-    params: optional, names the gradient leaves of the non-finite record: the
-      parameters (a pytree of arrays or ``jax.ShapeDtypeStruct``; their
-      floating leaves in ``jax.tree.leaves`` order, named by key path as
-      ``"decoder/layers_3/attn/query/kernel"``), or a list of leaf names in
-      that order. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
+    params: optional, names the leaves of the non-finite record: the parameters (a pytree
+      of arrays or ``jax.ShapeDtypeStruct``; their floating leaves in ``jax.tree.leaves``
+      order, named by key path as ``"decoder/layers_3/attn/query/kernel"``), or a list of
+      leaf names in that order. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
     TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int,
-      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor
-      None, ``params`` neither a pytree of arrays nor a list of names.
-    ImportError: ``tensorboard=True`` without ``tensorboardX`` installed (a
-      ``MissingExtraError`` naming the ``monitoring`` extra).
+      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor None,
+      ``params`` neither a pytree of arrays nor a list of names.
+    ImportError: ``tensorboard=True`` without ``tensorboardX`` (a ``MissingExtraError``
+      naming the ``monitoring`` extra).
   """
 
   def __init__(
@@ -238,11 +213,9 @@ class MetricsWriter:
 
   def _open_jsonl(self) -> Any:
     """Opens ``metrics.jsonl`` for unbuffered appends, first ending a line that was cut short."""
-    path = os.path.join(self.logdir, JSONL_NAME)
-    cut = _ends_without_newline(path)
-    f = open(path, "ab", buffering=0)  # noqa: SIM115 (open until close())
-    if cut:
-      _write_all(f, b"\n")
+    f = open(os.path.join(self.logdir, JSONL_NAME), "a+b", buffering=0)  # noqa: SIM115
+    if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+      _write_all(f, b"\n")  # appends: a+ writes at the end whatever the position
     return f
 
   def write_locate(self, report: Any, step: int | None = None) -> str:

@@ -1,20 +1,13 @@
 """Finding and reading a run folder's metrics logs, once or as they grow.
 
-The logs are the ``*.jsonl`` files of :class:`optax_dls.writers.MetricsWriter` (or any
-JSON lines with a ``step`` key) and TensorBoard event files, read with TensorBoard's own
-event-file loader (which checks each record's CRCs). Each folder under the run folder is
-read from its JSONL files, or, where it has none, from its event files.
-
-Each :meth:`LogFile.read` takes only what was appended since the last one: the offset and
-the file's identity (device, inode and the bytes just before the offset) are kept, a
-half-written last line or record waits for the next read, and a file truncated or
-replaced starts over. :func:`load_runs` reads a folder once, :class:`LogSet` again and
-again (``optax-dls inspect --follow``).
-
-Bad lines, rows whose ``step`` is not a whole number, undecodable records and unreadable
-files are skipped, each on its own, and reported as warnings. A corrupt TensorBoard record
-stops TensorBoard's loader: the records before it are kept, the rest of that file is lost,
-and the warning says from which byte.
+The logs are ``*.jsonl`` files (as :class:`optax_dls.writers.MetricsWriter` writes them, or
+any JSON lines with a ``step``) and TensorBoard event files, read with TensorBoard's own
+loader (which checks each record's CRCs); a folder is read from its JSONL files, or, with
+none, its event files. A read takes only what was appended since the last one; a
+half-written last line or record waits, a file truncated or replaced starts over. Bad
+lines, malformed steps, undecodable records and unreadable files are skipped, each on its
+own, with a warning; a corrupt record stops the loader: the rest of that file is lost, and
+the warning says from which byte.
 """
 
 from __future__ import annotations
@@ -33,23 +26,11 @@ from optax_dls._util import optional as _optional
 Rows = list[dict[str, Any]]
 Bad = list[tuple[int, str]]  # (line number or byte offset, why)
 
+# The metrics, matched by the last part of a tag.
 KEYS = (
-  "loss_scale",
-  "skipped",
-  "skip_count",
-  "consecutive_skips",
-  "num_steps",
-  "update_ratio",
-  "grad_norm",
-  "fp32_fallback",
-  "recomputed_steps",
-  "recompute_tries",
-  "skips_at_min_scale",
-  "nonfinite_step",
-  "nonfinite_loss",
-  "nonfinite_leaves",
-  "nonfinite_leaf_count",
-  "loss",
+  *("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio"),
+  *("grad_norm", "fp32_fallback", "recomputed_steps", "recompute_tries", "skips_at_min_scale"),
+  *("nonfinite_step", "nonfinite_loss", "nonfinite_leaves", "nonfinite_leaf_count", "loss"),
 )
 _PREFIXES = ("underflow/", "overflows/")  # per-group keys, kept whole
 LEAVES_TAG = "nonfinite_leaves"  # the text summary naming a non-finite step's leaves
