@@ -47,6 +47,11 @@ nitpick_ignore = [
   ("py:class", "NonFiniteRecord"),  # LossScaleState's signature, as NamedTuple writes it
   ("py:class", "optax_dls._core.record.NonFiniteRecord"),
   ("py:class", "optax_dls._core.scaler.LossScaler"),
+  # Names the docstrings of _core and _policies/base.py still give to what is no longer
+  # exported: the loss scale is find_state(opt_state).loss_scale, GradStats is documented
+  # as optax_dls._policies.base.GradStats.
+  ("py:func", "loss_scale"),
+  ("py:class", "GradStats"),
 ]
 
 # MyST: the guide pages are plain Markdown; "#anchor" links to headings of other pages.

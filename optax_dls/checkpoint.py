@@ -1,8 +1,8 @@
 """Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs,
 and moving a checkpoint saved without loss scaling into a loss-scaled state.
 
-A public submodule: ``optax_dls.checkpoint.restore``,
-``optax_dls.checkpoint.settled`` and ``optax_dls.checkpoint.into_loss_scaled``.
+A public submodule: ``optax_dls.checkpoint.restore`` and
+``optax_dls.checkpoint.into_loss_scaled``.
 Orbax (``orbax-checkpoint``, the ``checkpoint`` extra) is imported only when
 :func:`restore` runs.
 """
@@ -25,7 +25,7 @@ from optax_dls._util import optional as _optional
 from optax_dls._util import tree_paths as _tree_paths
 from optax_dls._util import validation as _validation
 
-__all__ = ["into_loss_scaled", "restore", "settled"]
+__all__ = ["into_loss_scaled", "restore"]
 
 _FIELDS_KEYS = ("loss_scale", "inner_state")
 # Fields a LossScaleState held before it kept only what was learned: dropped on restore.
@@ -58,7 +58,7 @@ def _advice(saved: Any, target: Any) -> str:
       f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
       f"checkpoint holds none, and a flax DynamicScale at {_where(dynamic)}: it was saved "
       "from a flax TrainState that scaled its loss with DynamicScale. Convert it: "
-      "optax_dls.flax.from_dynamic_scale_checkpoint(manager.restore(step), target) puts the "
+      "optax_dls.flax.from_dynamic_scale(manager.restore(step), target) puts the "
       "old optimizer state in the inner state and the DynamicScale's scale and finite-step "
       "count in the loss-scale state."
     )
@@ -327,50 +327,24 @@ def _placed(restored: Any, target: Any) -> Any:
   return jax.tree.unflatten(treedef, values)
 
 
-def settled(restored: Any, tx: Any) -> Any:
-  """A restored state with its loss scale settled for the transformation ``tx``.
+def _settled(restored: Any, tx: Any, stacklevel: int = 1) -> Any:
+  """A restored state with its loss scale settled for the transformation ``tx``, its warning
+  pointing ``stacklevel`` frames up: what :func:`restore` does with ``tx=``.
 
-  What :func:`restore` does with ``tx=``, for a state restored another way
-  (flax's ``restore_checkpoint``, Orbax's own ``restore``,
-  ``flax.serialization.from_state_dict``): under a passthrough transformation
-  (:func:`~optax_dls.no_loss_scale`) the scale becomes 1; under any other a
-  scale outside the policy's ``[min_scale, max_scale]`` moves to the nearest
-  bound, and one inside it is kept. A warning (``UserWarning``) says in one
-  line what changed; a kept scale of 1 under a transformation whose
-  ``init_scale`` is larger (most likely the scale of a state saved without
-  loss scaling) is warned about too, naming the :func:`~optax_dls.reset_scale`
-  call that starts from ``init_scale`` instead. Nothing else in ``restored``
+  Under a passthrough transformation (:func:`~optax_dls.no_loss_scale`) the scale becomes
+  1; under any other a scale outside the policy's ``[min_scale, max_scale]`` moves to the
+  nearest bound, one inside it is kept, and one that is not valid (NaN, 0, negative, inf)
+  restarts at the transformation's initial scale. A warning (``UserWarning``) says in one
+  line what changed; a kept scale of 1 under a transformation whose ``init_scale`` is
+  larger (most likely the scale of a state saved without loss scaling) is warned about
+  too, naming the :func:`~optax_dls.reset_scale` call that starts from ``init_scale``
+  instead. Nothing else in ``restored`` (a pytree holding exactly one loss-scale state)
   changes.
 
-  Args:
-    restored: a pytree holding exactly one :class:`~optax_dls.LossScaleState`
-      (an optimizer state, ``{'params': ..., 'opt_state': ...}``, a flax
-      ``TrainState``), on the host or the device.
-    tx: the loss-scaled transformation the state will be updated by.
-
-  Returns:
-    ``restored``, of the same structure and dtypes, with the settled scale.
-
-  Raises:
-    TypeError: ``tx`` is not a loss-scaled transformation.
-    ValueError: ``restored`` holds none or several loss-scale states, or its
-      policy state is not of ``tx``'s policy (a state of another policy).
-
-  Example:
-    >>> import warnings, jax.numpy as jnp, optax, optax_dls
-    >>> state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.ones(2)})
-    >>> tx = optax_dls.no_loss_scale(optax.sgd(0.1))
-    >>> with warnings.catch_warnings(record=True) as said:
-    ...   warnings.simplefilter("always")
-    ...   state = optax_dls.checkpoint.settled(state, tx)
-    >>> float(optax_dls.loss_scale(state)), str(said[0].message)
-    (1.0, 'optax_dls.checkpoint: loss scale 2**15 -> 1.0 (no_loss_scale: S = 1).')
+  TypeError when ``tx`` is not a loss-scaled transformation; ValueError when ``restored``
+  holds none or several loss-scale states, or its policy state is not of ``tx``'s policy.
   """
-  return _settled(restored, _find.loss_scaled_tx(None, tx, required=True), stacklevel=2)
-
-
-def _settled(restored: Any, tx: Any, stacklevel: int) -> Any:
-  """:func:`settled`, its warning pointing ``stacklevel`` frames up."""
+  tx = _find.loss_scaled_tx(None, tx, required=True)
   state = _find.find_state(restored)
   if not tx.scaler.passthrough:
     tx.scaler.check_policy_state(state)

@@ -60,7 +60,7 @@ def test_a_dynamic_checkpoint_under_no_loss_scale_trains_as_the_bare_optimizer(t
   with pytest.warns(UserWarning, match=r"loss scale 2\*\*15 -> 1.0 \(no_loss_scale: S = 1\)"):
     restored = _restore(tmp_path, tx, params, tx=tx)
   state = restored["opt_state"]
-  assert float(optax_dls.loss_scale(state)) == 1.0
+  assert float(optax_dls.find_state(state).loss_scale) == 1.0
   new, _ = _quick_start_step(tx, params, state, jnp.float32(2.0))
   sgd = optax.sgd(0.1)
   bare_updates, _ = sgd.update(jax.grad(_loss)(params, 2.0), sgd.init(params), params)
@@ -139,7 +139,7 @@ def test_the_tx_of_a_train_state_target_settles_the_scale(tmp_path):
       optax_dls.checkpoint.restore(manager, {"params": params, "opt_state": state}, tx=tx.update)
     restored = manager.restore(0, args=ocp.args.StandardRestore(saved))
   fresh = target.replace(opt_state=restored["opt_state"])
-  assert float(optax_dls.loss_scale(optax_dls.checkpoint.settled(fresh, tx))) == 1.0
+  assert float(optax_dls.find_state(optax_dls.checkpoint._settled(fresh, tx)).loss_scale) == 1.0
 
 
 class _EarlierState(NamedTuple):
@@ -195,7 +195,7 @@ def test_a_checkpoint_of_the_earlier_layout_restores_and_trains_on_unchanged(tmp
 def test_settled_names_a_tx_that_is_not_loss_scaled(bad):
   state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
   with pytest.raises(TypeError, match="tx must be the loss-scaled transformation"):
-    optax_dls.checkpoint.settled(state, bad)
+    optax_dls.checkpoint._settled(state, bad)
 
 
 def _flax_states(tx):
@@ -237,7 +237,7 @@ def test_a_plain_flax_checkpoint_under_restore_names_the_conversion_and_it_carri
 def test_the_warning_of_settled_points_at_its_caller():
   state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
   with pytest.warns(UserWarning, match="loss scale 2") as said:
-    optax_dls.checkpoint.settled(state, optax_dls.no_loss_scale(optax.sgd(0.1)))
+    optax_dls.checkpoint._settled(state, optax_dls.no_loss_scale(optax.sgd(0.1)))
   assert said[0].filename == __file__
 
 
@@ -276,7 +276,7 @@ def test_a_state_of_another_policy_is_refused_naming_the_fix():
     optax_dls.apply_step(dynamic, params, amax_state, params)
   with warnings.catch_warnings(), pytest.raises(ValueError, match="another policy"):
     warnings.simplefilter("ignore")
-    optax_dls.checkpoint.settled(amax_state, dynamic)
+    optax_dls.checkpoint._settled(amax_state, dynamic)
   static_state = optax_dls.static_loss_scale(optax.sgd(0.1), 8.0).init(params)
   dynamic.update(params, static_state, params)  # the same rule's layout: accepted
 
@@ -332,7 +332,7 @@ def test_every_restore_path_trains_under_the_new_rule_from_its_first_step(
     params, state = _quick_start_step(tx, params, state, x)
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)  # the bare step, every step
     want = float(saved["opt_state"].loss_scale) if rule_scale is None else rule_scale
-    assert float(optax_dls.loss_scale(state)) == want, (i, float(state.loss_scale))
+    assert float(optax_dls.find_state(state).loss_scale) == want, (i, float(state.loss_scale))
 
 
 def test_a_plain_optax_state_is_refused_naming_the_conversion_which_takes_it_in_memory():
@@ -345,7 +345,7 @@ def test_a_plain_optax_state_is_refused_naming_the_conversion_which_takes_it_in_
   state = optax_dls.checkpoint.into_loss_scaled(old, tx.init(PARAMS))
   for got, want in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(old), strict=True):
     np.testing.assert_array_equal(got, want)
-  assert float(optax_dls.loss_scale(state)) == 2.0**15
+  assert float(optax_dls.find_state(state).loss_scale) == 2.0**15
 
 
 def test_a_weakly_typed_scalar_of_the_target_comes_back_weakly_typed(tmp_path):
@@ -393,7 +393,7 @@ def test_under_no_loss_scale_a_restored_scale_is_undone_in_a_jitted_step(how):
   params = PARAMS
   for x in (jnp.float32(1.0), jnp.float32(2.0)):
     bare = optax.apply_updates(params, sgd.update(jax.grad(_loss)(params, x), sgd.init(params))[0])
-    params, state = step(params, state, x, optax_dls.loss_scale(state))
+    params, state = step(params, state, x, optax_dls.find_state(state).loss_scale)
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)
     assert float(state.loss_scale) == 1.0
 
@@ -406,5 +406,5 @@ def test_settled_restarts_a_scale_that_is_not_valid_at_the_initial_scale(bad):
   ):
     state = tx.init(PARAMS)._replace(loss_scale=jnp.float32(bad))
     with pytest.warns(UserWarning, match="loss scale"):
-      settled = optax_dls.checkpoint.settled(state, tx)
+      settled = optax_dls.checkpoint._settled(state, tx)
     assert float(settled.loss_scale) == want

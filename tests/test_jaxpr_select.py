@@ -335,7 +335,7 @@ def test_where_skip_through_the_public_api(no_fallback):
 
   @jax.jit
   def update(g, s, p):  # the scale stays a power of two: unscaling is exact
-    return tx.update(jax.tree.map(lambda x: x * optax_dls.loss_scale(s), g), s, p)
+    return tx.update(jax.tree.map(lambda x: x * optax_dls.find_state(s).loss_scale, g), s, p)
 
   bare = jax.jit(inner.update)
   state, bare_state = tx.init(params), inner.init(params)

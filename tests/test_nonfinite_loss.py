@@ -63,12 +63,12 @@ def test_value_and_grad_then_update_skips(step):
   assert not np.array_equal(params["w"], PARAMS["w"])
 
 
-def test_flax_value_and_grad_then_apply_gradients_skips():
+def test_flax_value_and_grad_then_the_train_state_s_apply_gradients_skips():
   state = TrainState.create(apply_fn=None, params=PARAMS, tx=_tx())
   grad_fn = optax_dls.flax.value_and_grad(loss_fn)
   (loss, grads), state = grad_fn(state, state.params, BAD)
   assert np.isneginf(loss) and np.isfinite(grads["w"]).all()
-  state = optax_dls.flax.apply_gradients(state, grads=grads)
+  state = state.apply_gradients(grads=grads)
   _assert_one_skip(state.opt_state, state.params)
   assert int(state.step) == 1
 

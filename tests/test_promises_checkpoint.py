@@ -31,11 +31,11 @@ def test_settled_keeps_a_scale_in_range_silently_and_changes_nothing_else():
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), max_scale=2.0**20)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert optax_dls.checkpoint.settled(tree, tx) is tree
+    assert optax_dls.checkpoint._settled(tree, tx) is tree
   lowered = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**5, max_scale=2.0**10)
   with pytest.warns(UserWarning, match=r"2\*\*15 -> 1024.0 .*\[1.0, 1024.0\]"):
-    out = optax_dls.checkpoint.settled(tree, lowered)
-  assert float(optax_dls.loss_scale(out)) == 2.0**10
+    out = optax_dls.checkpoint._settled(tree, lowered)
+  assert float(optax_dls.find_state(out).loss_scale) == 2.0**10
   assert jax.tree.structure(out) == jax.tree.structure(tree)
   assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, tree)
   kept = optax_dls.find_state(out)._replace(loss_scale=optax_dls.find_state(tree).loss_scale)

@@ -71,7 +71,7 @@ def test_a_dtype_that_differs_is_converted_and_listed_beside_a_difference_of_lay
 
 def test_settled_does_what_restore_with_tx_does_with_one_warning(tmp_path):
   """checkpoints.md: restore(..., tx=tx) settles the scale saying in one warning what it
-  changed; settled(restored, tx) does the same for a state restored another way; restore
+  changed; _settled(restored, tx) does the same for a state restored another way; restore
   takes the directory or a CheckpointManager."""
   trained = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   _save(tmp_path, {"params": PARAMS, "opt_state": trained.init(PARAMS)})
@@ -85,13 +85,13 @@ def test_settled_does_what_restore_with_tx_does_with_one_warning(tmp_path):
       by_restore = optax_dls.checkpoint.restore(tmp_path, target, tx=tx)
     ours = [w for w in said if str(w.message).startswith("optax_dls")]
     assert len(ours) == 1 and "loss scale 2**15 -> " in str(ours[0].message)
-    assert float(optax_dls.loss_scale(by_restore)) == scale
+    assert float(optax_dls.find_state(by_restore).loss_scale) == scale
     with ocp.CheckpointManager(tmp_path) as manager:
       raw = optax_dls.checkpoint.restore(manager, target)  # without tx: as saved
-    assert float(optax_dls.loss_scale(raw)) == 2.0**15
+    assert float(optax_dls.find_state(raw).loss_scale) == 2.0**15
     with warnings.catch_warnings(record=True) as said:
       warnings.simplefilter("always")
-      by_settled = optax_dls.checkpoint.settled(raw, tx)
+      by_settled = optax_dls.checkpoint._settled(raw, tx)
     assert [str(w.message) for w in said] == [str(ours[0].message)]
     assert jax.tree.structure(by_settled) == jax.tree.structure(by_restore)
     assert _bits(by_settled) == _bits(by_restore)
@@ -106,7 +106,10 @@ def test_into_loss_scaled_refuses_a_leaf_on_one_side_only(tmp_path):
   with ocp.CheckpointManager(tmp_path) as manager:
     raw = manager.restore(1)
   target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
-  assert float(optax_dls.loss_scale(optax_dls.checkpoint.into_loss_scaled(raw, target))) == 2.0**7
+  assert (
+    float(optax_dls.find_state(optax_dls.checkpoint.into_loss_scaled(raw, target)).loss_scale)
+    == 2.0**7
+  )
   more = {"w": PARAMS["w"], "b": jnp.zeros(2)}
   with pytest.raises(ValueError, match=r"only in the target .*params\.b"):
     optax_dls.checkpoint.into_loss_scaled(raw, {"params": more, "opt_state": tx.init(more)})
@@ -157,13 +160,14 @@ def test_into_loss_scaled_refuses_an_abstract_loss_scale_state_and_takes_abstrac
   moved = optax_dls.checkpoint.into_loss_scaled(raw, target)
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(moved))
   assert int(moved["opt_state"].inner_state[0].count) == 3
-  assert float(optax_dls.loss_scale(moved)) == 2.0**15
+  assert float(optax_dls.find_state(moved).loss_scale) == 2.0**15
 
 
 def test_settled_refuses_a_tree_with_no_or_several_loss_scale_states():
-  """settled docstring: ValueError when restored holds none or several loss-scale states."""
+  """_settled (what restore does with tx=): ValueError when restored holds none or several
+  loss-scale states."""
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   with pytest.raises(ValueError, match="holds no LossScaleState"):
-    optax_dls.checkpoint.settled(optax.sgd(0.1).init(PARAMS), tx)
+    optax_dls.checkpoint._settled(optax.sgd(0.1).init(PARAMS), tx)
   with pytest.raises(ValueError, match="holds 2 LossScaleStates"):
-    optax_dls.checkpoint.settled((tx.init(PARAMS), tx.init(PARAMS)), tx)
+    optax_dls.checkpoint._settled((tx.init(PARAMS), tx.init(PARAMS)), tx)

@@ -44,7 +44,10 @@ def test_no_loss_scale_is_bare_adam_to_rounding_over_50_steps(grads_inside):
   inner = optax_dls.find_state(sb).inner_state
   for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, inner)), strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=0)
-  assert float(optax_dls.loss_scale(sb)) == 1.0 and int(optax_dls.metrics(sb)["num_steps"]) == 50
+  assert (
+    float(optax_dls.find_state(sb).loss_scale) == 1.0
+    and int(optax_dls.metrics(sb)["num_steps"]) == 50
+  )
   # Same state layout as the dynamic wrapper: one training loop and checkpoint serve both.
   dyn = optax_dls.dynamic_loss_scale(optax.adam(3e-3)).init(params)
   assert jax.tree.structure(dyn) == jax.tree.structure(sb)
@@ -88,6 +91,6 @@ def test_reset_scale_stays_in_each_scaler_s_range():
     ),
   ]:
     state = tx.init(params)
-    assert float(optax_dls.loss_scale(optax_dls.reset_scale(state, ok, tx=tx))) == ok
+    assert float(optax_dls.find_state(optax_dls.reset_scale(state, ok, tx=tx)).loss_scale) == ok
     with pytest.raises(ValueError, match="value"):
       optax_dls.reset_scale(state, bad, tx=tx)

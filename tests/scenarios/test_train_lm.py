@@ -14,6 +14,7 @@ import pytest
 
 import optax_dls
 from optax_dls._logs.report import inspect
+from optax_dls._access.names import leaf_names
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -179,7 +180,7 @@ def _leaf_names():
   args = train_lm.parse_args(TINY)
   model = train_lm.Transformer(args.d_model, args.layers, args.heads, args.seq_len, train_lm.FP32)
   shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))
-  return optax_dls.leaf_names(shapes["params"])
+  return leaf_names(shapes["params"])
 
 
 def test_skipped_steps_name_the_parameters_that_overflowed(out):
