@@ -12,24 +12,12 @@ from typing import Any
 import numpy as np
 
 from optax_dls._logs import columns as C
+from optax_dls._util import validation as _validation
 
 Rows = C.Rows
 
 
-def scale_text(x: float) -> str:
-  """A loss scale as a power of two: ``2^k`` when it is one (1 as ``1``), else ``2^x`` with
-  two decimals; a scale that is not finite and > 0 in ``%g`` form.
-
-  >>> from optax_dls._logs.summary import scale_text
-  >>> scale_text(2.0**21), scale_text(2.0**-126), scale_text(1.0), scale_text(1500.0)
-  ('2^21', '2^-126', '1', '2^10.55')
-  """
-  if not (math.isfinite(x) and x > 0):
-    return f"{x:g}"
-  m, e = math.frexp(x)
-  if m == 0.5:
-    return "1" if e == 1 else f"2^{e - 1}"
-  return f"2^{math.log2(x):.2f}"
+scale_text = _validation.power_text  # a loss scale as 2^k
 
 
 def _longest_true_run(flags: np.ndarray) -> int:

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from optax_dls._util import validation as _validation
+
 
 @dataclasses.dataclass(frozen=True)
 class Operation:
@@ -108,7 +110,9 @@ class LocateReport:
     return self.headroom[:n]
 
   def __str__(self) -> str:
-    lines = [f"locate at loss scale {self.scale:g}:"]
+    """A table: the scale as a power of two, each scope's whole name (the column as wide
+    as the longest), the ten nearest scopes; the code outside any scope is not a row."""
+    lines = [f"locate at loss scale {_validation.power_text(self.scale)}:"]
     f = self.first
     if f is None:
       lines.append("  every value finite")
@@ -117,15 +121,16 @@ class LocateReport:
         f"  first {f.kind}: {f.phase} {f.primitive} ({f.dtype}) in {f.scope or '(top level)'}"
         f" at {f.source}; largest finite input {f.input_max:.3g}"
       )
-      if f.note:
-        lines.append(f"  note: {f.note}")
-    lines.append(f"  {'scope':<32} {'forward':>9} {'backward':>9} {'subnormal':>9}")
-    for h in self.headroom[:10]:
+      lines += [f"  note: {f.note}"] if f.note else []
+    rows = [h for h in self.headroom if h.scope != "(top level)"]
+    width = max([len("scope"), *(len(h.scope) for h in rows[:10])])
+    lines.append(f"  {'scope':<{width}}  {'forward':>9} {'backward':>9} {'subnormal':>9}")
+    for h in rows[:10]:
       fwd = "overflow" if h.forward_overflow else f"{h.forward_fraction:.2%}"
       bwd = "overflow" if h.backward_overflow else f"{h.backward_fraction:.2%}"
-      lines.append(f"  {h.scope[-32:]:<32} {fwd:>9} {bwd:>9} {h.underflow_share:>9.1%}")
-    if len(self.headroom) > 10:
-      lines.append(f"  ... {len(self.headroom) - 10} more scopes")
+      lines.append(f"  {h.scope:<{width}}  {fwd:>9} {bwd:>9} {h.underflow_share:>9.1%}")
+    if len(rows) > 10:
+      lines.append(f"  ... {len(rows) - 10} more scopes")
     return "\n".join(lines)
 
 
