@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import optax_dls
-from optax_dls._logs.report import inspect
 from optax_dls._access.names import leaf_names
+from optax_dls._logs.report import inspect
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
