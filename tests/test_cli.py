@@ -1039,10 +1039,7 @@ def test_every_optax_dls_name_the_messages_and_docstrings_give_exists():
         except ImportError:
           missing.append(f"{path.name}: {name}")
           break
-  # Names no longer public that the text of _core/labels.py and _logs/diagnosis.py still
-  # gives (those modules change with their own work); nothing else may be missing.
-  pending = {"labels.py: optax_dls.leaf_names", "diagnosis.py: optax_dls.select_precision"}
-  assert set(missing) <= pending, sorted(set(missing) - pending)
+  assert not missing
 
 
 def test_a_skip_between_two_logged_rows_is_a_streak_of_at_least_one(tmp_path, capsys):
