@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from optax_dls._logs import columns as C
-from optax_dls._util import validation as _validation
+from optax_dls._util import locate_report as _headroom
 
 Rows = C.Rows
 
 
-scale_text = _validation.power_text  # a loss scale as 2^k
+scale_text = _headroom.power_text  # a loss scale as 2^k
 
 
 def _longest_true_run(flags: np.ndarray) -> int:

@@ -4,12 +4,11 @@ headroom of every named scope, printable as a short table and JSON-ready."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
-from optax_dls._util import validation as _validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +111,7 @@ class LocateReport:
   def __str__(self) -> str:
     """A table: the scale as a power of two, each scope's whole name (the column as wide
     as the longest), the ten nearest scopes; the code outside any scope is not a row."""
-    lines = [f"locate at loss scale {_validation.power_text(self.scale)}:"]
+    lines = [f"locate at loss scale {power_text(self.scale)}:"]
     f = self.first
     if f is None:
       lines.append("  every value finite")
@@ -185,3 +184,19 @@ class Accumulator:
   def report(self, scale: float) -> LocateReport:
     rows = sorted(self.scopes.values(), key=ScopeHeadroom.sort_key)
     return LocateReport(scale, self.first or self.first_propagated, rows)
+
+
+def power_text(x: float) -> str:
+  """A loss scale as a power of two: ``2^k`` when it is one (1 as ``1``), else ``2^x`` with
+  two decimals; a scale that is not finite and > 0 in ``%g`` form.
+
+  >>> from optax_dls._util.locate_report import power_text
+  >>> power_text(2.0**21), power_text(2.0**-126), power_text(1.0), power_text(1500.0)
+  ('2^21', '2^-126', '1', '2^10.55')
+  """
+  if not (math.isfinite(x) and x > 0):
+    return f"{x:g}"
+  m, e = math.frexp(x)
+  if m == 0.5:
+    return "1" if e == 1 else f"2^{e - 1}"
+  return f"2^{math.log2(x):.2f}"

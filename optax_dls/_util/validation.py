@@ -196,19 +196,3 @@ def arrays(name: str, tree: Any) -> Any:
         f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}."
       )
   return tree
-
-
-def power_text(x: float) -> str:
-  """A loss scale as a power of two: ``2^k`` when it is one (1 as ``1``), else ``2^x`` with
-  two decimals; a scale that is not finite and > 0 in ``%g`` form.
-
-  >>> from optax_dls._util.validation import power_text
-  >>> power_text(2.0**21), power_text(2.0**-126), power_text(1.0), power_text(1500.0)
-  ('2^21', '2^-126', '1', '2^10.55')
-  """
-  if not (math.isfinite(x) and x > 0):
-    return f"{x:g}"
-  m, e = math.frexp(x)
-  if m == 0.5:
-    return "1" if e == 1 else f"2^{e - 1}"
-  return f"2^{math.log2(x):.2f}"
