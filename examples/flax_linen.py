@@ -55,8 +55,8 @@ grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)  # reads S from t
 @jax.jit
 def train_step(state, x, y):
   ((loss, logits), grads), state = grad_fn(state, state.params, state.apply_fn, x, y)  # grads x S
-  # Unscale, check, skip or apply (fused with the optimizer), adapt S.
-  state = optax_dls.flax.apply_gradients(state, grads=grads)
+  # Unscale, check, skip or apply, adapt S.
+  state = state.apply_gradients(grads=grads)
   return state, loss, jnp.mean(jnp.argmax(logits, -1) == y)
 
 

@@ -79,7 +79,7 @@ grad_fn = optax_dls.flax.value_and_grad(loss_fn)  # differentiates S * loss
 
 def train_step(state, batch):
   (loss, grads), state = grad_fn(state, state.params, state.apply_fn, batch)
-  state = optax_dls.flax.apply_gradients(state, grads=grads)  # unscale, check, skip, adapt
+  state = state.apply_gradients(grads=grads)  # unscale, check, skip, adapt
   m = optax_dls.metrics(state)
   return state, {"loss": loss, "loss_scale": m["loss_scale"], "skipped": m["skipped"]}
 

@@ -139,7 +139,7 @@ def finetune(base, x, y, args, group_factor):
     pairs = list(zip(jax.tree.leaves(grads["adapters"]), jax.tree.leaves(exact["adapters"])))
     flushed = sum(jnp.sum((g == 0) & (e != 0)) for g, e in pairs)
     nonzero = sum(jnp.sum(e != 0) for _, e in pairs)
-    unscale = 1.0 / (optax_dls.loss_scale(state) * (group_factor or 1.0))
+    unscale = 1.0 / (optax_dls.find_state(state).loss_scale * (group_factor or 1.0))
     err = jnp.sqrt(
       sum(jnp.sum((g * unscale - e) ** 2) for g, e in pairs) / sum(jnp.sum(e**2) for _, e in pairs)
     )
@@ -149,7 +149,7 @@ def finetune(base, x, y, args, group_factor):
     return (params, state), (
       jnp.where(finite, flushed / nonzero, jnp.nan),
       jnp.where(finite, err, jnp.nan),
-      optax_dls.loss_scale(state),
+      optax_dls.find_state(state).loss_scale,
     )
 
   keys = jax.random.split(jax.random.key(3), args.steps)

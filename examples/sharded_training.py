@@ -82,7 +82,7 @@ def main():
       x[40, 0] = np.inf  # batch row 40: in data shard 2 of 4 only
     y = x @ np.asarray(true_w)
     x, y = jax.device_put((x, y), shard(P("data")))
-    scale = float(optax_dls.loss_scale(opt_state))
+    scale = float(optax_dls.find_state(opt_state).loss_scale)
     params, opt_state, loss = train_step(params, opt_state, x, y)
     logs = optax_dls.metrics(opt_state)
     note = ""

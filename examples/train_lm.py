@@ -270,10 +270,10 @@ def make_train_step(model, tx, args, max_tries=None):
   def train_step(params, opt_state, batches):
     def accumulate(carry, batch):
       total, opt_state = carry
-      before = optax_dls.loss_scale(opt_state)
+      before = optax_dls.find_state(opt_state).loss_scale
       (loss, grads), opt_state = micro_batch_grads(opt_state, params, batch)
       if max_tries is not None:  # this micro-batch backed the scale off: the earlier ones follow
-        ratio = optax_dls.loss_scale(opt_state) / before
+        ratio = optax_dls.find_state(opt_state).loss_scale / before
         total = jax.tree.map(lambda t: t * ratio, total)
       return (jax.tree.map(jnp.add, total, grads), opt_state), loss
 
@@ -301,7 +301,7 @@ class SkipsByParameter:
   """Per gradient leaf, the skipped steps it was not finite in, with an inf or a NaN."""
 
   def __init__(self, params):
-    self.names = optax_dls.leaf_names(params)
+    self.shapes = jax.eval_shape(lambda: params)  # the tree and dtypes that name the leaves
     self.counts: dict[str, dict[str, int]] = {}
 
   def update(self, m: dict) -> None:
@@ -309,7 +309,7 @@ class SkipsByParameter:
     record is then that step's (a recomputed overflow is not counted: its step was applied)."""
     if not m["skipped"]:
       return
-    for name, kind in optax_dls.nonfinite_leaves(m, self.names).items():
+    for name, kind in optax_dls.nonfinite_leaves(m, self.shapes).items():
       self.counts.setdefault(name, {"inf": 0, "nan": 0})[kind] += 1
 
   def result(self) -> dict[str, dict[str, int]]:
@@ -392,7 +392,7 @@ def train_run(name, args, params):
   writers = run_writers(args.out, name, params)
   skips_by_parameter = SkipsByParameter(params)
   located = None  # fp16-dls: locate's report on the batch of the first skipped step
-  scale = float(optax_dls.loss_scale(opt_state))  # the scale the next step runs at
+  scale = float(optax_dls.find_state(opt_state).loss_scale)  # the scale the next step runs at
 
   def log(step, values):
     for w in writers:

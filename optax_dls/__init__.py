@@ -2,12 +2,10 @@
 
 Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 
-Public submodules: :mod:`optax_dls.compat` (policies that reproduce other
-frameworks' scale trajectories), :mod:`optax_dls.writers` (JSONL /
-TensorBoard logging), :mod:`optax_dls.checkpoint` (Orbax restore),
-:mod:`optax_dls.group_scale` (per-group gradient scaling),
-:mod:`optax_dls.config` (presets and configuration files), and, imported on
-first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
+Public submodules: :mod:`optax_dls.config` (presets and configuration files),
+:mod:`optax_dls.checkpoint` (Orbax restore), :mod:`optax_dls.writers` (JSONL /
+TensorBoard logging), :mod:`optax_dls.group_scale` (per-group gradient scaling),
+and, imported on first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
 :mod:`optax_dls.flax` (Flax helpers; needs flax).
 """
 
@@ -15,48 +13,32 @@ from optax_dls._util import versions as _versions
 
 _versions.check()  # before the rest: a clear ImportError when jax, jaxlib or optax is too old
 
-
 from optax_dls import checkpoint as checkpoint  # public submodules
-from optax_dls import compat as compat
 from optax_dls import config as config
 from optax_dls import group_scale as group_scale
 from optax_dls import writers as writers
 from optax_dls._access.find import find_state
-from optax_dls._access.loss import loss_scale, scale_loss
+from optax_dls._access.loss import scale_loss
 from optax_dls._access.metrics import metrics
-from optax_dls._access.names import leaf_names, nonfinite_leaves
+from optax_dls._access.names import nonfinite_leaves
 from optax_dls._access.reset import reset_scale
 from optax_dls._core.numerics import all_finite
 from optax_dls._core.scalers import dynamic_loss_scale, no_loss_scale, static_loss_scale
 from optax_dls._core.state import LossScaleState
 from optax_dls._core.transform import loss_scaled
 from optax_dls._features.alerts import SkipAlerts
-from optax_dls._features.casting import CastPolicy, cast_policy, full_precision
+from optax_dls._features.casting import cast_policy, full_precision
 from optax_dls._features.locate import locate
-from optax_dls._features.precision import select_precision
 from optax_dls._features.recompute import value_and_grad
 from optax_dls._features.recompute_stats import recompute_stats
 from optax_dls._features.underflow import underflow_stats
-from optax_dls._policies import (
-  GradStats,
-  LossScalePolicy,
-  amax_policy,
-  dynamic_policy,
-  fp32_fallback,
-  skips_at_min_scale,
-)
-from optax_dls._util.locate_report import LocateReport, Operation, ScopeHeadroom
+from optax_dls._policies import LossScalePolicy, amax_policy, dynamic_policy, fp32_fallback
 
 __version__ = "0.1.0"
 
 __all__ = [
-  "CastPolicy",
-  "GradStats",
-  "LocateReport",
   "LossScalePolicy",
   "LossScaleState",
-  "Operation",
-  "ScopeHeadroom",
   "SkipAlerts",
   "all_finite",
   "amax_policy",
@@ -66,9 +48,7 @@ __all__ = [
   "find_state",
   "fp32_fallback",
   "full_precision",
-  "leaf_names",
   "locate",
-  "loss_scale",
   "loss_scaled",
   "metrics",
   "no_loss_scale",
@@ -76,8 +56,6 @@ __all__ = [
   "recompute_stats",
   "reset_scale",
   "scale_loss",
-  "select_precision",
-  "skips_at_min_scale",
   "static_loss_scale",
   "underflow_stats",
   "value_and_grad",

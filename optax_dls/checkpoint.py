@@ -56,7 +56,7 @@ def _advice(saved: Any, target: Any) -> str:
       f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
       f"checkpoint holds none, and a flax DynamicScale at {_where(dynamic)}: it was saved "
       "from a flax TrainState that scaled its loss with DynamicScale. Convert it: "
-      "optax_dls.flax.from_dynamic_scale_checkpoint(manager.restore(step), target) puts the "
+      "optax_dls.flax.from_dynamic_scale(manager.restore(step), target) puts the "
       "old optimizer state in the inner state and the DynamicScale's scale and finite-step "
       "count in the loss-scale state."
     )

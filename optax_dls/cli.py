@@ -1,18 +1,19 @@
 """``optax-dls inspect RUN_DIR``: summarise and diagnose a run's loss-scale logs, once or live.
 
 Reads, per folder under ``RUN_DIR``, the ``*.jsonl`` files written by
-:class:`optax_dls.writers.MetricsWriter` (or any JSON lines with a ``step`` key
-and the keys of :func:`optax_dls.metrics`), or, in a folder without them, its
-TensorBoard event files (read with TensorBoard's event-file loader; a run's
-TensorBoard copy beside its JSON lines is read once). Prints per run: steps,
-updates (applied and skipped), skips, update ratio, longest logged skip streak,
-the lowest / median / highest logged loss scale (exact powers of two as
-``2^k``), the logged steps at the lowest and highest scale, the overflows per
-parameter group and the non-finite steps by parameter (inf or NaN) where the
-logs carry them, then a diagnosis of the usual symptoms with what to do about
-each. ``--plot out.png`` draws the loss scale and the skips; ``--json`` prints
-the summary and diagnosis as JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading
-the logs as they grow and shows the current state of every run until Ctrl-C.
+:class:`optax_dls.writers.MetricsWriter` (or any JSON lines with a ``step`` key and the
+keys of :func:`optax_dls.metrics`), or, in a folder without them, its TensorBoard event
+files (read with TensorBoard's event-file loader; a run's TensorBoard copy beside its
+JSON lines is read once). Prints per run: steps, updates (applied and skipped), skips,
+update ratio, longest logged skip streak, the lowest / median / highest logged loss
+scale (as powers of two: ``2^k``, ``2^x`` with two decimals between two powers), the
+logged steps at the lowest and highest scale, the overflows per parameter group and the
+non-finite steps by parameter (inf or NaN) where the logs carry them, then a diagnosis
+of the usual symptoms with what to do about each. ``--plot out.png`` draws each logged
+quantity (loss scale, loss, gradient norm, skips, recomputed steps) in a panel of its
+own, skipped and recomputed steps marked; ``--json`` prints the summary and diagnosis as
+JSON. ``--follow`` (every 2 s) or ``--watch SECONDS`` keeps reading the logs as they
+grow and shows the current state of every run until Ctrl-C.
 
 The logs may be written every ``k`` steps. The diagnosis then rests on the
 cumulative counters of the logged rows (``num_steps``, ``skip_count``, or
@@ -49,68 +50,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-import numpy as np
-
 from optax_dls._logs import live as _live
-from optax_dls._logs import locate_view as _locate_view
 from optax_dls._logs import plot as _plot
 from optax_dls._logs import report as _report
-from optax_dls._logs.diagnosis import (  # noqa: F401  (public names of this module before the split)
-  DIVERGE_FACTOR,
-  NO_GROWTH_UPDATES,
-  OVERFLOW_RATE,
-  STUCK_MIN_SKIPS,
-  ZERO_RISE,
-  diagnose,
-  zero_floor,
-)
-from optax_dls._logs.load import NoLogsError, load_runs
-from optax_dls._logs.plot import plot  # noqa: F401
-from optax_dls._logs.summary import summarize  # noqa: F401
-from optax_dls._logs.tail import check_path
+from optax_dls._logs.read import NoLogsError
 from optax_dls._util.optional import MissingExtraError
 
-__all__ = ["NoLogsError", "inspect", "main"]
-
-
-def inspect(
-  run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
-) -> str:
-  """The report printed by ``optax-dls inspect``.
-
-  Args:
-    run_dir: the folder with the logs (searched recursively).
-    plot_path: optional image file to draw the loss scale and the skips into.
-    as_json: bool, return the summary and diagnosis as JSON instead of text.
-
-  Returns:
-    The report as one ``str``: text, followed by each saved
-    :func:`optax_dls.locate` report (a ``locate.json`` that
-    :meth:`~optax_dls.writers.MetricsWriter.write_locate` wrote) under ``run_dir``,
-    ending with the plot's path when one was drawn; or JSON with ``as_json``.
-
-  Raises:
-    NoLogsError: no readable logs under ``run_dir``.
-    TypeError: ``run_dir`` or ``plot_path`` is not a path, or ``as_json`` not
-      a bool.
-    ImportError: an optional dependency is missing: ``tensorboard`` for event
-      files, ``matplotlib`` for the plot (a ``MissingExtraError`` naming the
-      ``monitoring`` extra).
-  """
-  if plot_path is not None:
-    plot_path = check_path("plot_path", plot_path)
-  if not isinstance(as_json, (bool, np.bool_)):
-    raise TypeError(f"as_json must be a bool, got {as_json!r} of type {type(as_json).__name__}.")
-  runs = load_runs(run_dir)
-  report = _report.build(runs)
-  if plot_path:
-    _plot.plot(runs, plot_path)
-  if as_json:
-    return _report.to_json(report)
-  out = _report.text(report)
-  saved = _locate_view.saved_text(run_dir)  # a saved optax_dls.locate report, if any
-  out = f"{out}\n\n{saved}" if saved else out
-  return out + f"\nplot written to {plot_path}" if plot_path else out
+__all__ = ["main"]
 
 
 def _closed_pipe() -> int:
@@ -166,7 +112,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     "(searched recursively)",
   )
   p.add_argument(
-    "--plot", metavar="OUT.png", help="also draw the loss scale and the skips into this image"
+    "--plot",
+    metavar="OUT.png",
+    help="also draw the loss scale, loss, gradient norm and skips into this image",
   )
   p.add_argument("--json", action="store_true", help="print the summary and diagnosis as JSON")
   p.add_argument(
@@ -212,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     if args.plot and (why := _plot.check_path(args.plot)):
       p.error(f"argument --plot: {why}")
-    text = inspect(args.run_dir, args.plot, args.json)
+    text = _report.inspect(args.run_dir, args.plot, args.json)
   except (NoLogsError, MissingExtraError) as e:
     print(f"optax-dls inspect: error: {e}", file=sys.stderr)
     return 2

@@ -40,15 +40,10 @@ from flax import nnx
 from optax_dls._access import find as _find
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._features import recompute as _recompute
-from optax_dls._integrations.dynamic_scale import from_dynamic_scale, from_dynamic_scale_checkpoint
+from optax_dls._integrations.dynamic_scale import from_dynamic_scale
 from optax_dls._util import calls as _calls
 
-__all__ = [
-  "apply_gradients",
-  "from_dynamic_scale",
-  "from_dynamic_scale_checkpoint",
-  "value_and_grad",
-]
+__all__ = ["from_dynamic_scale", "value_and_grad"]
 
 _OVERWRITE_WITH_GRADIENT = (
   "_overwrite_with_gradient"  # flax's key for gradient-overwritten (fp8) params
@@ -89,7 +84,7 @@ def value_and_grad(
       grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)
 
       ((loss, aux), grads), state = grad_fn(state, state.params, batch)  # linen
-      state = optax_dls.flax.apply_gradients(state, grads=grads)
+      state = state.apply_gradients(grads=grads)
 
       (loss, grads), optimizer = grad_fn(optimizer, model, batch)        # nnx
       optimizer.update(model, grads)
@@ -113,9 +108,13 @@ def value_and_grad(
   gradients are finite, the check ``optimizer.update`` makes: a step whose
   forward pass overflows does not write NaN into the batch statistics. It
   costs a select per element of those variables; without ``max_tries``, one
-  more read of the gradients when there are such variables. For linen, pass
-  the new ``batch_stats`` to :func:`apply_gradients`, which keeps the old
-  ones on a skipped step.
+  more read of the gradients when there are such variables. For linen, keep
+  the old ``batch_stats`` on a skipped step as ``optax_dls.metrics`` reports it::
+
+      new = state.apply_gradients(grads=grads)
+      skipped = optax_dls.metrics(new.opt_state)["skipped"]
+      keep = lambda n, o: jnp.where(skipped, o, n)
+      new = new.replace(batch_stats=jax.tree.map(keep, batch_stats, state.batch_stats))
 
   **Recomputing an overflowing step** (``max_tries`` given): when the
   gradients overflow, the step backs S off and computes them again for the
@@ -367,7 +366,7 @@ class _Modules(NamedTuple):
 
 def _paths(states: Any) -> set[str]:
   """The variables of ``states`` (the modules' differentiated, RNG and other states, each
-  keyed by module), named ``"lin/bias"`` as :func:`optax_dls.leaf_names` names them."""
+  keyed by module), named ``"lin/bias"`` as :func:`optax_dls.nonfinite_leaves` names them."""
   key = lambda k: str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
   return {
     "/".join(key(k) for k in path[2:] if key(k) != "value")
@@ -396,7 +395,7 @@ def _write_in_place(opt_state: Any, new: Any) -> None:
       var.value = jnp.asarray(value, var.value.dtype)
 
 
-def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
+def _apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
   """``state.apply_gradients(grads=grads, **kwargs)`` for a linen ``TrainState``,
   with the other fields kept as they were on a skipped step.
 
@@ -408,31 +407,8 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
   leaves the whole model as it was. ``step`` advances by one either way, as
   with the method.
 
-  Args:
-    state: a ``flax.training.train_state.TrainState`` (or subclass) whose
-      ``tx`` is loss-scaled, e.g. by :func:`optax_dls.dynamic_loss_scale`.
-    grads: the *scaled* gradients (from :func:`value_and_grad`), with the
-      structure of ``state.params``.
-    **kwargs: other ``TrainState`` fields to replace, as with the method;
-      those of arrays (with the old field's structure and shapes) keep their
-      old values on a skipped step.
-
-  Returns:
-    The updated ``TrainState``.
-
-  Raises:
-    TypeError: ``state`` has no ``tx``, ``params`` or ``opt_state``.
-    ValueError: ``state.opt_state`` holds no loss-scale state (``state.tx``
-      is a plain optax optimizer), or several.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
-    >>> from flax.training.train_state import TrainState
-    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
-    >>> state = TrainState.create(apply_fn=None, params={'w': jnp.ones(2)}, tx=tx)
-    >>> state = optax_dls.flax.apply_gradients(state, grads={'w': jnp.full(2, 4.0)})
-    >>> state.params['w'], int(state.step)
-    (Array([0.5, 0.5], dtype=float32), 1)
+  Raises TypeError when ``state`` has no ``tx``, ``params`` or ``opt_state``, ValueError
+  when ``state.opt_state`` holds no loss-scale state, or several.
   """
   if not all(hasattr(state, f) for f in ("tx", "params", "opt_state", "step", "replace")):
     raise TypeError(

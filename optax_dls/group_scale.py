@@ -26,7 +26,7 @@ from optax_dls._core import numerics as _numerics
 from optax_dls._util import calls as _calls
 from optax_dls._util import validation as _validation
 
-__all__ = ["group_scaled", "group_unscale", "scale_gradient"]
+__all__ = ["group_scaled", "group_unscale"]
 
 
 def _factor(value: Any) -> float:
@@ -81,26 +81,6 @@ def _bwd(factor: Any, _: Any, ct: Any) -> tuple[Any]:
 _scale_gradient.defvjp(_fwd, _bwd)
 
 
-def scale_gradient(x: Any, factor: float) -> Any:
-  """Identity in the forward pass; multiplies the cotangent by ``factor`` in the backward pass.
-
-  Args:
-    x: any pytree of arrays.
-    factor: float in [2**-126, 2**126], static. A power of two keeps the
-      product exact; other values are applied in float32 and rounded once to
-      the cotangent's dtype.
-
-  Returns:
-    ``x`` unchanged.
-
-  Raises:
-    ValueError: ``factor`` out of range.
-    TypeError: ``factor`` is not a static number, or a leaf of ``x`` is not
-      an array or a number.
-  """
-  return _scale_gradient(_validation.arrays("x", x), _factor(factor))
-
-
 def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   """Wraps a sub-network ``fn(params, *inputs)``: its gradients come out ``factor`` times larger.
 
@@ -119,9 +99,14 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   wrapped callable accepts and returns whatever ``fn`` does, under ``jit``
   with static arguments too.
 
+  For a single cotangent, ``optax.scale_gradient(x, factor)`` multiplies it alone
+  (in the cotangent's own dtype; the same product as here for a power of two).
+
   Args:
     fn: callable ``fn(params, *inputs, **kwargs) -> outputs`` (pytrees).
-    factor: float in [2**-126, 2**126], static; a power of two is exact.
+    factor: float in [2**-126, 2**126], static. A power of two keeps the
+      products exact; other values are applied in float32 and rounded once to
+      each cotangent's dtype.
 
   Returns:
     The wrapped callable, same signature.
@@ -143,7 +128,7 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
 
 
 def _floats_scaled(tree: Any, factor: float) -> Any:
-  """``tree`` with :func:`scale_gradient` on its floating-point array leaves; the others
+  """``tree`` with its floating-point array leaves' cotangents multiplied by ``factor``; the others
   (Python numbers, strings, integer arrays, objects) as they are."""
   arrays, rebuild = _calls.split_arrays(tree)
   floats = [i for i, x in enumerate(arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]

@@ -20,7 +20,7 @@ import math
 import numbers
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Self
 
 import jax
@@ -29,11 +29,11 @@ import numpy as np
 
 from optax_dls._access import names as _names
 from optax_dls._core import record as _localisation
-from optax_dls._logs import tail as _tail
+from optax_dls._logs import read as _read
 from optax_dls._util import optional as _optional
 from optax_dls._util import validation as _validation
 
-__all__ = ["MetricsWriter", "read_jsonl", "read_tensorboard"]
+__all__ = ["MetricsWriter"]
 
 JSONL_NAME = "metrics.jsonl"
 LOCATE_NAME = "locate.json"  # the saved report of optax_dls.locate, shown by optax-dls inspect
@@ -81,22 +81,6 @@ def _tensorboard_value(value: Any) -> float | None:
   except OverflowError:  # an int beyond the float range
     return None
   return value if math.isfinite(value) else None
-
-
-_check_path = _tail.check_path
-
-
-def _ends_without_newline(path: str) -> bool:
-  """Whether the file at ``path`` exists, is not empty and its last byte is not a newline."""
-  try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      if f.tell() == 0:
-        return False
-      f.seek(-1, os.SEEK_END)
-      return f.read(1) != b"\n"
-  except FileNotFoundError:
-    return False
 
 
 def _write_all(f: Any, data: bytes) -> None:
@@ -147,58 +131,46 @@ def _words(name: str, value: Any) -> np.ndarray:
 class MetricsWriter:
   """Writes scalar metrics every ``every`` steps as JSON lines and TensorBoard events.
 
-  One JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step":
-  int, "run": run_name (if given), <metric>: value, ...}``, with bools as
-  ``true``/``false`` and non-finite floats as ``NaN`` / ``Infinity``. The file
-  is opened for appending, so a resumed run continues it; if its last line was
-  cut short (a crash in the middle of a write), a newline is written first so
-  that the new rows start on lines of their own. Each row is written with one
-  unbuffered append, so several writers may share a folder.
+  One JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step": int,
+  "run": run_name (if given), <metric>: value, ...}``, bools as ``true``/``false``,
+  non-finite floats as ``NaN`` / ``Infinity``. The file is opened for appending (a resumed
+  run continues it; a last line cut short by a crash is ended with a newline first), and
+  each row is one unbuffered append, so several writers may share a folder.
 
-  With ``tensorboard=True`` every finite numeric value is also written as a
-  TensorBoard scalar (tag = the metric key, e.g. ``loss_scale``,
-  ``underflow/zero_frac``) with a ``tensorboardX.SummaryWriter`` on
-  ``logdir``, into an event file of this writer's own (its name ends in the
-  process id and a random suffix); non-finite values (``grad_norm`` on a
-  skipped step) are kept in the JSON lines only.
+  With ``tensorboard=True`` every finite numeric value is also a TensorBoard scalar (tag =
+  the metric key, e.g. ``underflow/zero_frac``), written by a ``tensorboardX.SummaryWriter``
+  into an event file of this writer's own (named with the process id and a random
+  suffix); non-finite values (``grad_norm`` on a skipped step), strings and None stay in
+  the JSON lines only.
 
-  Where the gradients went non-finite: the metrics' packed records
-  ``nonfinite_leaves`` and ``nonfinite_nan`` (the only arrays
-  :func:`optax_dls.metrics` holds) are not written as such. When
-  ``nonfinite_step`` (the update number of the last non-finite step) is > 0
-  and differs from that of the last row this writer wrote, or on its first
-  row, the JSON row gets ``"nonfinite_leaves": {name: "inf" | "nan", ...}``:
-  the gradient leaves that were not finite on that step, ``"nan"`` where a
-  leaf held a NaN, ``"inf"`` where it held infinities only (what
-  :func:`optax_dls.nonfinite_leaves` gives). Logging every
-  ``k`` steps records the last non-finite step before each logged row only.
-  ``nonfinite_step`` and ``nonfinite_loss`` are written on every row as
-  scalars; TensorBoard also gets ``nonfinite_leaf_count``, the number of
-  non-finite leaves of that step, on every row, and the names, where the JSON
-  row has them, as a text summary tagged ``nonfinite_leaves`` (the same JSON
-  object; :func:`read_tensorboard` reads it back as a dict).
+  The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics`
+  are written as names: on the first row, and whenever ``nonfinite_step`` (> 0) differs
+  from that of the last row written, the row gets ``"nonfinite_leaves": {name: "inf" |
+  "nan", ...}``, the gradient leaves that were not finite on that step (``"nan"`` where a
+  leaf held a NaN), as :func:`optax_dls.nonfinite_leaves` gives them. Logging every ``k``
+  steps records the last non-finite step before each logged row only. TensorBoard also
+  gets ``nonfinite_leaf_count`` on every row, and the names as a text summary tagged
+  ``nonfinite_leaves`` (the same JSON object; ``optax-dls inspect`` reads it back).
 
   Args:
     logdir: folder to write into (created if missing).
-    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the
-      steps with ``step % every == 0``. Default 1.
-    tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``).
-      Default True.
+    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the steps
+      with ``step % every == 0``. Default 1.
+    tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``). Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
     run_name: optional str stored in every JSON line under ``"run"``.
-    params: optional, names the gradient leaves of the non-finite record: the
-      parameters (a pytree of arrays or ``jax.ShapeDtypeStruct``; their
-      floating leaves in ``jax.tree.leaves`` order, named by key path as
-      ``"decoder/layers_3/attn/query/kernel"``), or a list of leaf names in
-      that order. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
+    params: optional, names the leaves of the non-finite record: the parameters (a pytree
+      of arrays or ``jax.ShapeDtypeStruct``; their floating leaves in ``jax.tree.leaves``
+      order, named by key path as ``"decoder/layers_3/attn/query/kernel"``), or a list of
+      leaf names in that order. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
     TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int,
-      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor
-      None, ``params`` neither a pytree of arrays nor a list of names.
-    ImportError: ``tensorboard=True`` without ``tensorboardX`` installed (a
-      ``MissingExtraError`` naming the ``monitoring`` extra).
+      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor None,
+      ``params`` neither a pytree of arrays nor a list of names.
+    ImportError: ``tensorboard=True`` without ``tensorboardX`` (a ``MissingExtraError``
+      naming the ``monitoring`` extra).
   """
 
   def __init__(
@@ -211,7 +183,7 @@ class MetricsWriter:
     run_name: str | None = None,
     params: Any = None,
   ) -> None:
-    path = _check_path("logdir", logdir)
+    path = _read.check_path("logdir", logdir)
     every = _validation.integer("every", every)
     _validation.check(every >= 1, "every", every, "value >= 1")
     tensorboard = _validation.boolean("tensorboard", tensorboard)
@@ -241,11 +213,9 @@ class MetricsWriter:
 
   def _open_jsonl(self) -> Any:
     """Opens ``metrics.jsonl`` for unbuffered appends, first ending a line that was cut short."""
-    path = os.path.join(self.logdir, JSONL_NAME)
-    cut = _ends_without_newline(path)
-    f = open(path, "ab", buffering=0)  # noqa: SIM115 (open until close())
-    if cut:
-      _write_all(f, b"\n")
+    f = open(os.path.join(self.logdir, JSONL_NAME), "a+b", buffering=0)  # noqa: SIM115
+    if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+      _write_all(f, b"\n")  # appends: a+ writes at the end whatever the position
     return f
 
   def write_locate(self, report: Any, step: int | None = None) -> str:
@@ -361,8 +331,8 @@ class MetricsWriter:
         scalar = _tensorboard_value(value) if key not in ("step", _LEAVES) else None
         if scalar is not None:
           self._tb.add_scalar(key, scalar, step)
-      if _LEAVES in row:  # the names, as a text summary that read_tensorboard reads back
-        self._tb.add_text(_tail.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
+      if _LEAVES in row:  # the names, as a text summary that inspect reads back
+        self._tb.add_text(_read.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
 
   def flush(self) -> None:
     """Flushes the TensorBoard events (the JSON lines are written unbuffered).
@@ -411,88 +381,3 @@ def _checked_values(metrics: Any, extra: dict[str, Any]) -> dict[str, Any]:
         "logged row); rename the metric."
       )
   return values
-
-
-def read_jsonl(
-  path: str | os.PathLike, on_bad_line: Callable[[int, str], Any] | None = None
-) -> list[dict[str, Any]]:
-  """The rows of a ``metrics.jsonl`` file: the JSON objects with a ``"step"`` key, in file order.
-
-  Blank lines are ignored. Any other line that is not such an object (not
-  JSON, cut short, undecodable bytes, a number too long to parse, ...) is
-  skipped on its own: it costs that line only.
-
-  Args:
-    path: the file to read.
-    on_bad_line: optional callable ``on_bad_line(line_number, reason)``
-      called for each skipped line (line numbers start at 1). Default None:
-      skip silently.
-
-  Raises:
-    OSError: the file cannot be read.
-    TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_line``
-      is neither callable nor None.
-  """
-  return _read_whole(path, _tail.JsonlTail, "on_bad_line", on_bad_line)
-
-
-def read_tensorboard(
-  path: str | os.PathLike, on_bad_record: Callable[[int, str], Any] | None = None
-) -> list[dict[str, Any]]:
-  """Scalars of one TensorBoard event file as rows ``{"step": s, tag: value, ...}``, sorted by step.
-
-  Reads the file with TensorBoard's event-file loader
-  (``tensorboard.backend.event_processing.event_file_loader``), which checks
-  both CRC-32C sums of every record; no TensorFlow needed. Scalars written as
-  ``simple_value`` (tensorboardX, ``torch.utils.tensorboard``) or as a
-  one-element numeric tensor (TensorBoard's and TensorFlow's own writers) are
-  read, and so are the names of the non-finite leaves that
-  :class:`MetricsWriter` writes as a text summary (``"nonfinite_leaves":
-  {name: "inf" | "nan"}``, as in its JSON rows); other summaries are ignored.
-  A record that is not an ``Event`` costs that record only. A corrupt record
-  stops the loader: the scalars before it are returned, those after it are
-  lost, and ``on_bad_record`` is called once with its offset; so is a last
-  record cut short by the end of the file.
-
-  Args:
-    path: the event file.
-    on_bad_record: optional callable ``on_bad_record(byte_offset, reason)``
-      called for each skipped record. Default None: skip silently.
-
-  Raises:
-    OSError: the file cannot be read.
-    TypeError: ``path`` is not a str or ``os.PathLike``, or ``on_bad_record``
-      is neither callable nor None.
-    ImportError: ``tensorboard`` is not installed (a
-      ``MissingExtraError`` naming the ``monitoring`` extra).
-  """
-  return _read_whole(path, _tail.EventsTail, "on_bad_record", on_bad_record)
-
-
-def _read_whole(
-  path: Any,
-  tail: Callable[[str], _tail.JsonlTail | _tail.EventsTail],
-  name: str,
-  on_bad: Callable[[int, str], Any] | None,
-) -> list[dict[str, Any]]:
-  """The rows of the whole file at ``path``, read once by ``tail``, each part it skips
-  handed to ``on_bad``.
-
-  Args:
-    path: ``str`` or ``os.PathLike``, the file.
-    tail: :class:`optax_dls._logs.tail.JsonlTail` or :class:`optax_dls._logs.tail.EventsTail`.
-    name: the callback's argument name, for the error.
-    on_bad: ``on_bad(where, reason)`` (a line number or a byte offset), or None.
-
-  Raises:
-    TypeError: ``path`` not a ``str`` or ``os.PathLike``; ``on_bad`` neither
-      callable nor None (the message names ``name``).
-    OSError: the file cannot be read.
-    ImportError: ``tail`` needs a package that is not installed.
-  """
-  path = _check_path("path", path)
-  report = _tail.reporter(name, on_bad)
-  chunk = tail(path).read(final=True)
-  for where, why in chunk.bad:
-    report(where, why)
-  return chunk.rows

@@ -41,11 +41,13 @@ def test_access_finds_state_and_reads_it(holder):
   step = jax.jit(lambda g, s: tx.update(g, s, P))
   state = tx.init(P)
   for g in (1.0, 2.0, jnp.inf, 3.0):
-    _, state = step({"w": jnp.full(3, g, jnp.float32) * optax_dls.loss_scale(state)}, state)
+    _, state = step(
+      {"w": jnp.full(3, g, jnp.float32) * optax_dls.find_state(state).loss_scale}, state
+    )
   held = wrap(state)
   ours = optax_dls.find_state(held)
   assert isinstance(ours, LossScaleState)
-  assert float(optax_dls.loss_scale(held)) == 2.0**7  # one backoff, tracker 1 after it
+  assert float(optax_dls.find_state(held).loss_scale) == 2.0**7  # one backoff, tracker 1 after it
   loss = optax_dls.scale_loss(jnp.float16(1.5), held)
   assert loss.dtype == jnp.float32 and float(loss) == 1.5 * 2.0**7
   m = optax_dls.metrics(held)
@@ -77,7 +79,7 @@ def test_access_finds_state_and_reads_it(holder):
       np.testing.assert_array_equal(a, b)
   # A traced value is allowed (e.g. inside a jitted training step).
   traced = jax.jit(optax_dls.reset_scale)(held, jnp.float32(4.0))
-  assert float(optax_dls.loss_scale(traced)) == 4.0
+  assert float(optax_dls.find_state(traced).loss_scale) == 4.0
 
 
 def test_reset_scale_then_grows_after_a_full_interval():
@@ -94,7 +96,7 @@ def test_reset_scale_then_grows_after_a_full_interval():
 
 def test_none_or_several_states_raise_clear_errors():
   adam_state = optax.adam(1e-3).init(P)
-  for fn in (optax_dls.find_state, optax_dls.loss_scale, optax_dls.metrics):
+  for fn in (optax_dls.find_state, optax_dls.metrics):
     with pytest.raises(ValueError, match="no LossScaleState"):
       fn(adam_state)
   with pytest.raises(ValueError, match="no LossScaleState"):
@@ -104,7 +106,6 @@ def test_none_or_several_states_raise_clear_errors():
   ).init(P)
   for fn in (
     optax_dls.find_state,
-    optax_dls.loss_scale,
     optax_dls.metrics,
     lambda s: optax_dls.reset_scale(s, 2.0),
     lambda s: optax_dls.scale_loss(1.0, s),
@@ -113,7 +114,7 @@ def test_none_or_several_states_raise_clear_errors():
       fn(two)
   nested = optax_dls.dynamic_loss_scale(optax_dls.dynamic_loss_scale(optax.adam(1e-3))).init(P)
   with pytest.raises(ValueError, match="ambiguous"):
-    optax_dls.loss_scale(nested)
+    optax_dls.find_state(nested)
 
 
 def test_multisteps_outside_the_loss_scaler_is_refused_with_advice():
@@ -121,7 +122,7 @@ def test_multisteps_outside_the_loss_scaler_is_refused_with_advice():
   # check; the supported order is dynamic_loss_scale(MultiSteps(...)), found above.
   state = optax.MultiSteps(optax_dls.dynamic_loss_scale(optax.adam(1e-3)), 2).init(P)
   with pytest.raises(ValueError, match="MultiSteps"):
-    optax_dls.loss_scale(state)
+    optax_dls.find_state(state)
 
 
 def test_scale_loss_rejects_integer_loss():
@@ -173,7 +174,7 @@ def test_metrics_core_keys_follow_the_steps():
   good = jax.tree.map(jnp.ones_like, params)
   bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.inf), params)
   for g in (good, bad, bad, good, bad):
-    scale = optax_dls.loss_scale(state)
+    scale = optax_dls.find_state(state).loss_scale
     _, state = update(jax.tree.map(lambda x, s=scale: x * s, g), state, params)
   m = jax.device_get(optax_dls.metrics(state))
   assert m["skip_count"] == 3 and m["num_steps"] == 5 and bool(m["skipped"])
@@ -261,9 +262,7 @@ def test_nonfinite_leaves_names_nested_leaves_and_a_bad_loss_alone_names_none(lo
 
 
 def test_feature_states_report_their_keys_and_are_unambiguous_in_a_chain():
-  policy = optax_dls.skips_at_min_scale(
-    optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=2)
-  )
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=2)
   inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3))
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax_dls.loss_scaled(inner, policy))
   state = tx.init(P)

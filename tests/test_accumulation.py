@@ -35,7 +35,7 @@ def _run(tx, xs, w=None):
   state = tx.init(w)
   hist = []
   for x in xs:
-    scale = float(optax_dls.loss_scale(state))
+    scale = float(optax_dls.find_state(state).loss_scale)
     w, updates, state = _micro_step(w, jnp.full(3, x, jnp.float32), state, tx)
     hist.append((scale, np.asarray(updates), state))
   return w, hist
@@ -91,7 +91,7 @@ def test_scale_changes_inside_a_window_are_unscaled_exactly(lowering):
 def test_multisteps_outside_is_refused_with_a_clear_error(lowering):
   tx = optax.MultiSteps(optax_dls.dynamic_loss_scale(optax.adam(0.1), skip_lowering=lowering), 4)
   state = tx.init(jnp.zeros(3))
-  for fn in (optax_dls.metrics, optax_dls.loss_scale, optax_dls.find_state):
+  for fn in (optax_dls.metrics, optax_dls.find_state):
     with pytest.raises(ValueError, match=r"dynamic_loss_scale\(optax.MultiSteps"):
       fn(state)
   with pytest.raises(ValueError, match="not supported"):

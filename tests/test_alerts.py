@@ -64,7 +64,7 @@ def test_sparse_calls_still_see_a_long_episode_once(caplog):
 
 
 def test_stuck_at_min_scale_warns_once(caplog):
-  policy = optax_dls.skips_at_min_scale(optax_dls.dynamic_policy(init_scale=2.0, min_scale=1.0))
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=2.0, min_scale=1.0))
   tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   _run(tx, [I, I, I, I], optax_dls.SkipAlerts(alert_after=100))  # 2 -> 1, then skips at the minimum
   recs = _warnings(caplog)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import optax_dls
+from optax_dls._features.casting import CastPolicy
 
 jmp = pytest.importorskip("jmp")
 
@@ -81,7 +82,7 @@ def _tree():
 
 @pytest.mark.parametrize("method", ["cast_to_param", "cast_to_compute", "cast_to_output"])
 def test_casts_only_the_floating_arrays_as_jmp_does(method):
-  ours = getattr(optax_dls.CastPolicy(jnp.float16, jnp.bfloat16, jnp.float32), method)
+  ours = getattr(CastPolicy(jnp.float16, jnp.bfloat16, jnp.float32), method)
   theirs = getattr(jmp.Policy(jnp.float16, jnp.bfloat16, jnp.float32), method)
   out, want = ours(_tree()), theirs(_tree())
   assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(want)
@@ -100,16 +101,16 @@ def test_casts_only_the_floating_arrays_as_jmp_does(method):
 
 
 def test_cast_policy_defaults_follow_jmp_and_check_their_arguments():
-  p = optax_dls.CastPolicy(compute_dtype=jnp.float16)
+  p = CastPolicy(compute_dtype=jnp.float16)
   assert (p.param_dtype, p.compute_dtype, p.output_dtype) == ("float32", "float16", "float16")
   assert p.with_output_dtype(jnp.float32).output_dtype == "float32"
   assert p == optax_dls.cast_policy("c=f16") and hash(p) == hash(optax_dls.cast_policy("c=f16"))
   with pytest.raises(
     ValueError, match="compute_dtype must be a floating dtype, got compute_dtype=int32"
   ):
-    optax_dls.CastPolicy(jnp.float32, jnp.int32)
+    CastPolicy(jnp.float32, jnp.int32)
   with pytest.raises(TypeError, match="output_dtype must be a dtype"):
-    optax_dls.CastPolicy(jnp.float32, jnp.float16, "not a dtype")
+    CastPolicy(jnp.float32, jnp.float16, "not a dtype")
 
 
 def test_cast_policy_is_a_static_argument_of_jit():
@@ -187,11 +188,11 @@ def test_the_migration_guide_forms_of_jmp_module_functions():
 
 def test_dtype_arguments_take_jmp_names_and_refuse_what_jax_cannot_hold():
   """'f16' is float16 here, as in jmp's strings (NumPy alone reads it as float128)."""
-  policy = optax_dls.CastPolicy("f16", output_dtype="full")
+  policy = CastPolicy("f16", output_dtype="full")
   assert (policy.param_dtype, policy.output_dtype) == (jnp.float16, jnp.float32)
   assert optax_dls.cast_policy("c=f16").with_output_dtype("f16").output_dtype == jnp.float16
   assert optax_dls.full_precision(lambda x: x, output_dtype="f16")(jnp.ones(2)).dtype == jnp.float16
   with pytest.raises(ValueError, match="param_dtype must be a floating dtype JAX computes in"):
-    optax_dls.CastPolicy("float128")
+    CastPolicy("float128")
   with pytest.raises(TypeError, match="param_dtype must be a dtype"):
-    optax_dls.CastPolicy(None)
+    CastPolicy(None)

@@ -28,7 +28,7 @@ def _grads(step, w):
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _step(w, state, step):
-  scaled = _grads(step, w) * optax_dls.loss_scale(state)
+  scaled = _grads(step, w) * optax_dls.find_state(state).loss_scale
   updates, state = _tx().update(scaled, state, w)
   return optax.apply_updates(w, updates), state
 
@@ -200,7 +200,9 @@ def test_into_loss_scaled_moves_a_plain_optimizer_state_inside(manager):
   moved = optax_dls.checkpoint.into_loss_scaled(manager.restore(3), target)
   _assert_same(moved["opt_state"].inner_state, state)
   _assert_same(moved["params"], w)
-  assert float(optax_dls.loss_scale(moved)) == 2.0**10  # the loss-scale state: the target's
+  assert (
+    float(optax_dls.find_state(moved).loss_scale) == 2.0**10
+  )  # the loss-scale state: the target's
   wider = {"params": jnp.zeros(4), "opt_state": _tx().init(jnp.zeros(4))}
   with pytest.raises(ValueError, match=r"shapes differ \(3\): opt_state.0.mu: checkpoint \(3,\)"):
     optax_dls.checkpoint.into_loss_scaled(manager.restore(3), wider)
@@ -239,7 +241,7 @@ def _dynamic_scale_checkpoint():
     ds = old.dynamic_scale.value_and_grad(lambda p, k=i + 1: jnp.sum(jnp.sin(p["w"]) * k))
     ds, _, _, grads = ds(old.params)
     old = old.apply_gradients(grads=grads, dynamic_scale=ds, batch_stats={"mean": grads["w"]})
-  tx = optax_dls.loss_scaled(inner, optax_dls.compat.flax_policy(growth_interval=3))
+  tx = optax_dls.loss_scaled(inner, optax_dls.config.preset("flax", growth_interval=3))
   return old, _New.create(apply_fn=None, params=params, tx=tx, batch_stats={"mean": jnp.zeros(3)})
 
 
@@ -261,10 +263,10 @@ def test_a_dynamic_scale_checkpoint_is_refused_by_restore_and_converted(manager)
   with pytest.raises(
     ValueError,
     match=r"(?s)a flax DynamicScale at dynamic_scale.*"
-    r"optax_dls.flax.from_dynamic_scale_checkpoint\(manager.restore\(step\), target\)",
+    r"optax_dls.flax.from_dynamic_scale\(manager.restore\(step\), target\)",
   ):
     optax_dls.checkpoint.restore(manager, new, step=5)
-  _assert_ported(dls_flax.from_dynamic_scale_checkpoint(manager.restore(5), new), old)
+  _assert_ported(dls_flax.from_dynamic_scale(manager.restore(5), new), old)
 
 
 def test_a_dynamic_scale_checkpoint_of_flax_checkpoints_is_converted(tmp_path):
@@ -275,6 +277,6 @@ def test_a_dynamic_scale_checkpoint_of_flax_checkpoints_is_converted(tmp_path):
   old, new = _dynamic_scale_checkpoint()
   checkpoints.save_checkpoint(tmp_path, old, step=5)
   raw = checkpoints.restore_checkpoint(tmp_path, target=None)
-  _assert_ported(dls_flax.from_dynamic_scale_checkpoint(raw, new), old)
+  _assert_ported(dls_flax.from_dynamic_scale(raw, new), old)
   with pytest.raises(TypeError, match="'dynamic_scale' entry"):
-    dls_flax.from_dynamic_scale_checkpoint({"params": raw["params"]}, new)
+    dls_flax.from_dynamic_scale({"params": raw["params"]}, new)

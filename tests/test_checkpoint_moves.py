@@ -59,9 +59,9 @@ def test_a_dynamic_checkpoint_under_no_loss_scale_trains_as_the_bare_optimizer(t
   _save(tmp_path, {"params": params, "opt_state": state})
   tx = optax_dls.no_loss_scale(optax.sgd(0.1))
   state = _restore(tmp_path, tx, params)["opt_state"]
-  assert float(optax_dls.loss_scale(state)) == 2.0**15  # the loss is scaled by it once
+  assert float(optax_dls.find_state(state).loss_scale) == 2.0**15  # the loss is scaled by it once
   new, state = _quick_start_step(tx, params, state, jnp.float32(2.0))
-  assert float(optax_dls.loss_scale(state)) == 1.0
+  assert float(optax_dls.find_state(state).loss_scale) == 1.0
   sgd = optax.sgd(0.1)
   bare_updates, _ = sgd.update(jax.grad(_loss)(params, 2.0), sgd.init(params), params)
   bare = optax.apply_updates(params, bare_updates)
@@ -328,7 +328,7 @@ def test_every_restore_path_trains_under_the_new_rule_from_its_first_step(
     params, state = _quick_start_step(tx, params, state, x)
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)  # the bare step, every step
     want = float(saved["opt_state"].loss_scale) if rule_scale is None else rule_scale
-    assert float(optax_dls.loss_scale(state)) == want, (i, float(state.loss_scale))
+    assert float(optax_dls.find_state(state).loss_scale) == want, (i, float(state.loss_scale))
 
 
 def test_a_plain_optax_state_is_refused_naming_the_conversion_which_takes_it_in_memory():
@@ -341,7 +341,7 @@ def test_a_plain_optax_state_is_refused_naming_the_conversion_which_takes_it_in_
   state = optax_dls.checkpoint.into_loss_scaled(old, tx.init(PARAMS))
   for got, want in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(old), strict=True):
     np.testing.assert_array_equal(got, want)
-  assert float(optax_dls.loss_scale(state)) == 2.0**15
+  assert float(optax_dls.find_state(state).loss_scale) == 2.0**15
 
 
 def test_a_weakly_typed_scalar_of_the_target_comes_back_weakly_typed(tmp_path):
@@ -389,7 +389,7 @@ def test_under_no_loss_scale_a_restored_scale_is_undone_in_a_jitted_step(how):
   params = PARAMS
   for x in (jnp.float32(1.0), jnp.float32(2.0)):
     bare = optax.apply_updates(params, sgd.update(jax.grad(_loss)(params, x), sgd.init(params))[0])
-    params, state = step(params, state, x, optax_dls.loss_scale(state))
+    params, state = step(params, state, x, optax_dls.find_state(state).loss_scale)
     np.testing.assert_allclose(params["w"], bare["w"], rtol=1e-6)
     assert float(state.loss_scale) == 1.0
 

@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 
 import optax_dls
 from optax_dls import cli, writers
+from optax_dls._logs.diagnosis import NO_GROWTH_UPDATES, ZERO_RISE
+from optax_dls._logs.read import read_jsonl
+from optax_dls._logs.report import inspect as _inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_lm.py")
@@ -221,7 +224,7 @@ def test_inspect_logs_of_the_main_example(tmp_path, capsys):
   assert train_lm.main(flags) == 0
   capsys.readouterr()
   s = _inspect_json(out, capsys)["fp16-dls"]["summary"]
-  rows = [r for r in writers.read_jsonl(out / "metrics.jsonl") if "loss_scale" in r]
+  rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss_scale" in r]
   assert s["updates"] == 4 == len(rows)
   assert s["skips"] == max(r["skip_count"] for r in rows)
   assert s["scale_max"] == max(r["loss_scale"] for r in rows)
@@ -573,9 +576,7 @@ def _check_claim(symptom, stream, kind):
     r"scale never grows: no increase in the (\d+) updates from step (\d+) to step (\d+)", symptom
   ):
     span, first, last = map(int, m.groups())
-    assert (
-      span == last - first >= cli.NO_GROWTH_UPDATES and not stream.grew[first + 1 : last + 1].any()
-    )
+    assert span == last - first >= NO_GROWTH_UPDATES and not stream.grew[first + 1 : last + 1].any()
   elif m := re.match(
     r"stuck at the minimum: at least (\d+) updates were skipped with the loss scale at or "
     r"below 1",
@@ -589,7 +590,7 @@ def _check_claim(symptom, stream, kind):
   ):
     early, late = (float(x) / 100 for x in m.groups())
     _, zero0, zero1 = kind["underflow"]
-    assert zero1 - zero0 >= cli.ZERO_RISE and zero0 - 0.01 <= early < late <= zero1 + 0.01
+    assert zero1 - zero0 >= ZERO_RISE and zero0 - 0.01 <= early < late <= zero1 + 0.01
   elif symptom.startswith("scale pinned"):
     assert not stream.skipped.any()
   elif symptom.startswith("diverging loss: the mean loss of the applied steps rose"):
@@ -684,13 +685,11 @@ def test_inspect_never_reports_a_problem_the_stream_does_not_hold(case, tmp_path
   [
     ({"run_dir": None}, "run_dir"),
     ({"run_dir": 3}, "run_dir"),
-    ({"run_dir": ".", "plot_path": 1}, "plot_path"),
-    ({"run_dir": ".", "as_json": "yes"}, "as_json"),
   ],
 )
 def test_inspect_names_a_wrong_argument(kwargs, match):
   with pytest.raises(TypeError, match=match):
-    cli.inspect(**kwargs)
+    _inspect(**kwargs)
 
 
 def test_lost_gradients_are_found_against_a_run_logged_beside_it(tmp_path, capsys):
@@ -824,7 +823,7 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path, capsys, 
   err = _one_line_error(capsys)
   assert "--plot" in err and "matplotlib" in err and _INSTALL in err
   with pytest.raises(ImportError, match="monitoring"):
-    cli.inspect(tmp_path / "run", plot_path=tmp_path / "out.png")
+    _inspect(tmp_path / "run", plot_path=tmp_path / "out.png")
 
 
 def test_event_files_without_tensorboard_are_one_line_naming_the_extra(
@@ -1014,7 +1013,7 @@ def test_the_plot_draws_the_scale_as_steps_not_ramps(tmp_path, monkeypatch):
   figures = []
   monkeypatch.setattr(plt, "close", figures.append)
   _log(tmp_path / "run", _simulate(60, spikes={20, 40}).rows)
-  cli.inspect(tmp_path, plot_path=tmp_path / "p.png")
+  _inspect(tmp_path, plot_path=tmp_path / "p.png")
   (fig,) = figures
   scale_line = fig.axes[0].lines[0]
   assert scale_line.get_drawstyle() == "steps-post" and scale_line.get_label() == "run"
@@ -1054,3 +1053,82 @@ def test_a_skip_between_two_logged_rows_is_a_streak_of_at_least_one(tmp_path, ca
     )
   cli.main(["inspect", str(tmp_path)])
   assert "longest streak at least 1" in capsys.readouterr().out
+
+
+# --- How inspect shows scales, a saved locate report and the plot ---
+
+
+def _saved_locate(path, scale, scopes):
+  """A ``locate.json`` as ``MetricsWriter.write_locate`` saves it, with a row per scope."""
+  rows = [
+    {
+      "scope": scope,
+      "forward_fraction": fraction,
+      "backward_fraction": 0.5,
+      "forward_overflow": False,
+      "backward_overflow": False,
+      "underflow_share": 0.0,
+      "first_overflow": -1,
+    }
+    for scope, fraction in scopes
+  ]
+  first = {
+    "phase": "backward",
+    "primitive": "dot_general",
+    "source": "model.py:3",
+    "scope": scopes[0][0],
+    "kind": "inf",
+    "dtype": "float16",
+    "input_max": 1.0,
+    "note": "",
+  }
+  data = {"step": 3, "scale": scale, "first": first, "headroom": rows}
+  (path / writers.LOCATE_NAME).write_text(json.dumps(data))
+
+
+def test_the_saved_locate_table_shows_whole_scope_names_and_no_top_level_row(tmp_path, capsys):
+  long = "Transformer/decoder/layers_11/self_attention/query_key_value/Dense_0"
+  _write(tmp_path, [_row(i) for i in range(3)])
+  _saved_locate(tmp_path, 2.0**26, [(long, 0.9), ("(top level)", 1.0), ("embed", 0.1)])
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  table = text[text.index("locate at loss scale") :].splitlines()
+  assert table[0] == "locate at loss scale 2^26:" and "6.71089e+07" not in text
+  assert any(line.strip().startswith(long + " ") for line in table), table
+  assert any(line.strip().startswith("embed ") for line in table), table
+  assert not any(line.strip().startswith("(top level)") for line in table), table
+
+
+def test_a_scale_that_is_not_a_power_of_two_is_shown_as_a_fractional_power(tmp_path, capsys):
+  _write(tmp_path, [_row(i, scale) for i, scale in enumerate([1500.0, 2.0**26, 2.0**26])])
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  text = capsys.readouterr().out
+  assert "lowest 2^10.55 / median 2^26 / highest 2^26 (logged)" in text, text
+  assert "1500" not in text and "e+07" not in text
+
+
+def test_the_plot_has_a_panel_per_quantity_and_marks_skipped_and_recomputed_steps(
+  tmp_path, monkeypatch
+):
+  import matplotlib.pyplot as plt
+
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  rows = _simulate(60, ceiling=2.0**30, init=2.0**10, spikes={20, 40}).rows
+  for i, row in enumerate(rows):  # steps 10 and 30 recomputed after an overflow
+    row["recomputed_steps"] = (i >= 10) + (i >= 30)
+    row["recompute_tries"] = row["recomputed_steps"]
+  _log(tmp_path / "run", rows)
+  _inspect(tmp_path, plot_path=tmp_path / "p.png")
+  (fig,) = figures
+  axes = fig.axes
+  labels = [ax.get_ylabel() for ax in axes]
+  assert labels[0].startswith("loss scale") and axes[0].get_yscale() == "log"
+  assert axes[0].yaxis.get_transform().base == 2
+  for quantity in ("loss", "grad norm", "skipped", "recomputed"):
+    assert any(label.startswith(quantity) for label in labels), labels
+  assert all(ax.get_shared_x_axes().joined(axes[0], ax) for ax in axes)
+  marks = {line.get_label(): line for line in axes[0].lines}
+  assert list(marks["run: skipped"].get_xdata()) == [20, 40]
+  assert list(marks["run: recomputed"].get_xdata()) == [10, 30]
+  assert marks["run: skipped"].get_marker() != marks["run: recomputed"].get_marker()

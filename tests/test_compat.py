@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import optax_dls
+from optax_dls._policies.base import GradStats
 
 LENGTH = 40  # padded sequence length: one compilation per configuration
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True)
@@ -43,11 +44,11 @@ def _import(name: str):
 @functools.cache
 def _trajectory_fn(preset: str, config: tuple):
   """Jitted scan of the preset's policy over a padded bool sequence, cached per config."""
-  policy = getattr(optax_dls.compat, preset)(**dict(config))
+  policy = optax_dls.config.preset(preset, **dict(config))
 
   def step(carry, finite):
     scale, state = carry
-    stats = optax_dls.GradStats(
+    stats = GradStats(
       finite=finite, step=jnp.zeros([], jnp.int32), grad_norm=jnp.zeros([], jnp.float32)
     )
     scale, state = policy.update(scale, state, stats)
@@ -91,7 +92,7 @@ def test_torch_grad_scaler(seq, config):
       config["growth_interval"],
     )
     expected.append(scale.item())
-  assert ours("torch_policy", config, seq) == expected
+  assert ours("torch", config, seq) == expected
 
 
 KERAS_CONFIGS = [dict(initial_scale=2.0**15, dynamic_growth_steps=n) for n in (1, 2, 4)]
@@ -123,7 +124,7 @@ def test_keras_loss_scale_optimizer(seq, config):
   for c in seq:
     train_vars, opt_vars = apply(opt_vars, jnp.full([2], VALUES[c], jnp.float32), train_vars)
     expected.append(float(opt_vars[index]))
-  assert ours("keras_policy", config, seq) == expected
+  assert ours("keras", config, seq) == expected
 
 
 JMP_CONFIGS = [
@@ -157,7 +158,7 @@ def test_jmp_dynamic_loss_scale(seq, config):
   finite = np.ones([LENGTH], bool)
   finite[: len(seq)] = [c == "F" for c in seq]
   expected = np.asarray(_jmp_scan(jmp, tuple(sorted(config.items())))(jnp.asarray(finite)))
-  assert ours("jmp_policy", config, seq) == [float(x) for x in expected[: len(seq)]]
+  assert ours("jmp", config, seq) == [float(x) for x in expected[: len(seq)]]
 
 
 FLAX_CONFIGS = [
@@ -187,7 +188,7 @@ def test_flax_dynamic_scale(seq, config):
   expected = np.asarray(
     _flax_scan(module.DynamicScale, tuple(sorted(config.items())))(jnp.asarray(values))
   )
-  assert ours("flax_policy", config, seq) == [float(x) for x in expected[: len(seq)]]
+  assert ours("flax", config, seq) == [float(x) for x in expected[: len(seq)]]
 
 
 MEGATRON_CONFIGS = [
@@ -234,7 +235,7 @@ def test_megatron_dynamic_grad_scaler(seq, config):
   for c in seq:
     scaler.update(c != "F")
     expected.append(float(scaler.scale.item()))
-  assert ours("megatron_policy", config, seq) == expected
+  assert ours("megatron", config, seq) == expected
 
 
 DEEPSPEED_CONFIGS = [
@@ -271,7 +272,7 @@ def test_deepspeed_dynamic_loss_scaler(seq, config):
         assert "minimum" in str(e)
         break
       expected.append(float(scaler.cur_scale))
-  assert ours("deepspeed_policy", config, seq)[: len(expected)] == expected
+  assert ours("deepspeed", config, seq)[: len(expected)] == expected
 
 
 def test_hysteresis_sequences_of_the_reference_table():
@@ -284,33 +285,33 @@ def test_hysteresis_sequences_of_the_reference_table():
         init_scale=2.0**16,
         scale_window=1000,
         delayed_shift=2,
-        consecutive_hysteresis=policy_fn == "deepspeed_policy",
+        consecutive_hysteresis=policy_fn == "deepspeed",
       ),
       seq,
     )
 
-  assert run("deepspeed_policy", "IFI") == [2.0**16, 2.0**16, 2.0**16]
-  assert ours("megatron_policy", dict(initial_scale=2.0**16), "IFI") == [2.0**16, 2.0**16, 2.0**15]
-  assert ours("megatron_policy", dict(initial_scale=2.0**16), "III") == [2.0**16, 2.0**15, 2.0**14]
+  assert run("deepspeed", "IFI") == [2.0**16, 2.0**16, 2.0**16]
+  assert ours("megatron", dict(initial_scale=2.0**16), "IFI") == [2.0**16, 2.0**16, 2.0**15]
+  assert ours("megatron", dict(initial_scale=2.0**16), "III") == [2.0**16, 2.0**15, 2.0**14]
 
 
 def test_growth_timing_differs_between_references():
   # The same eight clean steps: torch grows on the 4th and 8th, flax on the 5th,
   # DeepSpeed on the 5th then every 4th (so also the 9th, not reached here).
   seq = "FFFFFFFF"
-  torch_traj = ours("torch_policy", dict(init_scale=1.0, growth_interval=4), seq)
-  flax_traj = ours("flax_policy", dict(scale=1.0, growth_interval=4), seq)
-  ds_traj = ours("deepspeed_policy", dict(init_scale=1.0, scale_window=4), seq)
+  torch_traj = ours("torch", dict(init_scale=1.0, growth_interval=4), seq)
+  flax_traj = ours("flax", dict(scale=1.0, growth_interval=4), seq)
+  ds_traj = ours("deepspeed", dict(init_scale=1.0, scale_window=4), seq)
   assert torch_traj == [1, 1, 1, 2, 2, 2, 2, 4]
   assert flax_traj == [1, 1, 1, 1, 2, 2, 2, 2]
   assert ds_traj == [1, 1, 1, 1, 2, 2, 2, 2]
-  assert ours("deepspeed_policy", dict(init_scale=1.0, scale_window=4), seq + "F")[-1] == 4.0
+  assert ours("deepspeed", dict(init_scale=1.0, scale_window=4), seq + "F")[-1] == 4.0
 
 
 def test_presets_inside_the_wrapper_follow_torch():
   torch = _import("torch")
   config = dict(init_scale=2.0**4, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
-  tx = optax_dls.loss_scaled(optax.sgd(0.5), optax_dls.compat.torch_policy(**config))
+  tx = optax_dls.loss_scaled(optax.sgd(0.5), optax_dls.config.preset("torch", **config))
   params = {"w": jnp.zeros([3])}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -318,28 +319,28 @@ def test_presets_inside_the_wrapper_follow_torch():
   opt = torch.optim.SGD([p], lr=0.5)
   scaler = torch.amp.GradScaler("cpu", **config)
   for c in "FFFIFNFFFFIIF":
-    grads = {"w": jnp.full([3], VALUES[c], jnp.float32) * optax_dls.loss_scale(state)}
+    grads = {"w": jnp.full([3], VALUES[c], jnp.float32) * optax_dls.find_state(state).loss_scale}
     updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     scaler.scale(torch.ones(()))
     p.grad = torch.full((3,), VALUES[c]) * scaler.get_scale()
     scaler.step(opt)
     scaler.update()
-    assert float(optax_dls.loss_scale(state)) == scaler.get_scale()
+    assert float(optax_dls.find_state(state).loss_scale) == scaler.get_scale()
     np.testing.assert_array_equal(np.asarray(params["w"]), p.detach().numpy())
 
 
 @pytest.mark.parametrize(
   "call, match",
   [
-    (lambda: optax_dls.compat.torch_policy(growth_factor=1.0), "growth_factor"),
-    (lambda: optax_dls.compat.torch_policy(init_scale=0.0), "init_scale"),
-    (lambda: optax_dls.compat.keras_policy(dynamic_growth_steps=0), "dynamic_growth_steps"),
-    (lambda: optax_dls.compat.jmp_policy(2.0, min_loss_scale=4.0), "loss_scale"),
-    (lambda: optax_dls.compat.flax_policy(backoff_factor=1.0), "backoff_factor"),
-    (lambda: optax_dls.compat.megatron_policy(hysteresis=0), "hysteresis"),
-    (lambda: optax_dls.compat.deepspeed_policy(scale_window=0), "scale_window"),
-    (lambda: optax_dls.compat.deepspeed_policy(init_scale=float("inf")), "init_scale"),
+    (lambda: optax_dls.config.preset("torch", growth_factor=1.0), "growth_factor"),
+    (lambda: optax_dls.config.preset("torch", init_scale=0.0), "init_scale"),
+    (lambda: optax_dls.config.preset("keras", dynamic_growth_steps=0), "dynamic_growth_steps"),
+    (lambda: optax_dls.config.preset("jmp", loss_scale=2.0, min_loss_scale=4.0), "loss_scale"),
+    (lambda: optax_dls.config.preset("flax", backoff_factor=1.0), "backoff_factor"),
+    (lambda: optax_dls.config.preset("megatron", hysteresis=0), "hysteresis"),
+    (lambda: optax_dls.config.preset("deepspeed", scale_window=0), "scale_window"),
+    (lambda: optax_dls.config.preset("deepspeed", init_scale=float("inf")), "init_scale"),
   ],
 )
 def test_bad_hyperparameters_raise_value_error_naming_them(call, match):
@@ -349,6 +350,6 @@ def test_bad_hyperparameters_raise_value_error_naming_them(call, match):
 
 def test_traced_hyperparameter_raises_type_error():
   with pytest.raises(TypeError, match="growth_interval"):
-    jax.jit(lambda n: optax_dls.compat.torch_policy(growth_interval=n))(3)
+    jax.jit(lambda n: optax_dls.config.preset("torch", growth_interval=n))(3)
   with pytest.raises(TypeError, match="consecutive_hysteresis"):
-    optax_dls.compat.deepspeed_policy(consecutive_hysteresis=1)
+    optax_dls.config.preset("deepspeed", consecutive_hysteresis=1)

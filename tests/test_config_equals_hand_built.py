@@ -44,7 +44,18 @@ CASES = {
     {},
     False,
   ),
-  "preset": ({"preset": "text_llm"}, D(**_config.preset("text_llm")), {}, False),
+  "preset": (
+    {"preset": "text_llm"},
+    D(init_scale=2.0**16, growth_interval=1000, hysteresis=2),
+    {},
+    False,
+  ),
+  "preset=torch, its own argument names": (
+    {"preset": "torch", "growth_interval": 2},
+    _config.preset("torch", growth_interval=2),
+    {},
+    False,
+  ),
   "kind=static, scale": (
     {"kind": "static", "scale": 1024},
     _policies.static_policy(1024),

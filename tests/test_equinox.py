@@ -12,6 +12,7 @@ import pytest
 from _compat import apply_step
 
 import optax_dls
+from optax_dls._access.names import leaf_names
 
 eqx = pytest.importorskip("equinox")
 
@@ -70,7 +71,7 @@ def test_skipped_step_leaves_the_model_and_names_the_leaf(tmp_path):
     w.log(0, optax_dls.metrics(state))
   row = json.loads((tmp_path / optax_dls.writers.JSONL_NAME).read_text().splitlines()[0])
   assert row["nonfinite_leaves"] == {"layers/1/weight": "inf"}
-  assert optax_dls.leaf_names(model) == [
+  assert leaf_names(model) == [
     "layers/0/weight",
     "layers/0/bias",
     "layers/1/weight",
@@ -138,7 +139,7 @@ def test_a_model_with_python_number_fields_names_only_its_arrays_and_is_refused_
   as it refuses a model holding a function."""
   model = _WithDropout(eqx.nn.Linear(3, 2, key=jax.random.key(0)), eqx.nn.Dropout(0.1))
   params = eqx.filter(model, eqx.is_array)
-  assert optax_dls.leaf_names(model) == optax_dls.leaf_names(params) == ["lin/weight", "lin/bias"]
+  assert leaf_names(model) == leaf_names(params) == ["lin/weight", "lin/bias"]
   tx = optax_dls.dynamic_loss_scale(optax.adam(1e-3))
   state = tx.init(params)
   bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)

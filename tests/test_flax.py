@@ -91,7 +91,7 @@ def test_linen_loss_unscaled_grads_scaled_and_update_matches_plain_sgd():
 @jax.jit
 def _linen_fused_step(state, x):
   (_, grads), state = _linen_grad_fn(state, state.params, state.apply_fn, x)
-  return dls_flax.apply_gradients(state, grads=grads)
+  return dls_flax._apply_gradients(state, grads=grads)
 
 
 def test_linen_fused_apply_gradients_matches_the_method_and_keeps_params_on_skip():
@@ -108,19 +108,23 @@ def test_linen_fused_apply_gradients_matches_the_method_and_keeps_params_on_skip
       jax.tree.map(np.testing.assert_array_equal, fused.params, before)
   assert int(fused.step) == int(ref.step) == 4
   assert _applied(fused) == 3
-  assert float(optax_dls.loss_scale(fused)) == float(optax_dls.loss_scale(ref)) == S0 / 2
+  assert (
+    float(optax_dls.find_state(fused).loss_scale)
+    == float(optax_dls.find_state(ref).loss_scale)
+    == S0 / 2
+  )
 
 
 def test_linen_fused_apply_gradients_keeps_overwrite_with_gradient_and_kwargs():
   params = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"amax": jnp.zeros(3)}}
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=_tx())
   grads = {"params": {"w": jnp.full(2, S0)}, "_overwrite_with_gradient": {"amax": jnp.arange(3.0)}}
-  new = dls_flax.apply_gradients(state, grads=grads, apply_fn=len)
+  new = dls_flax._apply_gradients(state, grads=grads, apply_fn=len)
   np.testing.assert_allclose(new.params["params"]["w"], 0.9, rtol=1e-6)
   np.testing.assert_array_equal(new.params["_overwrite_with_gradient"]["amax"], jnp.arange(3.0))
   assert new.apply_fn is len
   with pytest.raises(TypeError, match="state must be a flax TrainState"):
-    dls_flax.apply_gradients({"params": 1}, grads={})
+    dls_flax._apply_gradients({"params": 1}, grads={})
 
 
 def test_linen_skipped_step_counts_in_step_not_in_the_applied_updates():
@@ -194,7 +198,7 @@ def test_nnx_reset_scale_keeps_variables():
   model = _Net(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
   optimizer.opt_state = optax_dls.reset_scale(optimizer.opt_state, 8.0)
-  assert float(optax_dls.loss_scale(optimizer)) == 8.0
+  assert float(optax_dls.find_state(optimizer).loss_scale) == 8.0
   _nnx_step(model, optimizer, X)
   assert _applied(optimizer) == 1
 
@@ -287,7 +291,7 @@ def test_linen_recompute_applies_every_batch_and_compiles_once():
 def test_linen_recomputed_step_equals_a_step_run_directly_at_the_final_scale():
   _, state = _linen_setup()
   new, loss = _linen_fit_step(8)(state, X, Y_BIG)
-  final = float(optax_dls.loss_scale(new))
+  final = float(optax_dls.find_state(new).loss_scale)
   assert final < S0 and int(optax_dls.metrics(new)["recompute_tries"]) >= 1
   direct = state.replace(opt_state=optax_dls.reset_scale(state.opt_state, final))
   new_d, loss_d = _linen_fit_step(None)(direct, X, Y_BIG)
@@ -385,7 +389,7 @@ def test_nnx_recompute_applies_every_batch_and_compiles_once():
 def test_nnx_recomputed_step_equals_a_step_run_directly_at_the_final_scale():
   model, optimizer = _nnx_setup()
   loss, grads = _nnx_fit_step(8)(model, optimizer, X, Y_BIG)
-  final = float(optax_dls.loss_scale(optimizer))
+  final = float(optax_dls.find_state(optimizer).loss_scale)
   assert final < S0 and int(optax_dls.metrics(optimizer)["recompute_tries"]) >= 1
   direct_model, direct_opt = _nnx_setup()
   direct_opt.opt_state = optax_dls.reset_scale(direct_opt.opt_state, final)
@@ -498,13 +502,18 @@ def _bn_loss(params, state, x):
 
 
 @pytest.mark.parametrize("max_tries", [None, 2])
-def test_linen_apply_gradients_keeps_batch_stats_on_a_skipped_step(max_tries):
+def test_linen_batch_stats_kept_on_a_skipped_step_as_documented(max_tries):
+  """flax value_and_grad docstring: the old batch_stats kept where metrics says skipped."""
   grad_fn = dls_flax.value_and_grad(_bn_loss, has_aux=True, max_tries=max_tries)
 
   @jax.jit
   def step(state, x):
-    ((_, stats), grads), state = grad_fn(state, state.params, state, x)
-    return dls_flax.apply_gradients(state, grads=grads, batch_stats=stats), stats
+    ((_, batch_stats), grads), state = grad_fn(state, state.params, state, x)
+    new = state.apply_gradients(grads=grads)
+    skipped = optax_dls.metrics(new.opt_state)["skipped"]
+    keep = lambda n, o: jnp.where(skipped, o, n)
+    new = new.replace(batch_stats=jax.tree.map(keep, batch_stats, state.batch_stats))
+    return new, batch_stats
 
   state = _bn_setup()
   state, stats = step(state, X)
@@ -583,7 +592,7 @@ def _sharded_linen_step(axis_name, tx_axis_name=None, max_tries=None):
 
   def local(state, x, y):
     (_, grads), state = grad_fn(state, state.params, state.apply_fn, x, y)
-    return jax.tree.map(lambda g: g[None], grads), optax_dls.loss_scale(state)[None]
+    return jax.tree.map(lambda g: g[None], grads), optax_dls.find_state(state).loss_scale[None]
 
   spec = jax.tree.map(lambda _: P(), state)
   f = jax.shard_map(
@@ -703,7 +712,7 @@ def test_from_dynamic_scale_continues_flax_growth_timing_exactly():
     ds = _ds_step(ds, bad)
   assert int(ds.fin_steps) == 3  # mid-way to a growth: the count must carry over
   tx = optax_dls.loss_scaled(
-    optax.sgd(0.1), optax_dls.compat.flax_policy(growth_interval=interval, scale=2.0**10)
+    optax.sgd(0.1), optax_dls.config.preset("flax", growth_interval=interval, scale=2.0**10)
   )
   state = dls_flax.from_dynamic_scale(ds, tx.init({"w": jnp.ones(2)}))
   assert float(state.loss_scale) == float(ds.scale)
@@ -722,7 +731,7 @@ def test_from_dynamic_scale_takes_the_stored_dict_and_checks_it():
   assert float(st.loss_scale) == 256.0 and int(st.policy_state.growth_tracker) == 5
   assert st.loss_scale.dtype == jnp.float32 and st.policy_state.growth_tracker.dtype == jnp.int32
   assert isinstance(new, train_state.TrainState)
-  with pytest.raises(TypeError, match="dynamic_scale must be a flax DynamicScale"):
+  with pytest.raises(TypeError, match="source must be a flax DynamicScale"):
     dls_flax.from_dynamic_scale({"scale": 2.0}, state)
   with pytest.raises(ValueError, match="dynamic_scale.scale"):
     dls_flax.from_dynamic_scale({"scale": 0.0, "fin_steps": 0}, state)  # not a valid scale

@@ -39,7 +39,7 @@ def _step(tx, how):
       if how == "scale_loss":
         return optax_dls.scale_loss(loss, s)
       if how == "loss_scale":
-        return loss * optax_dls.loss_scale(s)
+        return loss * optax_dls.find_state(s).loss_scale
       return loss  # forgotten
 
     g = jax.grad(lf, allow_int=True)(p)

@@ -115,7 +115,7 @@ def test_jitted_init_and_sharded_donated_steps_with_multisteps(axis_type):
   assert step._cache_size() == 1  # one trace, one program for every step
   assert int(state.step) == 5 and int(state.opt_state.num_steps) == 5
   assert int(state.opt_state.num_skipped) == 1
-  assert float(optax_dls.loss_scale(state.opt_state)) == 2.0**9
+  assert float(optax_dls.find_state(state.opt_state).loss_scale) == 2.0**9
   assert int(state.opt_state.inner_state.gradient_step) == 2  # 4 applied micro-batches, k=2
   for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
@@ -129,9 +129,6 @@ BUILT_IN_A_TRACE = {
   "amax": lambda: optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.amax_policy()),
   "fp32_fallback": lambda: optax_dls.loss_scaled(
     optax.sgd(0.1), optax_dls.fp32_fallback(optax_dls.dynamic_policy())
-  ),
-  "skips_at_min_scale": lambda: optax_dls.loss_scaled(
-    optax.sgd(0.1), optax_dls.skips_at_min_scale(optax_dls.dynamic_policy())
   ),
   "group_unscale": lambda: optax_dls.dynamic_loss_scale(
     optax.chain(group_scale.group_unscale(4.0, {"w": True, "b": False}), optax.sgd(0.1))

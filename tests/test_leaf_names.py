@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import optax_dls
+from optax_dls._access.names import leaf_names
 
 INF = jnp.inf
 
@@ -31,12 +32,12 @@ def test_a_params_tree_of_another_leaf_count_is_refused_not_misnamed():
       optax_dls.nonfinite_leaves(state, other)
   with pytest.raises(ValueError, match="not the tree the state was built for"):
     optax_dls.nonfinite_leaves(state, ["a", "b"])
-  assert optax_dls.nonfinite_leaves(state, optax_dls.leaf_names(params)) == {"c": "inf"}
+  assert optax_dls.nonfinite_leaves(state, leaf_names(params)) == {"c": "inf"}
 
 
 def test_a_slash_inside_a_key_does_not_merge_two_leaves():
   params = {"a/b": jnp.ones(2), "a": {"b": jnp.ones(3)}}
-  names = optax_dls.leaf_names(params)
+  names = leaf_names(params)
   assert len(set(names)) == 2 and "a/b" in names and "a\\/b" in names
   tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
   grads = {"a/b": jnp.full(2, INF), "a": {"b": jnp.full(3, jnp.nan)}}
@@ -101,8 +102,8 @@ def test_flax_linen_boxed_parameters_are_named_as_their_unboxed_arrays():
   boxed = Model().init(jax.random.key(0), jnp.ones((1, 3)))["params"]
   params = nn.unbox(boxed)
   assert (
-    optax_dls.leaf_names(boxed)
-    == optax_dls.leaf_names(params)
+    leaf_names(boxed)
+    == leaf_names(params)
     == [
       "Dense_0/bias",
       "Dense_0/kernel",

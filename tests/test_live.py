@@ -13,7 +13,7 @@ import pytest
 
 from optax_dls import cli, writers
 from optax_dls._logs import live as _live
-from optax_dls._logs import tail as _tail
+from optax_dls._logs import read as _read
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,20 +274,6 @@ def test_bad_follow_arguments_are_argument_errors(flags, message, tmp_path, caps
   assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-  "kwargs, error, match",
-  [
-    ({"interval": 0}, ValueError, "interval"),
-    ({"interval": "2"}, TypeError, "interval"),
-    ({"refreshes": 0}, ValueError, "refreshes"),
-    ({"refreshes": 1.5}, TypeError, "refreshes"),
-  ],
-)
-def test_follow_names_a_wrong_argument(tmp_path, kwargs, error, match):
-  with pytest.raises(error, match=match):
-    _live.follow(tmp_path, **kwargs)
-
-
 def test_warnings_are_shown_once_each(tmp_path):
   path = tmp_path / writers.JSONL_NAME
   _rows_file(path, range(2))
@@ -319,9 +305,9 @@ def test_a_corrupt_event_record_is_reported_once_the_file_stops_growing(tmp_path
   data = bytearray(path.read_bytes())
   data[-6] ^= 0xFF  # the value of the last record
   path.write_bytes(bytes(data))
-  tail = _tail.EventsTail(str(path))
-  assert [r["step"] for r in tail.read().rows] == [0, 1, 2] and tail.read().bad != []
-  assert tail.read().bad == []  # once
+  log = _read.LogFile(str(path), "events")
+  assert [r["step"] for r in log.read()[0]] == [0, 1, 2] and log.read()[1] != []
+  assert log.read()[1] == []  # once
 
 
 def test_following_a_file_that_is_not_a_folder_exits_2(tmp_path, capsys):

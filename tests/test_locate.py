@@ -176,7 +176,8 @@ def test_nnx_scope_is_the_nearest_user_function():
 
 def test_saved_report_is_shown_by_inspect(tmp_path):
   optax = pytest.importorskip("optax")
-  from optax_dls import cli, writers
+  from optax_dls import writers
+  from optax_dls._logs.report import inspect as inspect_logs
 
   params = {"w": jnp.ones(2, jnp.float32)}
   state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init(params)
@@ -187,7 +188,7 @@ def test_saved_report_is_shown_by_inspect(tmp_path):
     with pytest.raises(TypeError, match="report"):
       writer.write_locate({"first": None})
   assert json.loads(pathlib.Path(path).read_text())["step"] == 7
-  text = cli.inspect(tmp_path)
+  text = inspect_logs(tmp_path)
   assert "the batch of step 7" in text
   assert "first inf: backward dot_general (float16) in second" in text
 

@@ -47,7 +47,7 @@ def test_skip_is_exact_and_leaves_no_trace(name, lowering):
 
   @jax.jit
   def step(params, state, g):
-    g = jax.tree.map(lambda x: x * optax_dls.loss_scale(state), g)
+    g = jax.tree.map(lambda x: x * optax_dls.find_state(state).loss_scale, g)
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state, updates
 

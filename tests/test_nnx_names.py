@@ -5,6 +5,7 @@ import optax
 import pytest
 
 import optax_dls
+from optax_dls._access.names import leaf_names
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -15,7 +16,7 @@ def test_nnx_state_names_have_no_value_suffix():
       self.dense = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
 
   params = nnx.state(Model(), nnx.Param)
-  assert optax_dls.leaf_names(params) == ["dense/bias", "dense/kernel"]
+  assert leaf_names(params) == ["dense/bias", "dense/kernel"]
   tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0))
   state = tx.init(params)
   grads = nnx.to_pure_dict(params)

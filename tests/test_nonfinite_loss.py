@@ -13,7 +13,8 @@ from flax.training.train_state import TrainState
 
 import optax_dls
 import optax_dls.flax
-from optax_dls import cli, writers
+from optax_dls import writers
+from optax_dls._logs.report import inspect
 
 PARAMS = {"w": jnp.ones(3)}
 BAD = jnp.float32(-jnp.inf)  # one batch's data term: -inf, and no gradient through it
@@ -63,12 +64,12 @@ def test_value_and_grad_then_update_skips(step):
   assert not np.array_equal(params["w"], PARAMS["w"])
 
 
-def test_flax_value_and_grad_then_apply_gradients_skips():
+def test_flax_value_and_grad_then_the_train_state_s_apply_gradients_skips():
   state = TrainState.create(apply_fn=None, params=PARAMS, tx=_tx())
   grad_fn = optax_dls.flax.value_and_grad(loss_fn)
   (loss, grads), state = grad_fn(state, state.params, BAD)
   assert np.isneginf(loss) and np.isfinite(grads["w"]).all()
-  state = optax_dls.flax.apply_gradients(state, grads=grads)
+  state = state.apply_gradients(grads=grads)
   _assert_one_skip(state.opt_state, state.params)
   assert int(state.step) == 1
 
@@ -82,7 +83,7 @@ def test_inspect_counts_the_skip_that_metrics_counts(tmp_path):
       (loss, grads), state = grad_fn(state, params, jnp.float32(extra))
       params, state = apply_step(tx, grads, state, params)
       writer.log(step, optax_dls.metrics(state), loss=loss)
-  (report,) = json.loads(cli.inspect(tmp_path, as_json=True)).values()
+  (report,) = json.loads(inspect(tmp_path, as_json=True)).values()
   summary = report["summary"]
   assert summary["skips"] == int(optax_dls.metrics(state)["skip_count"]) == 1
   assert summary["applied_updates"] == 2 and summary["nonfinite"]["loss_steps"] == [2]

@@ -21,9 +21,7 @@ BAD = {"w": jnp.array([8.0, jnp.inf, -8.0]), "b": jnp.array([4.0])}
 
 
 def _builders(inner):
-  policy = optax_dls.skips_at_min_scale(
-    optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=8.0), after=2)
-  )
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(init_scale=8.0), after=2)
   return {
     "dynamic": lambda: optax_dls.dynamic_loss_scale(inner, init_scale=8.0),
     "dynamic_labels": lambda: optax_dls.dynamic_loss_scale(
@@ -34,7 +32,7 @@ def _builders(inner):
     "wrapped_policies": lambda: optax_dls.loss_scaled(inner, policy),
     "amax": lambda: optax_dls.loss_scaled(inner, optax_dls.amax_policy(init_scale=8.0)),
     "torch_preset": lambda: optax_dls.loss_scaled(
-      inner, optax_dls.compat.torch_policy(init_scale=8.0)
+      inner, optax_dls.config.preset("torch", init_scale=8.0)
     ),
     "underflow_stats": lambda: optax_dls.underflow_stats(labels={"w": "a", "b": "b"}),
   }

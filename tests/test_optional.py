@@ -43,7 +43,7 @@ def test_a_yaml_configuration_without_pyyaml_names_the_monitoring_extra(tmp_path
   path.write_text("loss_scale:\n  init_scale: 1024\n")
   _without(monkeypatch, "yaml")
   with pytest.raises(ImportError) as e:
-    config.load_config(path)
+    config.from_config(path)
   text = _one_line(e)
   assert "PyYAML" in text and 'pip install "optax_dls[monitoring]"' in text
 

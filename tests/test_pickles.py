@@ -11,6 +11,9 @@ import optax
 import pytest
 
 import optax_dls
+from optax_dls._features.casting import CastPolicy
+from optax_dls._policies.base import GradStats
+from optax_dls._util.locate_report import LocateReport
 
 
 def _params():
@@ -18,7 +21,7 @@ def _params():
 
 
 def _tx():
-  policy = optax_dls.fp32_fallback(optax_dls.skips_at_min_scale(optax_dls.dynamic_policy()))
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy())
   inner = optax.chain(optax_dls.underflow_stats(), optax_dls.recompute_stats(), optax.adam(1e-2))
   return optax_dls.loss_scaled(inner, policy)
 
@@ -46,7 +49,7 @@ def test_a_state_pickles_and_loads_back_equal():
   "value",
   [
     optax_dls.cast_policy("p=f32,c=f16,o=f32"),
-    optax_dls.GradStats(jnp.bool_(True), jnp.int32(3), jnp.float32(1.0), jnp.float32(2.0)),
+    GradStats(jnp.bool_(True), jnp.int32(3), jnp.float32(1.0), jnp.float32(2.0)),
     optax_dls.SkipAlerts(),
   ],
   ids=lambda v: type(v).__name__,
@@ -63,7 +66,7 @@ def test_a_locate_report_pickles():
 
 @pytest.mark.parametrize(
   "kind",
-  [optax_dls.LossScaleState, optax_dls.GradStats, optax_dls.CastPolicy, optax_dls.LocateReport],
+  [optax_dls.LossScaleState, GradStats, CastPolicy, LocateReport],
   ids=lambda k: k.__name__,
 )
 def test_the_pickled_types_keep_their_module_their_hints_and_their_source(kind):

@@ -18,6 +18,7 @@ from jax import lax
 
 import optax_dls
 from optax_dls import _policies
+from optax_dls._policies.base import GradStats
 
 F16_MAX = 65504.0
 LENGTH = 32
@@ -34,7 +35,7 @@ def _run(config: tuple):
   def step(carry, xs):
     scale, state = carry
     finite, amax = xs
-    stats = optax_dls.GradStats(
+    stats = GradStats(
       finite=finite, step=jnp.zeros([], jnp.int32), grad_norm=amax, amax=amax * scale
     )
     new_scale, state = policy.update(scale, state, stats)
@@ -105,9 +106,11 @@ def _drifting_run(policy, n=200):
 
   def step(state, t):
     magnitude = 2.0 ** (4.0 * jnp.sin(t * 2 * jnp.pi / 50.0))
-    scaled = (base * magnitude * optax_dls.loss_scale(state)).astype(jnp.float16)  # fp16 compute
+    scaled = (base * magnitude * optax_dls.find_state(state).loss_scale).astype(
+      jnp.float16
+    )  # fp16 compute
     _, state = tx.update({"w": scaled.astype(jnp.float32)}, state, params)
-    return state, optax_dls.loss_scale(state)
+    return state, optax_dls.find_state(state).loss_scale
 
   state, scales = jax.jit(lambda s: lax.scan(step, s, jnp.arange(n, dtype=jnp.float32)))(
     tx.init(params)
@@ -145,7 +148,7 @@ def test_grad_norm_statistic_needs_no_amax():
   policy = optax_dls.amax_policy(statistic="grad_norm", init_scale=2.0**10)
   assert policy.stats == ()
   scale, state = policy.init()
-  stats = optax_dls.GradStats(jnp.bool_(True), jnp.int32(0), jnp.float32(100.0), None)
+  stats = GradStats(jnp.bool_(True), jnp.int32(0), jnp.float32(100.0), None)
   new_scale, _ = jax.jit(policy.update)(scale, state, stats)
   assert float(new_scale) == 128.0  # largest 2**k with 100 * 2**k <= 65504 / 2**2 (margin 2)
 
@@ -239,7 +242,7 @@ def test_custom_policy_through_loss_scaled():
 
   @jax.jit
   def step(params, state, g):
-    g = {"w": g * optax_dls.loss_scale(state)}
+    g = {"w": g * optax_dls.find_state(state).loss_scale}
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -249,7 +252,7 @@ def test_custom_policy_through_loss_scaled():
   for g in ([1.0, 2.0], [3.0, 4.0], [np.inf, 1.0], [1.0, 1.0], [20.0, 1.0], [1.0, 1.0]):
     before = state.inner_state
     params, state = step(params, state, jnp.array(g, jnp.float32))
-    scales.append(float(optax_dls.loss_scale(state)))
+    scales.append(float(optax_dls.find_state(state).loss_scale))
     inner.append(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.inner_state, before))
   assert scales == [2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**9, 2.0**9]
   assert all(jax.tree.leaves(inner[2])) and not all(jax.tree.leaves(inner[3]))  # skip left it
@@ -283,9 +286,9 @@ def test_documented_policy_runs_inside_loss_scaled():
   true_grad = jnp.asarray([0.5, -0.5, 0.5, -0.5])  # global norm 1
   scales, updates_seen = [], []
   for value in (1.0, 1.0, 1.0, jnp.inf, 1.0):
-    grads = {"w": true_grad * value * optax_dls.loss_scale(state)}
+    grads = {"w": true_grad * value * optax_dls.find_state(state).loss_scale}
     updates, state = update(grads, state, params)
-    scales.append(float(optax_dls.loss_scale(state)))
+    scales.append(float(optax_dls.find_state(state).loss_scale))
     updates_seen.append(np.asarray(updates["w"]))
   # Towards S * norm = 2**12 from 2**10, one octave a step; then held; halved on inf.
   assert scales == [2.0**11, 2.0**12, 2.0**12, 2.0**11, 2.0**12]

@@ -14,11 +14,11 @@ def test_default_dynamic_scales_are_powers_of_two_up_to_the_ceiling_and_down_to_
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   update = jax.jit(tx.update)
-  scales = [float(optax_dls.loss_scale(state))]
+  scales = [float(optax_dls.find_state(state).loss_scale)]
   for finite in [True] * 12 + [False] * 28 + [True] * 3:
     grads = {"w": jnp.array([1.0, 1.0 if finite else jnp.inf])}
     _, state = update(grads, state, params)
-    scales.append(float(optax_dls.loss_scale(state)))
+    scales.append(float(optax_dls.find_state(state).loss_scale))
   log2 = np.log2(scales)
   assert np.array_equal(log2, np.round(log2)), scales
   assert max(scales) == 2.0**24 and min(scales) == 1.0 and scales[0] == 2.0**15

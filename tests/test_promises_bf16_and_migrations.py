@@ -37,7 +37,7 @@ def test_torch_policy_follows_torch_down_to_2_126_and_stops_there():
   assert torch_scales[-1] == 2.0**-128  # torch goes on below 2**-126
   for tx, floor in [
     (
-      optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.compat.torch_policy(init_scale=2.0**-120)),
+      optax_dls.loss_scaled(optax.sgd(0.1), optax_dls.config.preset("torch", init_scale=2.0**-120)),
       2.0**-126,
     ),
     (optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**3), 1.0),
@@ -46,7 +46,7 @@ def test_torch_policy_follows_torch_down_to_2_126_and_stops_there():
     state, update, ours = tx.init(params), jax.jit(tx.update), []
     for _ in range(8):
       _, state = update({"w": jnp.array([1.0, jnp.inf])}, state, params)
-      ours.append(float(optax_dls.loss_scale(state)))
+      ours.append(float(optax_dls.find_state(state).loss_scale))
     assert ours[-1] == floor and min(ours) == floor
     if floor != 1.0:
       assert ours == [max(s, floor) for s in torch_scales]
@@ -61,18 +61,18 @@ def _parameters(f, drop=()):
 
 
 def test_the_presets_take_their_reference_s_arguments_with_its_defaults():
-  """migrate_flax.md, migrate_jmp.md, migrate_torch.md: flax_policy, jmp_policy and
-  torch_policy take DynamicScale's, jmp.DynamicLossScale's and GradScaler's arguments."""
+  """migrate_flax.md, migrate_jmp.md, migrate_torch.md: the presets "flax", "jmp" and
+  "torch" take DynamicScale's, jmp.DynamicLossScale's and GradScaler's arguments."""
   dynamic_scale = pytest.importorskip("flax.training.dynamic_scale")
   fields = {f.name: f.default for f in dataclasses.fields(dynamic_scale.DynamicScale)}
   del fields["fin_steps"]  # the run's state, carried over by optax_dls.flax.from_dynamic_scale
-  assert _parameters(optax_dls.compat.flax_policy) == pytest.approx(fields)
+  assert _parameters(optax_dls.config._FRAMEWORKS["flax"]) == pytest.approx(fields)
   torch = pytest.importorskip("torch")
-  assert _parameters(optax_dls.compat.torch_policy) == _parameters(
+  assert _parameters(optax_dls.config._FRAMEWORKS["torch"]) == _parameters(
     torch.amp.GradScaler.__init__, drop=("device", "enabled")
   )
   jmp = pytest.importorskip("jmp")
-  ours = _parameters(optax_dls.compat.jmp_policy)
+  ours = _parameters(optax_dls.config._FRAMEWORKS["jmp"])
   theirs = _parameters(jmp.DynamicLossScale.__init__, drop=("counter",))  # the run's state
   assert list(ours) == list(theirs)
   assert (ours["period"], ours["factor"]) == (theirs["period"], theirs["factor"])

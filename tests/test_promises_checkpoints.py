@@ -83,11 +83,11 @@ def test_the_first_update_settles_a_restored_scale_for_the_transformation(tmp_pa
     with ocp.CheckpointManager(tmp_path) as manager:
       by_manager = optax_dls.checkpoint.restore(manager, target)
     assert _bits(by_directory) == _bits(by_manager)
-    assert float(optax_dls.loss_scale(by_directory)) == 2.0**15  # as saved
+    assert float(optax_dls.find_state(by_directory).loss_scale) == 2.0**15  # as saved
     grads = {"w": jnp.full(3, 2.0**15)}
     updates, state = tx.update(grads, by_directory["opt_state"], PARAMS)
     np.testing.assert_allclose(updates["w"], [-0.1] * 3)  # unscaled by the saved scale
-    assert float(optax_dls.loss_scale(state)) == scale
+    assert float(optax_dls.find_state(state).loss_scale) == scale
 
 
 def test_into_loss_scaled_refuses_a_leaf_on_one_side_only(tmp_path):
@@ -99,7 +99,10 @@ def test_into_loss_scaled_refuses_a_leaf_on_one_side_only(tmp_path):
   with ocp.CheckpointManager(tmp_path) as manager:
     raw = manager.restore(1)
   target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
-  assert float(optax_dls.loss_scale(optax_dls.checkpoint.into_loss_scaled(raw, target))) == 2.0**7
+  assert (
+    float(optax_dls.find_state(optax_dls.checkpoint.into_loss_scaled(raw, target)).loss_scale)
+    == 2.0**7
+  )
   more = {"w": PARAMS["w"], "b": jnp.zeros(2)}
   with pytest.raises(ValueError, match=r"only in the target .*params\.b"):
     optax_dls.checkpoint.into_loss_scaled(raw, {"params": more, "opt_state": tx.init(more)})
@@ -150,4 +153,4 @@ def test_into_loss_scaled_refuses_an_abstract_loss_scale_state_and_takes_abstrac
   moved = optax_dls.checkpoint.into_loss_scaled(raw, target)
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(moved))
   assert int(moved["opt_state"].inner_state[0].count) == 3
-  assert float(optax_dls.loss_scale(moved)) == 2.0**15
+  assert float(optax_dls.find_state(moved).loss_scale) == 2.0**15

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from optax_dls import cli
+from optax_dls._logs.read import NoLogsError
+from optax_dls._logs.report import inspect
 
 
 def _log(path, rows):
@@ -20,7 +22,7 @@ def test_without_num_steps_each_logged_step_is_one_update(tmp_path):
     tmp_path / "a",
     [{"step": s, "loss_scale": 1024.0, "skip_count": int(s >= 4)} for s in range(10)],
   )
-  summary = json.loads(cli.inspect(tmp_path, as_json=True))["a"]["summary"]
+  summary = json.loads(inspect(tmp_path, as_json=True))["a"]["summary"]
   assert (summary["updates"], summary["applied_updates"], summary["skips"]) == (10, 9, 1)
 
 
@@ -28,7 +30,7 @@ def test_the_report_ends_with_the_plot_s_path(tmp_path):
   pytest.importorskip("matplotlib")
   _log(tmp_path / "a", [{"step": s, "loss_scale": 1024.0} for s in range(3)])
   out = tmp_path / "scale.png"
-  assert cli.inspect(tmp_path / "a", plot_path=out).endswith(f"\nplot written to {out}")
+  assert inspect(tmp_path / "a", plot_path=out).endswith(f"\nplot written to {out}")
   assert out.stat().st_size > 0
 
 
@@ -51,12 +53,12 @@ def test_main_reads_sys_argv_by_default(tmp_path, monkeypatch, capsys):
 
 def test_inspect_raises_no_logs_error_without_readable_logs(tmp_path):
   (tmp_path / "notes.txt").write_text("nothing here")
-  with pytest.raises(cli.NoLogsError):
-    cli.inspect(tmp_path)
+  with pytest.raises(NoLogsError):
+    inspect(tmp_path)
   _log(tmp_path / "bad", [])
   (tmp_path / "bad" / "metrics.jsonl").write_text("not json\n")
-  with pytest.raises(cli.NoLogsError):
-    cli.inspect(tmp_path / "bad")
+  with pytest.raises(NoLogsError):
+    inspect(tmp_path / "bad")
 
 
 def test_an_unreadable_file_is_skipped_with_a_warning_and_the_others_are_read(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""The promises of the ``optax_dls.compat`` docstrings: defaults, ranges and the bounds
-where a reference leaves ``[2**-126, 2**126]``."""
+"""The promises of the framework presets of ``optax_dls.config.preset``: defaults, ranges
+and the bounds where a reference leaves ``[2**-126, 2**126]``."""
 
 from __future__ import annotations
 
@@ -16,13 +16,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_dls
-from optax_dls import compat
+from optax_dls._policies.base import GradStats
 
 LOW, HIGH = 2.0**-126, 2.0**126
+_named = optax_dls.config.preset
 
 
 def _defaults(fn):
   return {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+
+
+def _ours(name):
+  """The arguments ``optax_dls.config.preset(name, ...)`` takes, with their defaults."""
+  return _defaults(optax_dls.config._FRAMEWORKS[name])
+
+
+def _preset(name):
+  return functools.partial(optax_dls.config.preset, name)
 
 
 def _reference(name):
@@ -37,29 +47,29 @@ def _reference(name):
 def test_torch_policy_has_grad_scaler_s_names_and_defaults():
   torch = _reference("torch")
   theirs = _defaults(torch.amp.GradScaler.__init__)
-  ours = _defaults(compat.torch_policy)
+  ours = _ours("torch")
   assert ours == {k: theirs[k] for k in ours}
 
 
 def test_flax_policy_has_dynamic_scale_s_defaults():
   dynamic_scale = _reference("flax.training.dynamic_scale")
   theirs = {f.name: f.default for f in dataclasses.fields(dynamic_scale.DynamicScale)}
-  ours = _defaults(compat.flax_policy)
+  ours = _ours("flax")
   assert ours == {k: float(theirs[k]) if k == "minimum_scale" else theirs[k] for k in ours}
 
 
 def test_jmp_policy_has_jmp_s_defaults():
   jmp = _reference("jmp")
   theirs = jmp.DynamicLossScale(jnp.float32(4.0))
-  ours = _defaults(compat.jmp_policy)
+  ours = _ours("jmp")
   assert ours["loss_scale"] is inspect.Parameter.empty  # required, as in jmp
   assert (ours["period"], ours["factor"]) == (theirs.period, theirs.factor)
   assert ours["min_loss_scale"] == float(theirs.min_loss_scale)
 
 
 def test_keras_megatron_deepspeed_defaults_are_the_documented_ones():
-  assert _defaults(compat.keras_policy) == {"initial_scale": 2.0**15, "dynamic_growth_steps": 2000}
-  assert _defaults(compat.megatron_policy) == {
+  assert _ours("keras") == {"initial_scale": 2.0**15, "dynamic_growth_steps": 2000}
+  assert _ours("megatron") == {
     "initial_scale": 2.0**32,
     "min_scale": 1.0,
     "growth_factor": 2.0,
@@ -67,7 +77,7 @@ def test_keras_megatron_deepspeed_defaults_are_the_documented_ones():
     "growth_interval": 1000,
     "hysteresis": 2,
   }
-  assert _defaults(compat.deepspeed_policy) == {
+  assert _ours("deepspeed") == {
     "init_scale": 2.0**16,
     "scale_window": 1000,
     "min_scale": 1.0,
@@ -80,7 +90,7 @@ def _scales(policy, finite):
   scale, state = policy.init()
   out = []
   for f in finite:
-    stats = optax_dls.GradStats(
+    stats = GradStats(
       finite=jnp.asarray(f), step=jnp.asarray(0, jnp.int32), grad_norm=jnp.float32(1.0)
     )
     scale, state = policy.update(scale, state, stats)
@@ -89,22 +99,22 @@ def _scales(policy, finite):
 
 
 def test_where_a_reference_leaves_the_range_the_scale_stops_at_its_bounds():
-  assert _scales(compat.torch_policy(init_scale=HIGH, growth_interval=1), [True] * 2) == [HIGH] * 2
-  assert _scales(compat.torch_policy(init_scale=LOW), [False] * 2) == [LOW] * 2
-  assert _scales(compat.keras_policy(initial_scale=LOW), [False] * 2) == [LOW] * 2
-  assert _scales(compat.jmp_policy(HIGH, period=1), [True] * 2) == [HIGH] * 2
+  assert _scales(_named("torch", init_scale=HIGH, growth_interval=1), [True] * 2) == [HIGH] * 2
+  assert _scales(_named("torch", init_scale=LOW), [False] * 2) == [LOW] * 2
+  assert _scales(_named("keras", initial_scale=LOW), [False] * 2) == [LOW] * 2
+  assert _scales(_named("jmp", loss_scale=HIGH, period=1), [True] * 2) == [HIGH] * 2
   # minimum_scale=None (no floor in flax) floors at 2**-126.
-  assert _scales(compat.flax_policy(scale=2.0**-125, minimum_scale=None), [False] * 3) == [LOW] * 3
+  assert _scales(_named("flax", scale=2.0**-125, minimum_scale=None), [False] * 3) == [LOW] * 3
 
 
 @pytest.mark.parametrize(
   "call, name, top",
   [
-    (compat.torch_policy, "growth_interval", 2**31 - 2),
-    (compat.keras_policy, "dynamic_growth_steps", 2**31 - 2),
-    (compat.flax_policy, "growth_interval", 2**31 - 3),
-    (compat.deepspeed_policy, "scale_window", 2**31 - 3),
-    (compat.megatron_policy, "hysteresis", 2**31 - 2),
+    (_preset("torch"), "growth_interval", 2**31 - 2),
+    (_preset("keras"), "dynamic_growth_steps", 2**31 - 2),
+    (_preset("flax"), "growth_interval", 2**31 - 3),
+    (_preset("deepspeed"), "scale_window", 2**31 - 3),
+    (_preset("megatron"), "hysteresis", 2**31 - 2),
   ],
 )
 def test_the_windows_take_exactly_their_documented_range(call, name, top):
@@ -114,9 +124,12 @@ def test_the_windows_take_exactly_their_documented_range(call, name, top):
 
 
 def test_flax_policy_takes_a_growth_interval_of_0_and_grows_on_every_finite_step():
-  assert _scales(compat.flax_policy(scale=4.0, growth_interval=0), [True] * 2) == [8.0, 16.0]
+  assert _scales(_named("flax", scale=4.0, growth_interval=0), [True] * 2) == [
+    8.0,
+    16.0,
+  ]
   with pytest.raises(ValueError, match="growth_interval"):
-    compat.flax_policy(growth_interval=-1)
+    _named("flax", growth_interval=-1)
 
 
 def _deepspeed_rule(config, overflows):
@@ -162,11 +175,11 @@ _DS_LENGTH = 32
 
 @functools.cache
 def _deepspeed_scan(index):
-  policy = compat.deepspeed_policy(**_DS_CONFIGS[index])
+  policy = _named("deepspeed", **_DS_CONFIGS[index])
 
   def step(carry, finite):
     scale, state = carry
-    stats = optax_dls.GradStats(
+    stats = GradStats(
       finite=finite, step=jnp.zeros([], jnp.int32), grad_norm=jnp.zeros([], jnp.float32)
     )
     carry = policy.update(scale, state, stats)
@@ -191,12 +204,12 @@ def test_deepspeed_policy_follows_the_rule_its_docstring_states(overflows, index
 @pytest.mark.parametrize(
   "preset",
   [
-    compat.torch_policy,
-    compat.keras_policy,
-    lambda: compat.jmp_policy(2.0**15),
-    compat.flax_policy,
-    compat.megatron_policy,
-    compat.deepspeed_policy,
+    _preset("torch"),
+    _preset("keras"),
+    lambda: _named("jmp", loss_scale=2.0**15),
+    _preset("flax"),
+    _preset("megatron"),
+    _preset("deepspeed"),
   ],
 )
 def test_every_preset_has_the_dynamic_rule_s_state(preset):

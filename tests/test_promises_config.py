@@ -11,16 +11,32 @@ import optax_dls
 from optax_dls import config
 
 
-def test_preset_returns_a_new_dict_and_every_alias_names_its_preset():
-  first = config.preset("qlora")
-  first["init_scale"] = 1.0
-  assert config.preset("qlora")["init_scale"] == 2.0**16
+def test_every_alias_names_its_preset_and_an_unknown_name_lists_the_known_ones():
   aliases = {"llm": "text_llm", "dpo": "preference", "alignment": "preference", "lora": "qlora"}
   for alias, name in aliases.items():
-    assert config.preset(alias) == config.preset(name)
-    assert config.preset_reason(alias) == config.preset_reason(name)
-  with pytest.raises(ValueError, match="known presets.*'multimodal'"):
+    assert repr(config.preset(alias)) == repr(config.preset(name))
+  with pytest.raises(ValueError, match="known presets.*'torch'.*'multimodal'"):
     config.preset("vision")
+
+
+def test_preset_kwargs_override_and_unknown_ones_are_named():
+  """``preset(name, **kwargs)``: a kind of training takes dynamic_policy's arguments, a
+  framework its own names; anything else is a TypeError naming what it takes."""
+  assert repr(config.preset("qlora", growth_interval=10)) == repr(
+    optax_dls.dynamic_policy(init_scale=2.0**16, growth_interval=10, max_scale=2.0**24)
+  )
+  assert float(config.preset("keras", initial_scale=8.0).init()[0]) == 8.0
+  with pytest.raises(TypeError, match="'torch' takes no argument 'initial_scale'.*init_scale"):
+    config.preset("torch", initial_scale=8.0)
+  with pytest.raises(TypeError, match="'jmp' needs loss_scale"):
+    config.preset("jmp")
+
+
+def test_a_framework_preset_in_a_configuration_takes_its_own_names():
+  policy = config.from_config({"preset": "keras", "initial_scale": 8.0, "fallback_after": 3})
+  assert float(policy.init()[0]) == 8.0
+  with pytest.raises(ValueError, match="'init_scale' for kind='dynamic' with preset='keras'"):
+    config.from_config({"preset": "keras", "init_scale": 8.0})
 
 
 def test_a_fallback_key_without_fallback_after_is_refused():
@@ -63,7 +79,5 @@ def test_the_module_docstring_s_yaml_example_builds_its_policy(tmp_path):
   path = tmp_path / "train.yaml"
   path.write_text(textwrap.dedent(block))
   policy = config.from_config(path)
-  expected = optax_dls.dynamic_policy(
-    **config.preset("text_llm") | dict(init_scale=4096, growth_interval=100, warmup_steps=50)
-  )
+  expected = config.preset("text_llm", init_scale=4096, growth_interval=100, warmup_steps=50)
   assert repr(policy) == repr(expected)  # the same rule: every field of it shows

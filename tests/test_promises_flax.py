@@ -71,21 +71,23 @@ def test_when_called_a_non_floating_loss_or_missing_arguments_raise_type_error()
     dls_flax.value_and_grad(_sum)(several, state.params)
 
 
-def test_apply_gradients_and_the_checkpoint_port_name_a_wrong_argument():
+def test_the_fused_step_and_the_checkpoint_port_name_a_wrong_argument():
   with pytest.raises(TypeError, match="state must be a flax TrainState"):
-    dls_flax.apply_gradients({"params": 1}, grads={})
+    dls_flax._apply_gradients({"params": 1}, grads={})
   for raw in ({"params": 1}, [1]):
-    with pytest.raises(TypeError, match="restored must be the raw tree .* 'dynamic_scale' entry"):
-      dls_flax.from_dynamic_scale_checkpoint(raw, _state())
+    with pytest.raises(
+      TypeError, match="source must be a flax DynamicScale.* 'dynamic_scale' entry"
+    ):
+      dls_flax.from_dynamic_scale(raw, _state())
 
 
 def test_from_dynamic_scale_checks_the_scale_against_the_range_it_documents():
   state = _state(max_scale=2.0**24)
   big = {"scale": 2.0**120, "fin_steps": 0}
   ported = dls_flax.from_dynamic_scale(big, state)  # a TrainState: the next update settles it
-  assert float(optax_dls.loss_scale(ported)) == 2.0**120
+  assert float(optax_dls.find_state(ported).loss_scale) == 2.0**120
   ported = ported.apply_gradients(grads=jax.tree.map(jnp.zeros_like, ported.params))
-  assert float(optax_dls.loss_scale(ported)) == 2.0**24
+  assert float(optax_dls.find_state(ported).loss_scale) == 2.0**24
   assert float(dls_flax.from_dynamic_scale(big, state.opt_state).loss_scale) == 2.0**120
   for scale in (2.0**127, float("nan"), float("inf"), 0.0):
     with pytest.raises(ValueError, match="dynamic_scale.scale"):
@@ -101,11 +103,12 @@ def test_from_dynamic_scale_checks_the_scale_against_the_range_it_documents():
 
 
 def test_from_dynamic_scale_sets_every_growth_tracker_and_keeps_the_other_fields():
-  policy = optax_dls.fp32_fallback(optax_dls.compat.flax_policy(growth_interval=10), after=3)
+  policy = optax_dls.fp32_fallback(optax_dls.config.preset("flax", growth_interval=10), after=3)
   state = optax_dls.loss_scaled(optax.sgd(0.1), policy).init({"w": jnp.ones(2)})
   new = dls_flax.from_dynamic_scale({"scale": 64.0, "fin_steps": 5}, state)
   assert float(new.loss_scale) == 64.0
-  assert int(new.policy_state.policy_state.growth_tracker) == 5  # inside the fallback's state
+  # inside the fallback's state, inside its count of skips at the minimum scale
+  assert int(new.policy_state.policy_state.policy_state.growth_tracker) == 5
   kept = new._replace(
     loss_scale=state.loss_scale,
     policy_state=new.policy_state._replace(policy_state=state.policy_state.policy_state),

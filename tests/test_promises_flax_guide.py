@@ -26,8 +26,8 @@ def test_the_readers_take_an_optimizer_its_opt_state_or_a_train_state_and_give_a
   optimizer = nnx.Optimizer(model, optax_dls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
   state = _train_state({"w": jnp.ones(2)})
   for holder, scale in [(optimizer, 2.0**15), (optimizer.opt_state, 2.0**15), (state, 2.0**4)]:
-    assert isinstance(optax_dls.loss_scale(holder), jax.Array)
-    assert float(optax_dls.loss_scale(holder)) == scale
+    assert isinstance(optax_dls.find_state(holder).loss_scale, jax.Array)
+    assert float(optax_dls.find_state(holder).loss_scale) == scale
     metrics = optax_dls.metrics(holder)
     assert all(isinstance(v, jax.Array) for v in metrics.values())
     found = optax_dls.find_state(holder)
@@ -60,14 +60,14 @@ def test_axis_name_averages_the_gradients_and_not_the_loss(check_vma):
 
 
 def test_apply_gradients_names_a_state_that_is_not_a_train_state_or_not_loss_scaled():
-  """flax.apply_gradients docstring: TypeError for a state without tx, params or
+  """The fused linen step (private, kept meanwhile): TypeError for a state without tx, params or
   opt_state; ValueError when its opt_state holds no loss-scale state."""
   grads = {"w": jnp.ones(2)}
   with pytest.raises(TypeError, match="state must be a flax TrainState, got dict"):
-    optax_dls.flax.apply_gradients({"params": grads}, grads=grads)
+    optax_dls.flax._apply_gradients({"params": grads}, grads=grads)
   plain = train_state.TrainState.create(apply_fn=None, params=grads, tx=optax.sgd(0.1))
   with pytest.raises(ValueError, match="opt_state holds no LossScaleState"):
-    optax_dls.flax.apply_gradients(plain, grads=grads)
+    optax_dls.flax._apply_gradients(plain, grads=grads)
 
 
 def test_from_dynamic_scale_checks_its_values_against_the_range_it_knows():

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import optax_dls
+from optax_dls._logs.report import inspect
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 
@@ -55,8 +56,8 @@ def test_the_snippets_run_and_print_what_the_page_says(page):
   assert "at step 12;" in ns["alerts"].fired[0]
   assert "step 28 was non-finite" in ns["alerts"].fired[-1]
   assert out[1].split() == ["0.625", "1.0", "0.125", "0.25"]  # underflow statistics
-  assert out[3].split() == ["False", "inf"]  # select_precision: float16 ran
-  assert "stuck at the minimum" in out[5]  # cli.inspect of the logged run
+  assert out[3].split() == ["False", "inf"]  # lax.cond on the fp32_fallback flag: float16 ran
+  assert "stuck at the minimum" in out[5]  # optax-dls inspect of the logged run
   keys = ast.literal_eval(out[6].splitlines()[0])  # the printed sorted list of metric keys
   assert {"fp32_fallback", "underflow/zero_frac"} <= set(keys)
   assert "SkipAlerts(alert_after=...)" in out[6].splitlines()[1]
@@ -80,7 +81,7 @@ DTYPES = {"f32": np.float32, "i32": np.int32, "u32": np.uint32, "bool": np.bool_
 def test_every_metric_of_the_table_has_its_dtype_and_shape():
   """All 0-d but the two bit sets ``[W]``, each with the dtype the table gives."""
   labels = {"base": "base", "lora": "lora"}
-  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy()))
+  policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy())
   inner = optax.chain(
     optax_dls.underflow_stats(labels), optax_dls.recompute_stats(), optax.sgd(1.0)
   )
@@ -118,7 +119,7 @@ def _pinned(tmp_path, name, scales, skips=0):
     for i, scale in enumerate(scales):
       skip_count = skips if i == len(scales) - 1 else 0
       w.log(i, {"loss_scale": scale, "skip_count": skip_count, "num_steps": i + 1, "loss": 1.0})
-  found = optax_dls.cli.inspect(str(tmp_path / name))
+  found = inspect(str(tmp_path / name))
   return "scale pinned" in found
 
 
@@ -151,12 +152,11 @@ PRESETS = {  # the Presets table
 }
 
 
-def test_each_preset_has_the_values_of_the_table_as_a_new_dict():
+def test_each_preset_is_the_dynamic_policy_of_the_values_of_the_table():
+  same = lambda a, b: repr(a) == repr(b)  # the same rule: every field of it shows
   for name, values in PRESETS.items():
-    assert optax_dls.config.preset(name) == values
-  assert optax_dls.config.preset("dpo") == PRESETS["preference"]
-  optax_dls.config.preset("qlora")["init_scale"] = 1.0  # a new dict each time
-  assert optax_dls.config.preset("qlora") == PRESETS["qlora"]
+    assert same(optax_dls.config.preset(name), optax_dls.dynamic_policy(**values))
+  assert same(optax_dls.config.preset("dpo"), optax_dls.dynamic_policy(**PRESETS["preference"]))
 
 
 def test_fallback_keys_wrap_the_policy_and_the_last_two_need_the_first():
@@ -229,7 +229,7 @@ def test_rows_without_loss_scale_keys_are_ignored_and_runs_are_told_apart_by_run
   rows = _rows(range(4), run="a") + [{"step": 4, "run": "a", "val_loss": 1.0}]
   _write_jsonl(tmp_path / "one", rows + _rows(range(6), run="b"))
   _write_jsonl(tmp_path / "two", _rows(range(3)))
-  report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
+  report = json.loads(inspect(str(tmp_path), as_json=True))
   assert {name: r["summary"]["updates"] for name, r in report.items()} == {"a": 4, "b": 6, "two": 3}
 
 
@@ -242,7 +242,7 @@ def test_tensorboard_tags_are_matched_by_their_last_component(tmp_path):
     writer.add_scalar("train/skip_count", 0, step)
     writer.add_scalar("train/num_steps", step + 1, step)
   writer.close()
-  report = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True))
+  report = json.loads(inspect(str(tmp_path), as_json=True))
   (summary,) = [r["summary"] for r in report.values()]
   assert summary["updates"] == 5 and summary["scale_max"] == 2.0**10
 
@@ -259,7 +259,7 @@ def test_the_json_report_has_the_keys_the_page_lists(tmp_path):
       grads = {"a": jnp.full(2, jnp.inf if i == 1 else 1.0), "b": jnp.ones(2)}
       _, state = tx.update(grads, state, params)
       w.log(i, optax_dls.metrics(state))
-  (run,) = json.loads(optax_dls.cli.inspect(str(tmp_path), as_json=True)).values()
+  (run,) = json.loads(inspect(str(tmp_path), as_json=True)).values()
   summary = run["summary"]
   assert (summary["updates"], summary["applied_updates"], summary["skips"]) == (4, 3, 1)
   assert summary["overflows_by_group"] == {"a": 1, "b": 0}

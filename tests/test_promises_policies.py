@@ -12,7 +12,8 @@ import optax
 import pytest
 
 import optax_dls
-from optax_dls import _policies, compat
+from optax_dls import _policies
+from optax_dls._policies.base import GradStats
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 
@@ -25,15 +26,18 @@ def test_the_printed_interface_has_the_real_fields_and_defaults():
   defaults = dict(re.findall(r"^  (\w+): [^=\n]+= ([^#\n]+?)\s*(?:#|$)", block, re.MULTILINE))
   assert {k: eval(v) for k, v in defaults.items()} == optax_dls.LossScalePolicy._field_defaults
   block = re.search(r"class GradStats\(NamedTuple\):\n(.*?)```", text, re.DOTALL).group(1)
-  assert tuple(re.findall(r"^  (\w+):", block, re.MULTILINE)) == optax_dls.GradStats._fields
+  assert tuple(re.findall(r"^  (\w+):", block, re.MULTILINE)) == GradStats._fields
 
 
 def _documented_calls():
   """``(name, [(argument, default or inspect.Parameter.empty)])`` of each call the tables
-  of the page print with its arguments, such as ``torch_policy(init_scale=2**16, ...)``."""
+  of the page print with its arguments, such as ``preset("torch", init_scale=2**16, ...)``
+  (named ``preset:torch``)."""
   calls = []
   for name, args in re.findall(r"^\| `(\w+)\(([^`]*=[^`]*)\)` \|", PAGE.read_text(), re.MULTILINE):
     call = ast.parse(f"f({args})", mode="eval").body
+    if name == "preset":  # the first argument names the preset
+      name = f"preset:{call.args.pop(0).value}"
     params = [(a.id, inspect.Parameter.empty) for a in call.args if isinstance(a, ast.Name)]
     params += [(k.arg, eval(compile(ast.Expression(k.value), "", "eval"))) for k in call.keywords]
     calls.append((name, params))
@@ -42,10 +46,13 @@ def _documented_calls():
 
 def test_every_signature_the_tables_print_is_the_real_one():
   calls = dict(_documented_calls())
-  presets = {"torch_policy", "keras_policy", "jmp_policy", "flax_policy", "megatron_policy"}
-  assert presets | {"deepspeed_policy", "fp32_fallback"} <= set(calls), sorted(calls)
+  presets = {f"preset:{n}" for n in ("torch", "keras", "jmp", "flax", "megatron", "deepspeed")}
+  assert presets | {"fp32_fallback"} <= set(calls), sorted(calls)
   for name, params in calls.items():
-    fn = getattr(compat, name, None) or getattr(optax_dls, name)
+    if name.startswith("preset:"):  # preset(name, **kwargs) passes kwargs on to this
+      fn = optax_dls.config._FRAMEWORKS[name.removeprefix("preset:")]
+    else:
+      fn = getattr(optax_dls, name)
     real = [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
     assert real == params, (name, real, params)
 
@@ -90,9 +97,10 @@ def _halving_policy():
 
 
 def test_the_policy_wrappers_work_around_a_user_s_policy():
-  """custom_policy.md: fp32_fallback and skips_at_min_scale work around your policy as
-  around the built-in ones; the scale is kept within the policy's range."""
-  policy = optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(_halving_policy(), after=2))
+  """custom_policy.md: fp32_fallback, and its count of skips at the minimum scale, work
+  around your policy as around the built-in ones; the scale is kept within the policy's
+  range."""
+  policy = optax_dls.fp32_fallback(_halving_policy(), after=2)
   tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
   params = {"w": jnp.ones(2)}
   state, update, seen = tx.init(params), jax.jit(tx.update), []
@@ -111,12 +119,11 @@ def test_each_policy_s_state_is_the_one_the_tables_name():
   built = [
     optax_dls.dynamic_policy(),
     optax_dls.amax_policy(),
-    compat.torch_policy(),
-    compat.deepspeed_policy(),
+    optax_dls.config.preset("torch"),
+    optax_dls.config.preset("deepspeed"),
     _policies.static_policy(4.0),  # static_loss_scale's
     _policies.noop_policy(),  # no_loss_scale's
     optax_dls.fp32_fallback(optax_dls.dynamic_policy()),
-    optax_dls.skips_at_min_scale(optax_dls.dynamic_policy()),
   ]
   seen = set()
   for policy in built:

@@ -21,7 +21,7 @@ def test_static_loss_scale_never_grows():
   state = tx.init(params)
   for _ in range(5):
     _, state = tx.update({"w": jnp.ones(2)}, state, params)
-  assert float(optax_dls.loss_scale(state)) == 2.0**8
+  assert float(optax_dls.find_state(state).loss_scale) == 2.0**8
 
 
 def test_with_multi_steps_inside_growth_counts_micro_batches_not_windows():
@@ -31,5 +31,5 @@ def test_with_multi_steps_inside_growth_counts_micro_batches_not_windows():
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   for _ in range(4):  # four micro-batches: one window
-    _, state = tx.update({"w": jnp.ones(2) * optax_dls.loss_scale(state)}, state, params)
-  assert float(optax_dls.loss_scale(state)) == 2.0**5
+    _, state = tx.update({"w": jnp.ones(2) * optax_dls.find_state(state).loss_scale}, state, params)
+  assert float(optax_dls.find_state(state).loss_scale) == 2.0**5

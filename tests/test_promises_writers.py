@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from optax_dls import writers
+from optax_dls._logs.read import read_jsonl, read_tensorboard
 
 
 class _Report:
@@ -31,7 +32,7 @@ def test_non_finite_values_stay_in_the_json_lines_and_event_rows_come_sorted_by_
   assert '"grad_norm": Infinity' in text
   (events,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
   assert re.search(rf"\.{os.getpid()}\.[0-9a-f]{{12}}$", events)  # this writer's own file
-  assert writers.read_tensorboard(events) == [
+  assert read_tensorboard(events) == [
     {"step": 2, "grad_norm": 3.0, "x": 2.0},
     {"step": 4, "x": 1.0},
   ]
@@ -45,7 +46,7 @@ def test_a_resumed_writer_appends_and_blank_lines_are_ignored(tmp_path):
   with writers.MetricsWriter(tmp_path, tensorboard=False) as w:
     w.log(1, {"x": 2.0})
   bad = []
-  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME, on_bad_line=lambda *a: bad.append(a))
+  rows = read_jsonl(tmp_path / writers.JSONL_NAME, on_bad=lambda *a: bad.append(a))
   assert rows == [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}] and bad == []
 
 
@@ -71,8 +72,8 @@ def test_tensorboard_leaves_strings_and_none_out_of_the_events(tmp_path):
   with writers.MetricsWriter(tmp_path) as w:
     w.log(0, {"note": "text", "missing": None, "big": 10**400, "x": float("nan"), "y": 2})
   (events,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
-  assert writers.read_tensorboard(events) == [{"step": 0, "y": 2.0}]
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  assert read_tensorboard(events) == [{"step": 0, "y": 2.0}]
+  (row,) = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert row["note"] == "text" and row["missing"] is None and row["big"] == 10**400
   assert math.isnan(row["x"])
 
@@ -96,6 +97,6 @@ def test_a_record_that_is_not_an_event_costs_that_record_only(tmp_path):
     ):
       records.write(data)
   bad = []
-  rows = writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append(offset))
+  rows = read_tensorboard(path, on_bad=lambda offset, why: bad.append(offset))
   assert rows == [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}]
   assert bad == [16 + len(event(0, 1.0).SerializeToString())]  # the second record starts there

@@ -88,7 +88,7 @@ def test_a_recomputed_step_equals_a_step_run_directly_at_the_final_scale(lowerin
   (loss, grads), state = jit_xla_defaults(optax_dls.value_and_grad(LOSS16, tx))(
     tx.init(PARAMS), PARAMS, BIG
   )
-  final = float(optax_dls.loss_scale(state))
+  final = float(optax_dls.find_state(state).loss_scale)
   assert final < 2.0**15 and _tries(state) >= 1
   direct = optax_dls.reset_scale(tx.init(PARAMS), final)
   (loss_d, grads_d), _ = jit_xla_defaults(optax_dls.value_and_grad(LOSS16, tx, max_tries=0))(

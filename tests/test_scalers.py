@@ -44,7 +44,10 @@ def test_no_loss_scale_is_bare_adam_to_rounding_over_50_steps(grads_inside):
   inner = optax_dls.find_state(sb).inner_state
   for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, inner)), strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=0)
-  assert float(optax_dls.loss_scale(sb)) == 1.0 and int(optax_dls.metrics(sb)["num_steps"]) == 50
+  assert (
+    float(optax_dls.find_state(sb).loss_scale) == 1.0
+    and int(optax_dls.metrics(sb)["num_steps"]) == 50
+  )
   # Same state layout as the dynamic wrapper: one training loop and checkpoint serve both.
   dyn = optax_dls.dynamic_loss_scale(optax.adam(3e-3)).init(params)
   assert jax.tree.structure(dyn) == jax.tree.structure(sb)
@@ -88,7 +91,7 @@ def test_after_a_reset_the_next_update_keeps_each_scaler_s_range():
     ),
   ]:
     state = optax_dls.reset_scale(tx.init(params), value)
-    assert float(optax_dls.loss_scale(state)) == value
+    assert float(optax_dls.find_state(state).loss_scale) == value
     updates, state = tx.update({"w": jnp.full(2, value)}, state, params)
     np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])  # unscaled by the reset value
-    assert float(optax_dls.loss_scale(state)) == kept
+    assert float(optax_dls.find_state(state).loss_scale) == kept

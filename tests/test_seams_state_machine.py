@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import optax_dls
+from optax_dls._access.names import leaf_names
 
 PARAMS = {"a": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([0.25, 4.0], jnp.float32)}
-NAMES = optax_dls.leaf_names(PARAMS)  # ['a', 'b']
+NAMES = leaf_names(PARAMS)  # ['a', 'b']
 SGD = optax.sgd(0.125)  # a power of two: the bare and the loss-scaled steps round alike
 
 
@@ -65,7 +66,7 @@ def _compiled(kind):
 
 def _scaled_grads(params, state, x, inject):
   """The gradients of ``S * loss`` with ``inject`` ({leaf: "inf" | "nan"}) written in."""
-  scale = optax_dls.loss_scale(state)
+  scale = optax_dls.find_state(state).loss_scale
   grads = jax.grad(lambda p: _loss(p, x, 1.0) * scale)(params)
   poison = {"inf": jnp.inf, "nan": jnp.nan}
   return {k: g.at[0].set(poison[inject[k]]) if k in inject else g for k, g in grads.items()}
@@ -139,7 +140,7 @@ class Seams(RuleBasedStateMachine):
     _, (low, high) = KINDS[self.kind]
     value = float(np.clip(2.0**exponent, low, high))
     self.state = optax_dls.reset_scale(self.state, value)
-    assert float(optax_dls.loss_scale(self.state)) == value
+    assert float(optax_dls.find_state(self.state).loss_scale) == value
 
   @invariant()
   def parameters_are_finite(self):
@@ -150,7 +151,7 @@ class Seams(RuleBasedStateMachine):
   def the_scale_is_in_the_current_range(self):
     if hasattr(self, "state") and not getattr(self, "unsettled", False):
       _, (low, high) = KINDS[self.kind]
-      assert low <= float(optax_dls.loss_scale(self.state)) <= high
+      assert low <= float(optax_dls.find_state(self.state).loss_scale) <= high
 
   @invariant()
   def the_names_are_those_injected(self):

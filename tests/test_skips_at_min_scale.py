@@ -1,4 +1,5 @@
-"""skips_at_min_scale: a policy wrapper that counts consecutive skips at the policy's floor."""
+"""fp32_fallback's count of consecutive skips at the policy's floor (``skips_at_min_scale``
+in metrics)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ P = {"w": jnp.zeros(2)}
 
 def _counts(policy, kinds, lowering="auto"):
   tx = optax_dls.loss_scaled(
-    optax.sgd(0.1), optax_dls.skips_at_min_scale(policy), skip_lowering=lowering
+    optax.sgd(0.1), optax_dls.fp32_fallback(policy, after=100), skip_lowering=lowering
   )
   update, state, out = jax.jit(tx.update), tx.init(P), []
   for k in kinds:
@@ -54,4 +55,16 @@ def test_the_scale_is_the_wrapped_policy_s():
 
 def test_rejects_a_non_policy():
   with pytest.raises(TypeError, match="policy"):
-    optax_dls.skips_at_min_scale(optax.sgd(0.1))
+    optax_dls.fp32_fallback(optax.sgd(0.1))
+
+
+def test_the_count_restarts_when_the_fallback_ends():
+  """The fallback's end restarts the wrapped policy's state, the count with it."""
+  policy = optax_dls.fp32_fallback(optax_dls._policies.static_policy(8.0), after=2, steps=2)
+  tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
+  state, seen = tx.init(P), []
+  for _ in range(4):
+    _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state, P)
+    m = optax_dls.metrics(state)
+    seen.append((int(m["skips_at_min_scale"]), bool(m["fp32_fallback"])))
+  assert seen == [(1, False), (2, True), (3, True), (0, False)]

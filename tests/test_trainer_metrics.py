@@ -18,7 +18,7 @@ def _run(tx, xs):
   @jax.jit
   def step(p, s, x):
     g = jax.grad(lambda p: optax_dls.scale_loss(jnp.sum(p["w"] * x), s))(p)
-    scaled_norm, scale = optax.tree_utils.tree_norm(g), optax_dls.loss_scale(s)
+    scaled_norm, scale = optax.tree_utils.tree_norm(g), optax_dls.find_state(s).loss_scale
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s, scaled_norm / scale, u
 

@@ -83,7 +83,7 @@ def _compiled_text(tx, extra=lambda state: None):
     lambda **kw: optax_dls.loss_scaled(optax.adam(1e-3), optax_dls.amax_policy(), **kw),
     lambda **kw: optax_dls.loss_scaled(
       optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)),
-      optax_dls.skips_at_min_scale(optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=4)),
+      optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=4),
       **kw,
     ),
   ],

@@ -1,6 +1,6 @@
 """Bad hyperparameters raise at construction, naming the argument and the value."""
 
-import importlib
+import functools
 import math
 
 import jax
@@ -188,21 +188,27 @@ F32_BAD = [
 
 @pytest.mark.parametrize("name,value", F32_BAD)
 @pytest.mark.parametrize(
-  "factory", ["dynamic_policy", "compat.torch_policy", "amax_policy", "compat.megatron_policy"]
+  "factory",
+  [
+    optax_dls.dynamic_policy,
+    functools.partial(optax_dls.config.preset, "torch"),
+    optax_dls.amax_policy,
+    functools.partial(optax_dls.config.preset, "megatron"),
+  ],
+  ids=["dynamic_policy", "preset-torch", "amax_policy", "preset-megatron"],
 )
 def test_factors_that_round_to_one_or_zero_in_float32_are_refused(factory, name, value):
-  module, _, fn = ("optax_dls." + factory).rpartition(".")
   with pytest.raises(ValueError, match=f"{name}.*float32") as e:
-    getattr(importlib.import_module(module), fn)(**{name: value})
+    factory(**{name: value})
   assert repr(value) in str(e.value) and "rounds to" in str(e.value)
 
 
 @pytest.mark.parametrize(
   "build",
   [
-    lambda: optax_dls.compat.jmp_policy(1024.0, factor=1 + 1e-9),
-    lambda: optax_dls.compat.flax_policy(growth_factor=1 + 1e-9),
-    lambda: optax_dls.compat.flax_policy(backoff_factor=1 - 1e-9),
+    lambda: optax_dls.config.preset("jmp", loss_scale=1024.0, factor=1 + 1e-9),
+    lambda: optax_dls.config.preset("flax", growth_factor=1 + 1e-9),
+    lambda: optax_dls.config.preset("flax", backoff_factor=1 - 1e-9),
     lambda: optax_dls.dynamic_loss_scale(INNER, backoff_factor=1 - 1e-9),
   ],
 )
@@ -216,7 +222,7 @@ def test_presets_check_factors_in_float32(build):
   [
     lambda: optax_dls.dynamic_loss_scale(INNER, init_scale=10**400),
     lambda: optax_dls.static_loss_scale(INNER, 10**400),
-    lambda: optax_dls.compat.torch_policy(growth_factor=10**400),
+    lambda: optax_dls.config.preset("torch", growth_factor=10**400),
     lambda: optax_dls.reset_scale(
       optax_dls.dynamic_loss_scale(INNER).init({"w": jnp.zeros(1)}), 10**400
     ),
@@ -251,7 +257,7 @@ def test_fallback_options_in_a_config(kw):
 
 def test_numpy_bools_are_accepted_everywhere_a_bool_is():
   optax_dls.dynamic_loss_scale(INNER, consecutive_hysteresis=np.bool_(True))
-  optax_dls.compat.deepspeed_policy(consecutive_hysteresis=np.bool_(True))
+  optax_dls.config.preset("deepspeed", consecutive_hysteresis=np.bool_(True))
   optax_dls.value_and_grad(
     lambda x: x, optax_dls.dynamic_loss_scale(INNER), has_aux=np.bool_(False)
   )
@@ -263,7 +269,7 @@ def test_traced_and_non_bool_flags_are_refused():
   with pytest.raises(TypeError, match="consecutive_hysteresis"):
     optax_dls.dynamic_loss_scale(INNER, consecutive_hysteresis=1)
   with pytest.raises(TypeError, match="consecutive_hysteresis"):
-    optax_dls.compat.deepspeed_policy(consecutive_hysteresis="yes")
+    optax_dls.config.preset("deepspeed", consecutive_hysteresis="yes")
 
 
 # --- What a custom policy returns ------------------------------------------------------

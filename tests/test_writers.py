@@ -16,6 +16,7 @@ import pytest
 
 import optax_dls
 from optax_dls import writers
+from optax_dls._logs.read import read_jsonl, read_tensorboard
 
 
 def _state_after(kinds):
@@ -71,8 +72,8 @@ def test_tensorboard_events_hold_the_same_scalars(tmp_path):
     for step, s in enumerate(states):
       w.log(step, optax_dls.metrics(s), loss=1.5)
   (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
-  tb = writers.read_tensorboard(event_file)
-  js = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  tb = read_tensorboard(event_file)
+  js = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert [r["step"] for r in tb] == [0, 1]
   for a, b in zip(tb, js):
     for key in (
@@ -89,7 +90,7 @@ def test_tensorboard_events_hold_the_same_scalars(tmp_path):
 def test_nan_and_bool_values_round_trip(tmp_path):
   with writers.MetricsWriter(tmp_path, tensorboard=False) as w:
     w.log(0, {"grad_norm": jnp.float32(jnp.nan), "skipped": jnp.bool_(True)})
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  (row,) = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert math.isnan(row["grad_norm"]) and row["skipped"] is True
 
 
@@ -135,14 +136,14 @@ def test_reserved_names_and_non_scalar_values_are_refused(tmp_path, metrics, err
     with pytest.raises(error, match=match):
       w.log(0, metrics)
     assert w.log(0, {"ok": 1.0})
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  (row,) = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert row == {"step": 0, "run": "r", "ok": 1.0}
 
 
 def test_binary_jsonl_is_read_as_malformed_lines(tmp_path):
   path = tmp_path / writers.JSONL_NAME
   path.write_bytes(bytes(range(256)) + b'\n{"step": 3}\n')
-  assert writers.read_jsonl(path) == [{"step": 3}]
+  assert read_jsonl(path) == [{"step": 3}]
 
 
 @pytest.mark.parametrize(
@@ -166,10 +167,10 @@ def test_binary_jsonl_is_read_as_malformed_lines(tmp_path):
 def test_any_real_scalar_of_jax_or_numpy_is_written(tmp_path, value, expected):
   with writers.MetricsWriter(tmp_path) as w:
     assert w.log(0, {"m": value}, loss=value)
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  (row,) = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert row["m"] == expected and row["loss"] == expected and type(row["m"]) is type(expected)
   (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
-  (tb,) = writers.read_tensorboard(event_file)
+  (tb,) = read_tensorboard(event_file)
   assert tb["m"] == pytest.approx(float(expected), rel=1e-6)
 
 
@@ -194,10 +195,10 @@ def test_appending_to_a_file_whose_last_line_was_cut_starts_a_new_line(tmp_path)
   with writers.MetricsWriter(tmp_path, tensorboard=False) as w:  # the resumed run
     w.log(1, {"loss_scale": 8.0})
     w.log(2, {"loss_scale": 16.0})
-  rows = writers.read_jsonl(path)
+  rows = read_jsonl(path)
   assert [(r["step"], r["loss_scale"]) for r in rows] == [(0, 2.0), (1, 8.0), (2, 16.0)]
   bad = []
-  writers.read_jsonl(path, on_bad_line=lambda n, why: bad.append(n))
+  read_jsonl(path, on_bad=lambda n, why: bad.append(n))
   assert bad == [2]  # the cut line, on a line of its own
 
 
@@ -211,15 +212,11 @@ def test_two_writers_opened_in_the_same_second_on_one_folder_lose_nothing(tmp_pa
     b.log(step, {"from_b": float(-step)})
   a.close()
   b.close()
-  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  rows = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert sorted((r["run"], r["step"]) for r in rows) == sorted(
     (n, s) for n in "ab" for s in range(20)
   )
-  tb = [
-    r
-    for f in glob.glob(str(tmp_path / "events.out.tfevents*"))
-    for r in writers.read_tensorboard(f)
-  ]
+  tb = [r for f in glob.glob(str(tmp_path / "events.out.tfevents*")) for r in read_tensorboard(f)]
   assert sorted(r["from_a"] for r in tb if "from_a" in r) == list(range(20))
   assert sorted(-r["from_b"] for r in tb if "from_b" in r) == list(range(20))
 
@@ -251,10 +248,10 @@ def test_a_bad_jsonl_line_costs_that_line_only(tmp_path):
     '{"step": 3, "a": 4',
   ]
   path.write_text("\n".join(lines))
-  rows = writers.read_jsonl(path)
+  rows = read_jsonl(path)
   assert [r["step"] for r in rows] == [0, 2]
   bad = []
-  assert writers.read_jsonl(path, on_bad_line=lambda n, why: bad.append((n, why))) == rows
+  assert read_jsonl(path, on_bad=lambda n, why: bad.append((n, why))) == rows
   assert [n for n, _ in bad] == [2, 3, 4, 6, 7, 9]
   assert all(isinstance(why, str) and why for _, why in bad)
 
@@ -278,7 +275,7 @@ def _record_offsets(data):
 @pytest.mark.parametrize("where", ["data", "length"])
 def test_a_corrupt_event_record_keeps_the_records_before_it_and_says_where(tmp_path, where):
   path = _event_file(tmp_path)
-  intact = writers.read_tensorboard(path)
+  intact = read_tensorboard(path)
   data = bytearray(pathlib.Path(path).read_bytes())
   offsets = _record_offsets(data)
   # Record 0 is the file version; then loss_scale and skip_count alternate, steps 0, 1, ...
@@ -290,21 +287,21 @@ def test_a_corrupt_event_record_keeps_the_records_before_it_and_says_where(tmp_p
   pathlib.Path(path).write_bytes(bytes(data))
   # TensorBoard's loader stops at a corrupt record: what comes before it is kept.
   expected = [intact[0], {"step": 1, "loss_scale": intact[1]["loss_scale"]}]
-  assert writers.read_tensorboard(path) == expected
+  assert read_tensorboard(path) == expected
   bad = []
-  writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append((offset, why)))
+  read_tensorboard(path, on_bad=lambda offset, why: bad.append((offset, why)))
   assert [offset for offset, _ in bad] == [victim]
   assert f"the {len(data) - victim} byte(s) from there to the end are not read" in bad[0][1]
 
 
 def test_a_last_event_record_cut_short_costs_that_record_only(tmp_path):
   path = _event_file(tmp_path)
-  intact = writers.read_tensorboard(path)
+  intact = read_tensorboard(path)
   data = pathlib.Path(path).read_bytes()
   last = _record_offsets(data)[-1]
   pathlib.Path(path).write_bytes(data[:-3])  # a crash in the middle of the last write
   bad = []
-  rows = writers.read_tensorboard(path, on_bad_record=lambda offset, why: bad.append(offset))
+  rows = read_tensorboard(path, on_bad=lambda offset, why: bad.append(offset))
   assert rows == intact[:-1] + [{"step": 5, "loss_scale": intact[-1]["loss_scale"]}]
   assert bad == [last]
 
@@ -348,7 +345,7 @@ def test_event_files_of_each_writer_are_read(tmp_path, source):
         for tag in ("loss_scale", "skip_count"):
           w.add_scalar(tag, row[tag], row["step"], **kwargs)
   (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
-  assert writers.read_tensorboard(event_file) == rows
+  assert read_tensorboard(event_file) == rows
 
 
 def test_leaf_records_are_read_from_text_summaries_and_other_text_is_ignored(tmp_path):
@@ -376,18 +373,9 @@ def test_leaf_records_are_read_from_text_summaries_and_other_text_is_ignored(tmp
     writer.add_event(event_pb2.Event(step=step, summary=summary_pb2.Summary(value=values)))
   writer.close()
   (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
-  assert writers.read_tensorboard(event_file) == [
+  assert read_tensorboard(event_file) == [
     {"step": 0, "train/nonfinite_leaves": {"a/w": "nan", "b": "inf"}}
   ]
-
-
-def test_reader_callbacks_must_be_callable(tmp_path):
-  path = _event_file(tmp_path, steps=1)
-  with pytest.raises(TypeError, match="on_bad_record"):
-    writers.read_tensorboard(path, on_bad_record="print")
-  (tmp_path / "m.jsonl").write_text('{"step": 0}\n')
-  with pytest.raises(TypeError, match="on_bad_line"):
-    writers.read_jsonl(tmp_path / "m.jsonl", on_bad_line=1)
 
 
 @pytest.mark.parametrize(
@@ -395,8 +383,8 @@ def test_reader_callbacks_must_be_callable(tmp_path):
   [
     lambda: writers.MetricsWriter(None),
     lambda: writers.MetricsWriter(3, tensorboard=False),
-    lambda: writers.read_jsonl(None),
-    lambda: writers.read_tensorboard(b"events.out.tfevents.1"),
+    lambda: read_jsonl(None),
+    lambda: read_tensorboard(b"events.out.tfevents.1"),
   ],
 )
 def test_paths_must_be_str_or_pathlike(call):
@@ -447,7 +435,7 @@ def test_non_finite_leaves_are_written_by_name_once_per_non_finite_step(tmp_path
     w.log(1, _nonfinite_metrics(2, leaves=[1, 2], nan=[2], **{"overflows/decoder": np.int32(1)}))
     w.log(2, _nonfinite_metrics(2, leaves=[1, 2], nan=[2], **{"overflows/decoder": np.int32(1)}))
     w.log(3, _nonfinite_metrics(4, leaves=[0], loss=True, **{"overflows/decoder": np.int32(2)}))
-  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  rows = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert [r.get("nonfinite_leaves") for r in rows] == [
     None,
     {"decoder/attn/kernel": "inf", "embed": "nan"},
@@ -462,7 +450,7 @@ def test_non_finite_leaves_are_written_by_name_once_per_non_finite_step(tmp_path
   ]
   assert "nonfinite_nan" not in rows[1] and rows[3]["overflows/decoder"] == 2
   (event_file,) = glob.glob(str(tmp_path / "events.out.tfevents*"))
-  tb = writers.read_tensorboard(event_file)
+  tb = read_tensorboard(event_file)
   assert [r["nonfinite_leaf_count"] for r in tb] == [0, 2, 2, 1]
   assert [r["nonfinite_loss"] for r in tb] == [0, 0, 0, 1]
   assert tb[3]["overflows/decoder"] == 2 and tb[1]["nonfinite_step"] == 2
@@ -474,14 +462,14 @@ def test_non_finite_leaves_are_written_by_name_once_per_non_finite_step(tmp_path
 def test_the_first_row_of_a_writer_names_the_last_non_finite_step(tmp_path):
   with writers.MetricsWriter(tmp_path, tensorboard=False, params=["a", "b"]) as w:
     w.log(10, _nonfinite_metrics(7, leaves=[1]))  # e.g. a resumed run
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  (row,) = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert row["nonfinite_leaves"] == {"b": "inf"}
 
 
 def test_without_params_the_leaves_are_numbered(tmp_path):
   with writers.MetricsWriter(tmp_path, tensorboard=False) as w:
     w.log(0, _nonfinite_metrics(1, leaves=[3, 40], nan=[40], words=2))
-  (row,) = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  (row,) = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert row["nonfinite_leaves"] == {"leaf 3": "inf", "leaf 40": "nan"}
 
 
@@ -489,7 +477,7 @@ def test_every_k_steps_records_the_last_non_finite_step_before_each_logged_row(t
   with writers.MetricsWriter(tmp_path, tensorboard=False, every=5, params=["a", "b"]) as w:
     for step, (nonfinite, leaf) in enumerate([(0, 0)] * 3 + [(4, 0), (5, 1)] * 4):
       w.log(step, _nonfinite_metrics(nonfinite, leaves=[leaf] if nonfinite else []))
-  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  rows = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert [(r["step"], r.get("nonfinite_leaves")) for r in rows] == [
     (0, None),
     (5, {"a": "inf"}),  # step 5 logs nonfinite_step 4
@@ -507,7 +495,7 @@ def test_the_record_from_a_real_optimizer_state_is_named(tmp_path):
     _, state = update(grads, state, params)
     with writers.MetricsWriter(tmp_path, tensorboard=False, params=params) as w:
       w.log(0, optax_dls.metrics(state))
-  rows = writers.read_jsonl(tmp_path / writers.JSONL_NAME)
+  rows = read_jsonl(tmp_path / writers.JSONL_NAME)
   assert [r.get("nonfinite_leaves") for r in rows] == [
     None,
     {"b": "inf"},

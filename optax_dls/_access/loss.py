@@ -12,28 +12,6 @@ from optax_dls._access.find import find_state
 from optax_dls._util import frames as _frames
 
 
-def loss_scale(opt_state: Any) -> jax.Array:
-  """The current loss scale S: a float32 ``()`` array (stays on the device).
-
-  Args:
-    opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
-
-  Returns:
-    The state's ``loss_scale``: the S to multiply the next loss by, kept
-    within the policy's ``[min_scale, max_scale]`` (see :class:`LossScaleState`).
-
-  Raises:
-    ValueError: none or more than one loss-scale state in ``opt_state``.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_dls
-    >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
-    >>> optax_dls.loss_scale(tx.init({'w': jnp.ones(2)}))  # init_scale's default, 2**15
-    Array(32768., dtype=float32)
-  """
-  return find_state(opt_state).loss_scale
-
-
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   """Multiplies ``loss`` by the current loss scale S, before differentiation.
 
@@ -67,7 +45,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> optax_dls.scale_loss(jnp.bfloat16(0.5), state)
     Array(512., dtype=float32)
   """
-  return times_scale(loss, loss_scale(opt_state))
+  return times_scale(loss, find_state(opt_state).loss_scale)
 
 
 def times_scale(loss: Any, scale: jax.Array) -> jax.Array:

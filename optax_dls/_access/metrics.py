@@ -43,9 +43,8 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
     which some leaf of that parameter group was not finite.
 
-  The keys each feature adds: ``fp32_fallback`` (bool) with the
-  :func:`fp32_fallback` policy wrapper; ``skips_at_min_scale`` (int32) with
-  :func:`skips_at_min_scale`; ``underflow/zero_frac``,
+  The keys each feature adds: ``fp32_fallback`` (bool) and ``skips_at_min_scale``
+  (int32) with the :func:`fp32_fallback` policy wrapper; ``underflow/zero_frac``,
   ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
   :func:`underflow_stats` chained inside; ``recomputed_steps`` and
   ``recompute_tries`` (int32) with :func:`recompute_stats` chained inside.

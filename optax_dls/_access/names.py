@@ -18,8 +18,22 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
 
   Host side: reads the record's small arrays from the device (its two bit
   sets). The names are the key
-  paths of the parameter tree (``"params/decoder/layers_3/attn/query/kernel"``),
-  in leaf order.
+  paths of the parameter tree joined by ``/``
+  (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order; the metrics
+  writer gives them the same names.
+
+  A leaf is named where it has a bit in the record: where it is floating or
+  complex, by the same test that picks the leaves the finite check reads. A
+  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) and a flax linen box of
+  axis metadata (``nn.with_logical_partitioning``) are named by their own path,
+  without the ``/value`` of their array (``"linear/kernel"``); an Equinox
+  module's leaves by their attribute paths (``"layers/0/weight"``), its
+  functions and other leaves that are not arrays (Python numbers and bools such
+  as ``Dropout.p``) having no name, as ``eqx.filter(model, eqx.is_array)``
+  leaves them out: the whole model and its arrays name the same leaves.
+  Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
+  ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
+  would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.
 
   Args:
     opt_state: an optimizer state holding one :class:`LossScaleState`, or the
@@ -119,9 +133,10 @@ def _is_names(params: Any) -> bool:
 
 
 def leaf_names(params: Any) -> list[str]:
-  """The names :func:`nonfinite_leaves` and the metrics writer give the floating leaves of
-  ``params``, in the order of the record's bits: key paths joined by ``/``
-  (``"params/decoder/layers_3/attn/query/kernel"``).
+  """The names :func:`~optax_dls.nonfinite_leaves` and the metrics writer give the floating
+  leaves of ``params``, in the order of the record's bits: key paths joined by ``/``
+  (``"params/decoder/layers_3/attn/query/kernel"``), by the rules that function's
+  docstring gives.
 
   A leaf is named where it has a bit in the record: where it is floating or
   complex, by the same test that picks the leaves the finite check reads. A
@@ -144,8 +159,9 @@ def leaf_names(params: Any) -> list[str]:
     A list of ``"a/b/c"`` key-path names (``str``), one per floating leaf.
 
   Example:
-    >>> import jax.numpy as jnp, optax_dls
-    >>> optax_dls.leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
+    >>> import jax.numpy as jnp
+    >>> from optax_dls._access.names import leaf_names
+    >>> leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
     ['dense/bias', 'dense/kernel']
   """
   return _labels.leaf_names(_model.arrays_of_modules(params))

@@ -48,7 +48,7 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> state = optax_dls.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.ones(2)})
-    >>> optax_dls.reset_scale(state, 2.0**12).loss_scale
+    >>> optax_dls.find_state(optax_dls.reset_scale(state, 2.0**12)).loss_scale
     Array(4096., dtype=float32)
   """
   state = find_state(opt_state)

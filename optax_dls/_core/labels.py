@@ -61,7 +61,7 @@ def leaf_labels(labels: Labels, tree: Any, owner: str, reserved: tuple[str, ...]
 
 def leaf_names(tree: Any) -> list[str]:
   """The unique key-path names of the floating leaves of ``tree``, in the order of the
-  record's bits (:func:`optax_dls.leaf_names` says how they are written)."""
+  record's bits (:func:`optax_dls._access.names.leaf_names` says how they are written)."""
   leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_tree_paths.is_variable)
   floats = [path for path, x in leaves if _numerics.is_float(_tree_paths.unboxed(x))]
   return _localisation.unique([_localisation.path_name(path) for path in floats])

@@ -27,15 +27,15 @@ class SkipAlerts:
 
   * ``alert_after`` consecutive skipped steps: float16 keeps overflowing;
   * a skip taken at the policy's minimum scale (needs the
-    :func:`skips_at_min_scale` policy wrapper, whose count :func:`metrics`
-    reports): backing off cannot help, something else is wrong.
+    :func:`fp32_fallback` policy wrapper, whose count ``skips_at_min_scale``
+    :func:`metrics` reports): backing off cannot help, something else is wrong.
 
   Call it with the metrics of the steps you look at; with sparse calls an
   episode shorter than the gap between two calls can go unseen.
 
   When it warns, find the operation that overflowed by replaying that step's
   batch outside the training step: ``print(optax_dls.locate(loss_fn, params,
-  batch, scale=float(optax_dls.loss_scale(opt_state))))`` names its phase,
+  batch, scale=float(optax_dls.find_state(opt_state).loss_scale)))`` names its phase,
   primitive, ``file:line`` and scope, and the layers closest to float16's
   limit (see :func:`optax_dls.locate`).
 

@@ -93,11 +93,12 @@ class CastPolicy:
   The casting half of mixed precision, with the methods of jmp's ``Policy``
   (``cast_to_param``, ``cast_to_compute``, ``cast_to_output``,
   ``with_output_dtype``, and ``str`` in jmp's form); the loss scale is the
-  optimizer's (:func:`loss_scaled`). Each cast changes only the floating arrays
+  optimizer's (:func:`~optax_dls.loss_scaled`). Each cast changes only the floating arrays
   of a pytree (JAX and NumPy arrays of a floating dtype, as jmp casts them):
   integer and boolean arrays, Python and NumPy scalars, callables and ``None``
   are left alone. Frozen and hashable, so it can be a static argument of
-  ``jax.jit``. Build one from a string with :func:`cast_policy`.
+  ``jax.jit``. What :func:`~optax_dls.cast_policy` returns (built from a string; not
+  exported, importable from ``optax_dls._features.casting``).
 
   Args:
     param_dtype: the dtype the parameters (master weights) are kept in.
@@ -112,7 +113,7 @@ class CastPolicy:
 
   Example:
     >>> import jax.numpy as jnp, optax_dls
-    >>> policy = optax_dls.CastPolicy(jnp.float32, jnp.float16, jnp.float32)
+    >>> policy = optax_dls.cast_policy("p=f32,c=f16,o=f32")
     >>> tree = {'w': jnp.ones(2), 'step': jnp.array(3), 'act': jnp.tanh}
     >>> out = policy.cast_to_compute(tree)
     >>> out['w'].dtype, out['step'].dtype, out['act'] is jnp.tanh
@@ -165,7 +166,8 @@ def _parse_dtype(policy_name: str, value: str) -> Any:
 
 
 def cast_policy(policy_name: str) -> CastPolicy:
-  """A :class:`CastPolicy` from jmp's string form, as ``jmp.get_policy`` reads it.
+  """A :class:`~optax_dls._features.casting.CastPolicy` from jmp's string form, as
+  ``jmp.get_policy`` reads it.
 
   Either one dtype name for all three dtypes (``"f16"``, ``"half"``), or
   comma-separated ``key=dtype`` pairs with keys ``params``/``p``,

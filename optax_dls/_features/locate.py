@@ -68,7 +68,7 @@ def locate(
   An operation is named by its scope: flax linen's module path or a
   ``jax.named_scope``; in a block of the model called once per instance (an Equinox
   or nnx module's method, a function given the block's parameters), the block's path
-  in the differentiated argument, as :func:`optax_dls.leaf_names` writes it
+  in the differentiated argument, as :func:`optax_dls.nonfinite_leaves` writes it
   (``"blocks/2"``): while it traces, ``locate`` gives each call of the user's code a
   scope of its own and names it by the parameters its operations apply to data, so
   the instances of one block have a headroom row each; otherwise the user's function
@@ -83,13 +83,13 @@ def locate(
       scale; returns a scalar (and an auxiliary value with ``has_aux=True``).
     *args: its arguments, e.g. ``params, batch``; float16 leaves stay float16.
     scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)``
-      as :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.loss_scale(state))``);
+      as :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.find_state(state).loss_scale)``);
       in ``[2**-126, 2**126]``. Default ``2.0**15``.
     argnums: which argument the gradient is taken with respect to. Default 0.
     has_aux: ``fun`` returns ``(loss, aux)``. Default False.
 
   Returns:
-    A :class:`~optax_dls.LocateReport`: ``first`` (phase, primitive, source,
+    A :class:`~optax_dls._util.locate_report.LocateReport`: ``first`` (phase, primitive, source,
     scope, kind, dtype, input_max, note) or None when every value is finite, and
     ``headroom``, one row per scope (per block instance), closest to overflow first.
     ``print(report)`` shows a table; ``report.to_dict()`` is JSON-ready.

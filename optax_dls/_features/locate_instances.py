@@ -7,7 +7,7 @@ jaxpr is read once to name each call: a parameter leaf's path follows its value
 through the operations that read nothing else but constants (a cast, a transpose),
 and each call collects the parameters its operations apply to data (the activations,
 the batch). A call is named by the path those parameters share, written as
-:func:`optax_dls.leaf_names` writes paths (``blocks/2`` for the third of a list of
+:func:`optax_dls.nonfinite_leaves` writes paths (``blocks/2`` for the third of a list of
 blocks); a call that applies every parameter the model applies (the whole model), or
 whose parameters share no path, is not named: the scopes around it, or its function,
 name its operations, as for a model of one block. Nor is a call that JAX traced once and
@@ -34,7 +34,7 @@ Kind = Path | str | None  # a parameter's path, _CONSTANT, or None: data
 
 def leaf_paths(tree: Any) -> list[Path]:
   """The path of each leaf of ``jax.tree.leaves(tree)``, its keys written as
-  :func:`optax_dls.leaf_names` writes them (an nnx ``Variable`` without its ``value``)."""
+  :func:`optax_dls.nonfinite_leaves` writes them (an nnx ``Variable`` without its ``value``)."""
   out: list[Path] = []
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree_paths.is_variable)
   for path, leaf in flat:

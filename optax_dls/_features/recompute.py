@@ -235,7 +235,7 @@ def value_and_grad(
     >>> half = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
     >>> loss = lambda p: half(p).astype(jnp.float32)  # the loss itself in float32
     >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(tx.init(params), params)
-    >>> float(optax_dls.loss_scale(state)), grads['w']  # at the scale they were computed at
+    >>> float(optax_dls.find_state(state).loss_scale), grads['w']  # at their scale
     (8192.0, Array([32768.], dtype=float32))
   """
   run = functools.partial(

@@ -66,7 +66,7 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
     >>> tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
     >>> target = {'params': params, 'opt_state': tx.init(params)}
     >>> state = optax_dls.checkpoint.into_loss_scaled(raw, target)
-    >>> int(state['opt_state'].inner_state[0].count), float(optax_dls.loss_scale(state))
+    >>> int(state['opt_state'].inner_state[0].count), float(optax_dls.find_state(state).loss_scale)
     (3, 32768.0)
   """
   states = target_states(target)

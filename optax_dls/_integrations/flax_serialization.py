@@ -73,7 +73,7 @@ def _checked(serialization: Any, target: LossScaleState, state: Any) -> Any:
       "would restart from its initial values. Restore without a target and carry it over: "
       "raw = flax.training.checkpoints.restore_checkpoint(directory, target=None), then "
       "optax_dls.checkpoint.into_loss_scaled(raw, target) (or, for a DynamicScale "
-      "checkpoint, optax_dls.flax.from_dynamic_scale_checkpoint(raw, target)); "
+      "checkpoint, optax_dls.flax.from_dynamic_scale(raw, target)); "
       "optax_dls.checkpoint.restore(directory, target) names what differs."
     )
   return state

@@ -1,6 +1,6 @@
 """Columns and counters of logged rows, and what the counters prove between two logged rows.
 
-The rows are those :mod:`optax_dls._logs.load` reads: dicts with a whole-number
+The rows are those :mod:`optax_dls._logs.read` reads: dicts with a whole-number
 ``step`` and the keys of :func:`optax_dls.metrics`. A missing or malformed
 value is unknown (NaN), never a zero. Logs written every ``k`` steps hold the
 cumulative counters (``num_steps``, ``skip_count``) at the logged rows only;

@@ -58,7 +58,8 @@ _ADVICE = {
     "Non-finite values even at the smallest scale come from the forward pass or the data, not "
     "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
     "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
-    "fallback (optax_dls.fp32_fallback(policy, after=10) with optax_dls.select_precision)."
+    "fallback (optax_dls.fp32_fallback(policy, after=10), its fp32_fallback metric choosing "
+    "the float32 function)."
   ),
   "NaN skips": (
     "A NaN is not an overflow: it comes from an operation without a finite result (0/0, "

@@ -1,15 +1,48 @@
-"""The report of ``optax-dls inspect``: each run's summary and diagnosis, as text or as JSON."""
+"""The report of ``optax-dls inspect``: each run's summary and diagnosis, as text or as JSON,
+the saved :func:`optax_dls.locate` reports of the run folder, and the plot."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import pathlib
 from typing import Any
 
 from optax_dls._logs import diagnosis as _diagnosis
+from optax_dls._logs import plot as _plot
+from optax_dls._logs import read as _read
 from optax_dls._logs import summary as _summary
+from optax_dls._util import locate_report as _headroom
 
 Rows = list[dict[str, Any]]
+LOCATE_NAME = "locate.json"  # as optax_dls.writers.LOCATE_NAME
+
+
+def inspect(
+  run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
+) -> str:
+  """The report ``optax-dls inspect`` prints: the text of :func:`text`, then each saved
+  :func:`optax_dls.locate` report (a ``locate.json`` that
+  :meth:`~optax_dls.writers.MetricsWriter.write_locate` wrote) under ``run_dir``, then the
+  plot's path when one was drawn (into ``plot_path``); or, ``as_json``, the JSON of
+  :func:`to_json`.
+
+  Raises:
+    NoLogsError: no readable logs under ``run_dir``.
+    TypeError: ``run_dir`` is not a path.
+    MissingExtraError: ``tensorboard`` for event files, ``matplotlib`` for the plot.
+  """
+  runs = _read.load_runs(run_dir)
+  report = build(runs)
+  if plot_path is not None:
+    _plot.plot(runs, os.fspath(plot_path))
+  if as_json:
+    return to_json(report)
+  out = text(report)
+  saved = saved_locate_text(run_dir)
+  out = f"{out}\n\n{saved}" if saved else out
+  return out + f"\nplot written to {os.fspath(plot_path)}" if plot_path is not None else out
 
 
 def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
@@ -137,3 +170,19 @@ def text(report: dict[str, dict[str, Any]]) -> str:
     if not r["diagnosis"]:
       lines.append("  no loss-scaling problems found")
   return "\n".join(lines)
+
+
+def saved_locate_text(run_dir: str | os.PathLike) -> str:
+  """The saved reports under ``run_dir`` (searched recursively), as text; ``""`` when none.
+  A file that is not a report is named with the reason instead."""
+  parts = []
+  for path in sorted(pathlib.Path(run_dir).rglob(LOCATE_NAME)):
+    try:
+      data = json.loads(path.read_text(encoding="utf-8"))
+      shown = str(_headroom.LocateReport.from_dict(data))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+      parts.append(f"{path}: not a locate report ({type(e).__name__}: {e})")
+      continue
+    step = f" (the batch of step {data['step']})" if "step" in data else ""
+    parts.append(f"{path}{step}:\n{shown}")
+  return "\n".join(parts)

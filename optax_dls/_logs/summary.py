@@ -12,21 +12,12 @@ from typing import Any
 import numpy as np
 
 from optax_dls._logs import columns as C
+from optax_dls._util import locate_report as _headroom
 
 Rows = C.Rows
 
 
-def scale_text(x: float) -> str:
-  """A loss scale as ``2^k`` when it is an exact power of two other than 1, else in ``%g`` form.
-
-  >>> from optax_dls._logs.summary import scale_text
-  >>> scale_text(2.0**21), scale_text(2.0**-126), scale_text(1.0), scale_text(1500.0)
-  ('2^21', '2^-126', '1', '1500')
-  """
-  if not (math.isfinite(x) and x > 0):
-    return f"{x:g}"
-  m, e = math.frexp(x)
-  return f"2^{e - 1}" if m == 0.5 and e != 1 else f"{x:g}"
+scale_text = _headroom.power_text  # a loss scale as 2^k
 
 
 def _longest_true_run(flags: np.ndarray) -> int:

@@ -3,11 +3,12 @@
 A policy is a pair of pure functions over a small policy-state pytree, in the
 style of an optax ``GradientTransformation`` (:mod:`.base`). The dynamic rule
 is written once (:mod:`.dynamic`) and reused by the dynamic, static and no-op
-policies and every preset of :mod:`optax_dls.compat`; :mod:`.amax` follows
-the gradients' magnitude. Policy wrappers own state beside the wrapped
-policy's: the float32 fallback (:mod:`.fallback`) and the count of skips at
-the minimum scale (:mod:`.min_scale`). The presets of :mod:`optax_dls.compat`, each a
-dynamic rule with another framework's settings, are in :mod:`.presets`.
+policies and by every framework preset of :func:`optax_dls.config.preset`;
+:mod:`.amax` follows the gradients' magnitude. The float32 fallback
+(:mod:`.fallback`) is a policy wrapper that owns state beside the wrapped
+policy's, with the count of skips at the minimum scale (:mod:`.min_scale`). The
+framework presets, each a dynamic rule with another framework's settings, are
+in :mod:`.presets`.
 
 May import: ``_util`` only; the core applies a policy, a policy knows nothing of the
 core.

@@ -94,7 +94,7 @@ class LossScalePolicy(NamedTuple):
     >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
     >>> state = tx.init({'w': jnp.ones(1)})
     >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)
-    >>> float(optax_dls.loss_scale(state))
+    >>> float(state.loss_scale)
     512.0
   """
 

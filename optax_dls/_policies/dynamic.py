@@ -1,6 +1,6 @@
 """The dynamic rule (Micikevicius et al. 2018, *Mixed Precision Training*, Sec. 3.2, with the
 hysteresis of Megatron-LM and DeepSpeed), written once, and the dynamic, static and no-op
-policies built on its state layout; :mod:`optax_dls.compat` reuses it."""
+policies built on its state layout; the framework presets reuse it."""
 
 from __future__ import annotations
 
@@ -165,8 +165,8 @@ def dynamic_policy(
     >>> policy = optax_dls.dynamic_policy(init_scale=8.0, growth_interval=2)
     >>> scale, state = policy.init()
     >>> for finite in [True, True, False]:
-    ...   stats = optax_dls.GradStats(finite=jnp.array(finite), step=jnp.array(0),
-    ...                               grad_norm=jnp.array(1.0))
+    ...   stats = optax_dls._policies.GradStats(finite=jnp.array(finite), step=jnp.array(0),
+    ...     grad_norm=jnp.array(1.0))
     ...   scale, state = policy.update(scale, state, stats)
     ...   print(float(scale))
     8.0
@@ -217,7 +217,7 @@ def static_policy(scale: float) -> LossScalePolicy:
     >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), static_policy(8.0))
     >>> state = tx.init({'w': jnp.zeros(1)})
     >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)  # skipped, S unchanged
-    >>> float(optax_dls.loss_scale(state)), int(optax_dls.metrics(state)['skip_count'])
+    >>> float(state.loss_scale), int(optax_dls.metrics(state)['skip_count'])
     (8.0, 1)
   """
   scale = _validation.scale("scale", scale)

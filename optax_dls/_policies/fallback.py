@@ -2,8 +2,9 @@
 
 A policy wrapper owns the flag and the scale: after ``after`` consecutive
 skips it turns the flag on for ``steps`` updates, then restarts the wrapped
-policy at ``scale``. :func:`select_precision` reads the flag inside the
-jitted step to pick the float16 or the float32 computation.
+policy at ``scale``. The step reads the flag from ``optax_dls.metrics`` to pick
+the float16 or the float32 computation with ``jax.lax.cond``. It also counts the
+consecutive skips taken at the policy's minimum scale (:mod:`.min_scale`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
+from optax_dls._policies.min_scale import skips_at_min_scale
 from optax_dls._util import validation as _validation
 
 
@@ -23,7 +25,9 @@ class FallbackState(NamedTuple):
   """Policy state of :func:`fp32_fallback`.
 
   Attributes:
-    policy_state: the wrapped policy's state.
+    policy_state: a ``SkipsAtMinScaleState``: the wrapped policy's state
+      (``policy_state``) and the consecutive skips taken at its minimum scale
+      (``skips_at_min_scale``, int32 ``()``).
     fp32_fallback: bool ``()``. True while the loss should run in float32.
     steps_left: int32 ``()``. Updates left before the fallback ends (0 when off).
     consecutive_skips: int32 ``()``. Skipped steps since the last applied one.
@@ -49,14 +53,28 @@ def fp32_fallback(
 
   When a skipped step makes ``after`` consecutive skips, the state's
   ``fp32_fallback`` flag turns on for the next ``steps`` updates, during which
-  :func:`select_precision` computes the
-  loss in float32; the wrapped policy keeps moving the scale meanwhile. On
-  the update that ends it, the scale restarts at ``scale`` and the wrapped
-  policy's state at its initial value. :func:`metrics` reports the flag as
-  ``fp32_fallback``.
+  the training step computes the loss in float32; the wrapped policy keeps
+  moving the scale meanwhile. On the update that ends it, the scale restarts at
+  ``scale`` and the wrapped policy's state at its initial value.
+  :func:`metrics` reports the flag as ``fp32_fallback``; the step picks the
+  computation with it inside the compiled step (both branches traced once, so
+  switching never recompiles; they must return the same structure, shapes and
+  dtypes)::
+
+      loss = jax.lax.cond(
+        optax_dls.metrics(opt_state)["fp32_fallback"], fp32_loss, fp16_loss, params, batch
+      )
+
+  It also counts the consecutive skips taken while the scale was already at
+  the policy's ``min_scale``: such an overflow cannot be cured by backing off
+  (the data, the learning rate or the forward pass is at fault, or float16
+  itself). :func:`metrics` reports the count as ``skips_at_min_scale`` (reset
+  by an applied step, and when the fallback ends); :class:`SkipAlerts` warns
+  on the first one.
 
   Args:
-    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`.
+    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`;
+      its ``min_scale`` is the floor the count compares with.
     after: int in [1, 2**31 - 1], consecutive skipped steps that start the
       fallback. Default 10.
     steps: int in [1, 2**31 - 1], updates the fallback lasts. Default 100.
@@ -64,20 +82,31 @@ def fp32_fallback(
       default: the policy's initial scale), the scale to restart at.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a ``FallbackState``: the wrapped
-    policy's state (``policy_state``), the flag (``fp32_fallback``, bool ``()``),
-    the updates left (``steps_left``) and the skips in a row
-    (``consecutive_skips``), both int32 ``()``.
+    A :class:`LossScalePolicy` whose state is a ``FallbackState``
+    (``optax_dls._policies.fallback``): the wrapped policy's
+    state and the skips at the minimum scale (``policy_state``, a
+    ``SkipsAtMinScaleState`` of ``policy_state`` and ``skips_at_min_scale``,
+    int32 ``()``), the flag (``fp32_fallback``, bool ``()``), the updates left
+    (``steps_left``) and the skips in a row (``consecutive_skips``), both int32
+    ``()``.
 
   Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy`, or a wrong or
-      traced value.
-    ValueError: a value out of range, ``scale`` included (the message names it).
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields
+      has the wrong type (see :class:`LossScalePolicy`), or a wrong or traced
+      value.
+    ValueError: a value out of range, ``scale`` included (the message names
+      it), or ``policy``'s ``stats``, scale range or initial scale is not valid.
 
   Example:
-    >>> import optax, optax_dls
-    >>> policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(), after=10, steps=100)
-    >>> tx = optax_dls.loss_scaled(optax.adam(1e-3), policy)
+    >>> import jax.numpy as jnp, optax, optax_dls
+    >>> policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(min_scale=2.0**15), after=2)
+    >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
+    >>> state = tx.init({'w': jnp.ones(1)})
+    >>> for _ in range(2):
+    ...   _, state = tx.update({'w': jnp.array([jnp.nan])}, state)
+    >>> m = optax_dls.metrics(state)
+    >>> bool(m['fp32_fallback']), int(m['skips_at_min_scale'])
+    (True, 2)
   """
   policy = check_policy(policy)
   after = _validation.count("after", after)
@@ -85,8 +114,9 @@ def fp32_fallback(
   if scale is not None:
     scale = _validation.scale("scale", scale, policy.min_scale, policy.max_scale)
 
-  init = functools.partial(_fallback_init, policy)
-  update = functools.partial(_fallback_update, policy, after, steps, scale)
+  counted = skips_at_min_scale(policy)
+  init = functools.partial(_fallback_init, counted)
+  update = functools.partial(_fallback_update, counted, after, steps, scale)
   return policy._replace(init=init, update=update)
 
 

@@ -1,4 +1,6 @@
-"""Counting skips at the minimum scale: the overflow is then not the loss scale's doing."""
+"""Counting skips at the minimum scale: the overflow is then not the loss scale's doing.
+
+Part of :func:`optax_dls.fp32_fallback`, which wraps its policy in this count."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
 
 
 class SkipsAtMinScaleState(NamedTuple):
-  """Policy state of :func:`skips_at_min_scale`.
+  """Policy state of :func:`skips_at_min_scale`, the ``policy_state`` of a
+  :class:`~optax_dls._policies.fallback.FallbackState`.
 
   Attributes:
     policy_state: the wrapped policy's state.
@@ -29,36 +32,14 @@ class SkipsAtMinScaleState(NamedTuple):
 
 
 def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
-  """Wraps ``policy`` to count consecutive skips taken at its ``min_scale``.
+  """Wraps ``policy`` to count consecutive skips taken at its ``min_scale`` (for
+  :func:`optax_dls.fp32_fallback`, which reports the count).
 
-  A step that overflows although the scale is already at its floor cannot be
-  cured by backing off: the data, the learning rate or the forward pass is at
-  fault (or float16 itself; see :func:`fp32_fallback`). :func:`metrics`
-  reports the count as ``skips_at_min_scale``; :class:`SkipAlerts` warns on
-  the first one. The scale itself is the wrapped policy's, unchanged.
-
-  Args:
-    policy: the :class:`LossScalePolicy` to wrap; its ``min_scale`` is the floor.
-
-  Returns:
-    A :class:`LossScalePolicy` whose state is a ``SkipsAtMinScaleState``: the
-    wrapped policy's state (``policy_state``) and the count
-    (``skips_at_min_scale``, int32 ``()``).
-
-  Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy`, or one of its fields
-      has the wrong type (see :class:`LossScalePolicy`).
-    ValueError: ``policy``'s ``stats``, scale range or initial scale is not valid.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_dls
-    >>> at_floor = optax_dls.dynamic_policy(init_scale=1.0, min_scale=1.0)
-    >>> policy = optax_dls.skips_at_min_scale(at_floor)
-    >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
-    >>> state = tx.init({'w': jnp.ones(1)})
-    >>> _, state = tx.update({'w': jnp.array([jnp.nan])}, state)
-    >>> int(optax_dls.metrics(state)['skips_at_min_scale'])
-    1
+  A step that overflows although the scale is already at its floor cannot be cured by
+  backing off. The scale itself is the wrapped policy's, unchanged; the state is a
+  ``SkipsAtMinScaleState`` of the wrapped policy's state and the count (int32 ``()``,
+  saturating). TypeError / ValueError as :func:`~optax_dls._policies.base.check_policy`
+  raises them for a policy that is not valid.
   """
   policy = check_policy(policy)
   init = functools.partial(_min_scale_init, policy)

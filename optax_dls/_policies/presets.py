@@ -1,5 +1,23 @@
-"""The presets of :mod:`optax_dls.compat`: policies that reproduce other frameworks'
-scale trajectories (documented there)."""
+"""The presets that reproduce other frameworks' scale trajectories, public as
+``optax_dls.config.preset("torch")``, ``"keras"``, ``"jmp"``, ``"flax"``, ``"megatron"`` and
+``"deepspeed"`` (documented there and in ``docs/policies.md``).
+
+Each returns a :class:`~optax_dls.LossScalePolicy` whose scale, given the same sequence of
+finite / non-finite steps, equals the reference implementation's scale bit for bit, as long
+as the reference stays inside ``[2**-126, 2**126]`` (the range of every optax_dls scale,
+where ``1/S`` is a normal float32 number). Where each reference leaves that range, and the
+other conditions for exactness, are listed per preset.
+
+References (read from the installed sources):
+  PyTorch ``torch/amp/grad_scaler.py`` and ``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp``;
+  Megatron-LM ``megatron/core/optimizer/grad_scaler.py``;
+  DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py``;
+  Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``;
+  jmp ``jmp/_src/loss_scale.py``; flax ``flax/training/dynamic_scale.py``.
+
+The rule itself is dynamic loss scaling, Micikevicius et al. (2018), *Mixed
+Precision Training*, Sec. 3.2.
+"""
 
 from __future__ import annotations
 
@@ -56,22 +74,6 @@ def torch_policy(
   Raises:
     ValueError: a value out of range (the message names it).
     TypeError: a wrong or traced value.
-
-  Example:
-    GradScaler's trajectory with ``growth_interval=2``: two finite steps double
-    the scale, an overflow halves it.
-
-    >>> import jax.numpy as jnp, optax_dls
-    >>> policy = optax_dls.compat.torch_policy(init_scale=2.0**16, growth_interval=2)
-    >>> scale, state = policy.init()
-    >>> for finite in [True, True, False]:
-    ...   stats = optax_dls.GradStats(finite=jnp.array(finite), step=jnp.array(0),
-    ...                               grad_norm=jnp.array(1.0))
-    ...   scale, state = policy.update(scale, state, stats)
-    ...   print(float(scale))
-    65536.0
-    131072.0
-    65536.0
   """
   return _rule(
     init=("init_scale", init_scale),

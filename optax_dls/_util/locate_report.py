@@ -4,6 +4,7 @@ headroom of every named scope, printable as a short table and JSON-ready."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,7 +109,9 @@ class LocateReport:
     return self.headroom[:n]
 
   def __str__(self) -> str:
-    lines = [f"locate at loss scale {self.scale:g}:"]
+    """A table: the scale as a power of two, each scope's whole name (the column as wide
+    as the longest), the ten nearest scopes; the code outside any scope is not a row."""
+    lines = [f"locate at loss scale {power_text(self.scale)}:"]
     f = self.first
     if f is None:
       lines.append("  every value finite")
@@ -117,15 +120,16 @@ class LocateReport:
         f"  first {f.kind}: {f.phase} {f.primitive} ({f.dtype}) in {f.scope or '(top level)'}"
         f" at {f.source}; largest finite input {f.input_max:.3g}"
       )
-      if f.note:
-        lines.append(f"  note: {f.note}")
-    lines.append(f"  {'scope':<32} {'forward':>9} {'backward':>9} {'subnormal':>9}")
-    for h in self.headroom[:10]:
+      lines += [f"  note: {f.note}"] if f.note else []
+    rows = [h for h in self.headroom if h.scope != "(top level)"]
+    width = max([len("scope"), *(len(h.scope) for h in rows[:10])])
+    lines.append(f"  {'scope':<{width}}  {'forward':>9} {'backward':>9} {'subnormal':>9}")
+    for h in rows[:10]:
       fwd = "overflow" if h.forward_overflow else f"{h.forward_fraction:.2%}"
       bwd = "overflow" if h.backward_overflow else f"{h.backward_fraction:.2%}"
-      lines.append(f"  {h.scope[-32:]:<32} {fwd:>9} {bwd:>9} {h.underflow_share:>9.1%}")
-    if len(self.headroom) > 10:
-      lines.append(f"  ... {len(self.headroom) - 10} more scopes")
+      lines.append(f"  {h.scope:<{width}}  {fwd:>9} {bwd:>9} {h.underflow_share:>9.1%}")
+    if len(rows) > 10:
+      lines.append(f"  ... {len(rows) - 10} more scopes")
     return "\n".join(lines)
 
 
@@ -180,3 +184,19 @@ class Accumulator:
   def report(self, scale: float) -> LocateReport:
     rows = sorted(self.scopes.values(), key=ScopeHeadroom.sort_key)
     return LocateReport(scale, self.first or self.first_propagated, rows)
+
+
+def power_text(x: float) -> str:
+  """A loss scale as a power of two: ``2^k`` when it is one (1 as ``1``), else ``2^x`` with
+  two decimals; a scale that is not finite and > 0 in ``%g`` form.
+
+  >>> from optax_dls._util.locate_report import power_text
+  >>> power_text(2.0**21), power_text(2.0**-126), power_text(1.0), power_text(1500.0)
+  ('2^21', '2^-126', '1', '2^10.55')
+  """
+  if not (math.isfinite(x) and x > 0):
+    return f"{x:g}"
+  m, e = math.frexp(x)
+  if m == 0.5:
+    return "1" if e == 1 else f"2^{e - 1}"
+  return f"2^{math.log2(x):.2f}"

@@ -93,7 +93,7 @@ def recorded(grads: Any, params: Any, held: list[bool] | None) -> Any:
   """``grads`` as the check and the record read them: zeros of the parameter's type where a
   floating parameter's gradient is None (frozen by ``multi_transform`` and
   ``set_to_zero``, say), so that the record has a bit for every floating parameter, in the
-  order of the names :func:`optax_dls.leaf_names` gives them; ``grads`` itself where no
+  order of the names :func:`optax_dls.nonfinite_leaves` gives them; ``grads`` itself where no
   such parameter is held out. ``held`` is :func:`held_out`'s."""
   if held is None:
     return grads

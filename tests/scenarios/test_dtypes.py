@@ -100,7 +100,7 @@ def test_state_dtypes_unchanged_after_scan_over_100_steps(lowering):
 
   def body(carry, g):
     params, state = carry
-    g = g * optax_dls.loss_scale(state).astype(jnp.float16)
+    g = g * optax_dls.find_state(state).loss_scale.astype(jnp.float16)
     updates, state = tx.update({"w": g}, state, params)
     return (optax.apply_updates(params, updates), state), state.loss_scale
 

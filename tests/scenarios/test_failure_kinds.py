@@ -22,7 +22,7 @@ def _train(tx, grads_seq, params=P):
 
   @jax.jit
   def step(params, state, g):
-    g = jax.tree.map(lambda x: x * optax_dls.loss_scale(state).astype(x.dtype), g)
+    g = jax.tree.map(lambda x: x * optax_dls.find_state(state).loss_scale.astype(x.dtype), g)
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 

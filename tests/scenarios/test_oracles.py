@@ -62,7 +62,7 @@ def _ours(growth_factor, backoff_factor, growth_interval, min_scale, max_scale):
   params = {"w": jnp.zeros(2, jnp.float32)}
 
   def step(state, g):
-    grads = {"w": g * optax_dls.loss_scale(state)}
+    grads = {"w": g * optax_dls.find_state(state).loss_scale}
     _, state = tx.update(grads, state, params)
     m = optax_dls.metrics(state)
     return state, (m["loss_scale"], m["skipped"])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import optax_dls
-from optax_dls import cli
+from optax_dls._access.names import leaf_names
+from optax_dls._logs.report import inspect
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -179,7 +180,7 @@ def _leaf_names():
   args = train_lm.parse_args(TINY)
   model = train_lm.Transformer(args.d_model, args.layers, args.heads, args.seq_len, train_lm.FP32)
   shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))
-  return optax_dls.leaf_names(shapes["params"])
+  return leaf_names(shapes["params"])
 
 
 def test_skipped_steps_name_the_parameters_that_overflowed(out):
@@ -220,7 +221,7 @@ def test_first_skipped_step_is_located(out):
   rows = block.splitlines()[2:]
   assert len(rows) == 3
   assert all(r.strip().startswith(h["scope"]) for r, h in zip(rows, located["headroom"]))
-  assert f"the batch of step {first_skip}" in cli.inspect(str(out))
+  assert f"the batch of step {first_skip}" in inspect(str(out))
 
 
 def test_loss_scaled_run_learns(out):
@@ -242,7 +243,7 @@ def test_redirected_output_is_plain_lines(out):
 
 
 def test_inspect_reads_every_run_and_flags_the_unscaled_fp16_run(out):
-  report = json.loads(cli.inspect(str(out), as_json=True))
+  report = json.loads(inspect(str(out), as_json=True))
   assert set(report) == set(RUNS)
   assert all(r["summary"]["updates"] == STEPS for r in report.values())
   assert any("zero" in d["symptom"] for d in report["fp16"]["diagnosis"])
@@ -251,7 +252,7 @@ def test_inspect_reads_every_run_and_flags_the_unscaled_fp16_run(out):
   where = report["fp16-dls"]["summary"]["nonfinite"]
   assert where["steps_with_leaves"] == report["fp16-dls"]["summary"]["skips"]
   assert {e["name"]: {"inf": e["inf"], "nan": e["nan"]} for e in where["by_parameter"]} == counts
-  text = cli.inspect(str(out))
+  text = inspect(str(out))
   dls = text.split("run fp16-dls\n")[1].split("\nrun ")[0]
   assert "non-finite steps by parameter" in dls
   assert f"{next(iter(counts))}  " in dls and "(inf)" in dls

@@ -104,7 +104,7 @@ def _step(us, k):
 
 
 def _scaled(u, state):
-  scale = optax_dls.loss_scale(state)
+  scale = optax_dls.find_state(state).loss_scale
   return jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(x.dtype), u)
 
 
@@ -677,7 +677,10 @@ def test_skipped_step_is_bit_for_bit(name, tree, skip_lowering):
       problems += _bit_problems(p_after, p_before, f"step {k} ({path}): params")
       what = f"step {k} ({path}): inner state"
       problems += _bit_problems(s_after.inner_state, s_before.inner_state, what)
-      scales = float(optax_dls.loss_scale(s_before)), float(optax_dls.loss_scale(s_after))
+      scales = (
+        float(optax_dls.find_state(s_before).loss_scale),
+        float(optax_dls.find_state(s_after).loss_scale),
+      )
       if scales[1] != scales[0] / 2:
         problems.append(f"step {k} ({path}): the loss scale went {scales[0]} -> {scales[1]}")
     if _types(updates) != _types(steps[1][2][0]):
