@@ -151,7 +151,8 @@ def _sums(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, jax.Array]:
   parts = [lax.real(x), lax.imag(x)] if jnp.issubdtype(ct, jnp.complexfloating) else [x]
   t = _as(tiny, parts[0].dtype)
   total = lambda v: lax.reduce_sum(v, tuple(range(x.ndim)))
-  return sum(total(p * p) for p in parts), sum(total((p * t) * (p * t)) for p in parts)
+  add = lambda vs: functools.reduce(lax.add, vs)
+  return add([total(p * p) for p in parts]), add([total((p * t) * (p * t)) for p in parts])
 
 
 def _top(x: jax.Array) -> jax.Array:
@@ -188,6 +189,7 @@ def check(
   reals = [jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype) for x in leaves]
   # The factor hidden from XLA, which would square it (inf * 0 = NaN).
   tinies = {r: lax.optimization_barrier(jnp.asarray(_TINY[r], r)) for r in dict.fromkeys(reals)}
+  sq: Any
   if fused:
     sq, tq, tops = zip(*[_reads(x, tinies[r]) for x, r in zip(leaves, reals, strict=True)])
   else:
