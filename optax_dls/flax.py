@@ -142,9 +142,10 @@ def value_and_grad(
   gradient of a replicated parameter over the axis, and ``pmean`` leaves
   that sum; average the loss in ``fun`` there for the mean.
 
-  With a passthrough optimizer (:func:`optax_dls.no_loss_scale`: S = 1 by
-  construction) the loss is not multiplied at all: a step is bit for bit a
-  plain ``jax.value_and_grad`` step.
+  With :func:`optax_dls.no_loss_scale` (S = 1) the loss is multiplied by the
+  state's scale, 1, and nothing is retried: a step is a plain
+  ``jax.value_and_grad`` step's to rounding (a restored scale is divided out
+  by the update).
 
   Args:
     fun: the loss function; its arguments are those of ``grad_fn`` after

@@ -49,11 +49,10 @@ def from_dynamic_scale(source: Any, target: Any) -> Any:
 
   A port of a flax example from ``DynamicScale`` to
   :func:`optax_dls.dynamic_loss_scale` changes the layout: restored with flax's
-  or Orbax's own code into the new state, such a checkpoint fails (with
-  flax's ``restore_checkpoint(target=...)``, a ``ValueError`` once flax is
-  imported before ``tx.init`` builds the target; without the check it would
-  leave the optimizer's moments, its count and the loss scale at their
-  initial values). Restore it raw and convert it instead::
+  or Orbax's own code into the new state, such a checkpoint would leave the
+  optimizer's moments, its count and the loss scale at their initial values
+  (:func:`optax_dls.checkpoint.restore` refuses it). Restore it raw and
+  convert it instead::
 
       raw = flax.training.checkpoints.restore_checkpoint(directory, target=None)
       # or, with Orbax: raw = manager.restore(step)
