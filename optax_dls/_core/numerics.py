@@ -11,7 +11,6 @@ XLA cannot merge the optimizer's elementwise work into these reductions.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -121,9 +120,11 @@ _TINY = {jnp.dtype(jnp.float32): 2.0**-100, jnp.dtype(jnp.float64): 2.0**-552}
 _TO_FLOAT32 = {jnp.dtype(jnp.float32): 1.0, jnp.dtype(jnp.float64): 2.0 ** (1104 - 200)}
 
 
-def _reads(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, ...]:
-  """One variadic reduction of the leaf ``x``: the sum of ``|x|**2``, the sum of
-  ``|x * tiny|**2`` and the largest real or imaginary magnitude, in its real compute dtype."""
+def _reads(x: jax.Array, tiny: jax.Array, fused: bool) -> tuple[jax.Array, ...]:
+  """The reads of leaf ``x``, in its real compute dtype: the sum of ``|x|**2``, the sum of
+  ``|x * tiny|**2`` and the largest real or imaginary magnitude; one variadic reduction when
+  ``fused``, else three plain ones (which XLA all-reduces across a mesh; XLA drops those
+  whose results are not used)."""
   ct = compute_dtype(x.dtype)
   real = jnp.finfo(ct).dtype
   x = _as(x, ct)
@@ -135,31 +136,12 @@ def _reads(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, ...]:
     small = lax.complex(lax.mul(lax.real(x), t), lax.mul(lax.imag(x), t))
   else:
     abs2, top, small = (lambda v: lax.mul(v, v)), lax.abs(x), lax.mul(x, t)
-  zero = jnp.zeros([], real)
-
-  def combine(a: tuple, b: tuple) -> tuple:
-    return lax.add(a[0], b[0]), lax.add(a[1], b[1]), lax.max(a[2], b[2])
-
-  operands = (abs2(x), abs2(small), top)
-  return tuple(lax.reduce(operands, (zero,) * 3, combine, tuple(range(x.ndim))))
-
-
-def _sums(x: jax.Array, tiny: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The sum of ``|x|**2`` and of ``|x * tiny|**2``, two plain reductions (the rare path)."""
-  ct = compute_dtype(x.dtype)
-  x = _as(x, ct)
-  parts = [lax.real(x), lax.imag(x)] if jnp.issubdtype(ct, jnp.complexfloating) else [x]
-  t = _as(tiny, parts[0].dtype)
-  total = lambda v: lax.reduce_sum(v, tuple(range(x.ndim)))
-  add = lambda vs: functools.reduce(lax.add, vs)
-  return add([total(p * p) for p in parts]), add([total((p * t) * (p * t)) for p in parts])
-
-
-def _top(x: jax.Array) -> jax.Array:
-  """The largest real or imaginary magnitude of ``x``, in its real compute dtype."""
-  x = _as(x, compute_dtype(x.dtype))
-  parts = [lax.real(x), lax.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-  return functools.reduce(lax.max, [jnp.max(lax.abs(p)) for p in parts])
+  zero, dims = jnp.zeros([], real), tuple(range(x.ndim))
+  operands, combines = (abs2(x), abs2(small), top), (lax.add, lax.add, lax.max)
+  if not fused:
+    return tuple(lax.reduce(o, zero, f, dims) for o, f in zip(operands, combines, strict=True))
+  combine = lambda a, b: tuple(f(u, v) for f, u, v in zip(combines, a, b, strict=True))
+  return tuple(lax.reduce(operands, (zero,) * 3, combine, dims))
 
 
 def check(
@@ -189,20 +171,13 @@ def check(
   reals = [jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype) for x in leaves]
   # The factor hidden from XLA, which would square it (inf * 0 = NaN).
   tinies = {r: lax.optimization_barrier(jnp.asarray(_TINY[r], r)) for r in dict.fromkeys(reals)}
-  sq: Any
-  if fused:
-    sq, tq, tops = zip(*[_reads(x, tinies[r]) for x, r in zip(leaves, reals, strict=True)])
-  else:
-    sq = [_sums(x, jnp.zeros([], r))[0] for x, r in zip(leaves, reals, strict=True)]
-
-    def exact(_: Any) -> tuple[list[jax.Array], list[jax.Array]]:
-      tq = [_sums(x, tinies[r])[1] for x, r in zip(leaves, reals, strict=True)]
-      return tq, [_top(x) for x in leaves]
-
+  reads = lambda: [_reads(x, tinies[r], fused) for x, r in zip(leaves, reals, strict=True)]
+  sq, tq, tops = (list(v) for v in zip(*reads()))
+  if not fused:  # the CPU: the sums of squares decide, the rest only where they cannot
     zeros = [_multi_device.vary_like(jnp.zeros([], r), x) for x, r in zip(leaves, reals)]
-    clear = lambda _: (zeros, zeros)
     quick = jnp.all(jnp.isfinite(jnp.stack([_as(v, jnp.float32) for v in sq]))) & (inv <= 1)
-    tq, tops = lax.cond(quick, clear, exact, None)
+    exact = lambda _: tuple(list(v) for v in list(zip(*reads()))[1:])
+    tq, tops = lax.cond(quick, lambda _: (zeros, zeros), exact, None)
   # Every leaf's results in vectors behind a barrier: XLA keeps one reduction per leaf.
   to32 = [_as(v * jnp.asarray(_TO_FLOAT32[r], r), jnp.float32) for v, r in zip(tq, reals)]
   vectors, tops = lax.optimization_barrier(

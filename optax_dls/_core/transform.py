@@ -198,50 +198,45 @@ def build(  # noqa: C901 (the closures of one transformation)
   def update_fn(
     updates: Any, state: Any, params: Any = None, *, loss: Any = None, **extra_args: Any
   ) -> tuple[Any, LossScaleState]:
-    check_state(state)
-    if policy.passthrough and isinstance(state.inner_state, BackOff):
-      return jnp.ones([], jnp.bool_), state  # nothing is checked: nothing to back off from
-    if policy.passthrough:
-      return passed(updates, state, params, extra_args)
+    if not isinstance(state, LossScaleState):
+      check_state(state)
+    backing_off = isinstance(state.inner_state, BackOff)
+    if policy.passthrough:  # nothing is checked, nothing to back off from
+      return (jnp.bool_(True), state) if backing_off else passed(updates, state, params, extra_args)
     if jax.tree.structure(state.policy_state) != policy_def:  # type: ignore[operator]
       raise ValueError(_other_policy(state, policy_kind))
-    grads, loss = updates, _checked_loss(loss)
+    loss = _checked_loss(loss)
     # Parameters whose gradient is None (an Equinox model's functions) and integer arrays
     # stay out of the skip and pass through untouched.
-    plain = _plain(grads, params)
-    held, kept, _ = (None, params, []) if plain else _model.held_apart(grads, params)
-    read = grads if held is None else _model.recorded(grads, params, held)
-    read = _numerics.widened(read, params)
-    losses = [] if loss is None else [loss]
-    _multi_device.check_axis_coverage(
-      _numerics.float_leaves(read) + losses, state.loss_scale, axis_name
-    )
+    plain = _plain(updates, params)
+    held, kept, _ = (None, params, []) if plain else _model.held_apart(updates, params)
+    read = _numerics.widened(updates if plain else _model.recorded(updates, params, held), params)
+    leaves = _numerics.float_leaves((read, loss))
+    _multi_device.check_axis_coverage(leaves, state.loss_scale, axis_name)
     check = _skip.check(lowering, read, state.loss_scale, axis_name, wants_amax)
-    backing_off = isinstance(state.inner_state, BackOff)
-    leaf_codes = _leaf_codes(state, check, backing_off)
-    step = optax.safe_increment(state.num_steps)
-    loss_code = _loss_code(loss, axis_name)
-    pending = (state.nonfinite[-2] > 0) & (state.nonfinite[-1] == step)
-    finite = check.finite & (loss_code == 0) & ~pending
-    if not told[0] and _unscaled(grads, state.loss_scale):
+    if not told[0] and _unscaled(updates, state.loss_scale):
       told[0] = True
       warnings.warn(_FORGOTTEN, UserWarning, stacklevel=_frames.user_stacklevel())
-    new_scale, policy_state = policy_step(state, finite, check)
-    # The record of a non-finite step: each leaf's code, the loss's (or the one a
-    # recomputation left for this very step) and the step's number.
-    pending = jnp.where(state.nonfinite[-1] == step, state.nonfinite[-2], 0)
-    codes = [leaf_codes, jnp.stack([jnp.maximum(loss_code, pending), step])]
+    # The record: each leaf's code, the loss's (or the one a recomputation left for this
+    # very step) and the step's number; the step is finite when all are 0.
+    step = optax.safe_increment(state.num_steps)
+    left = jnp.where(state.nonfinite[-1] == step, state.nonfinite[-2], 0)
+    loss_code = jnp.maximum(_loss_code(loss, axis_name), left)
+    finite = check.finite & (loss_code == 0)
+    codes = [_leaf_codes(state, check, backing_off), jnp.stack([loss_code, step])]
     record = jnp.where(finite, state.nonfinite, jnp.concatenate(codes))
+    new_scale, policy_state = policy_step(state, finite, check)
     if backing_off:  # a recomputation's check: the scale moves only
       keep = lambda old, new: jnp.where(finite, old, new)
       moved = jax.tree.map(keep, (state.loss_scale, state.policy_state), (new_scale, policy_state))
       return finite, state._replace(loss_scale=moved[0], policy_state=moved[1], nonfinite=record)
-    masks = {} if labels is None else _record.group_masks(leaf_labels(read))
-    if set(masks) != set(state.overflows):  # a state of another labels= (restored)
-      raise ValueError(_other_labels(state, masks))
-    overflows = _record.counted(state.overflows, finite, check.codes, masks)
-    # Unscaled inside the skip, so that the product fuses with the optimizer's read.
-    inv = jnp.where(finite, 1.0 / state.loss_scale, 0.0)
+    overflows = state.overflows
+    if labels is not None or overflows:
+      masks = {} if labels is None else _record.group_masks(leaf_labels(read))
+      if set(masks) != set(overflows):  # a state of another labels= (restored)
+        raise ValueError(_other_labels(state, masks))
+      overflows = _record.counted(overflows, finite, check.codes, masks)
+    inv = jnp.where(finite, 1.0 / state.loss_scale, 0.0)  # unscaled inside the skip: fused
 
     def apply(g: Any, inner_state: Any, p: Any) -> tuple[Any, Any]:
       unscaled = _numerics.unscale(g, inv, p)
@@ -252,7 +247,9 @@ def build(  # noqa: C901 (the closures of one transformation)
       return out, jax.tree.map(_skip.as_weak_as, new, inner_state)
 
     skip = lambda p, out: jax.tree.map(_skip.negative_zeros_like, out)
-    out, inner_state = _skip.skipped(lowering, finite, apply, skip, grads, state.inner_state, kept)
+    out, inner_state = _skip.skipped(
+      lowering, finite, apply, skip, updates, state.inner_state, kept
+    )
     inc = optax.safe_increment
     return out, LossScaleState(
       loss_scale=new_scale,
