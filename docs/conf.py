@@ -37,16 +37,19 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 # names are never ignored.
 nitpicky = True
 nitpick_ignore_regex = [
-  (r"py:.*", r"(jax|jaxlib|jnp|optax|flax|nnx|numpy|np|orbax|tensorboardX|yaml|torch)(\..+)?"),
+  (
+    r"py:.*",
+    r"(jax|jaxlib|jnp|optax|flax|nnx|numpy|np|orbax|tensorboardX|yaml|torch)(\..+)?",
+  ),
   (r"py:.*", r"(collections\.abc|os|pathlib|typing)\..+"),  # the standard library's
 ]
 # The private classes that public annotations name (the state's non-finite record, the
 # scaler behind a transformation) have no entry: the docstrings that return or hold them
 # describe their fields. Only these exact names are let through.
 nitpick_ignore = [
-  # Names the docstrings of _core and _policies/base.py still give to what is no longer
-  # exported: the loss scale is find_state(opt_state).loss_scale, GradStats is documented
-  # as optax_dls._policies.base.GradStats.
+  # Names the docstrings of _core and _policies/base.py still give to what is no
+  # longer exported: the loss scale is find_state(opt_state).loss_scale, GradStats is
+  # documented as optax_dls._policies.base.GradStats.
   ("py:func", "loss_scale"),
   ("py:class", "GradStats"),
 ]
@@ -70,6 +73,8 @@ html_theme_options = {
   "use_repository_button": True,
   "path_to_docs": "docs",
   "show_toc_level": 2,
-  "navbar_persistent": [],  # the sidebar has the search field; no second one in a top bar
+  "navbar_persistent": [],  # the sidebar has the search field; no second in a top bar
 }
 html_show_sourcelink = False
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]  # code blocks wide enough for 88-character lines

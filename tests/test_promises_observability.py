@@ -44,7 +44,8 @@ def _run_blocks():
 
 def test_the_snippets_run_and_print_what_the_page_says(page):
   ns, out = page
-  composed = out[0].splitlines()
+  assert out[0].split() == ["32768.0", "0"]  # the recipe: a new state's metrics
+  composed = out[1].splitlines()
   assert composed[0] == (
     "[(16.0, False, False), (8.0, True, False), (4.0, True, False), (2.0, True, True), "
     "(2.0, False, True), (2.0, False, True), (2.0, False, True), (2.0, False, True), "
@@ -55,12 +56,12 @@ def test_the_snippets_run_and_print_what_the_page_says(page):
   # "the first alert fires at step 12"; "the skip at step 28 ... raises the stuck alert"
   assert "at step 12;" in ns["alerts"].fired[0]
   assert "step 28 was non-finite" in ns["alerts"].fired[-1]
-  assert out[1].split() == ["0.625", "1.0", "0.125", "0.25"]  # underflow statistics
-  assert out[3].split() == ["False", "inf"]  # lax.cond on the fp32_fallback flag: float16 ran
-  assert "stuck at the minimum" in out[5]  # optax-dls inspect of the logged run
-  keys = ast.literal_eval(out[6].splitlines()[0])  # the printed sorted list of metric keys
+  assert out[2].split() == ["0.625", "1.0", "0.125", "0.25"]  # underflow statistics
+  assert out[4].split() == ["False", "inf"]  # lax.cond on the fp32_fallback flag: float16 ran
+  assert "stuck at the minimum" in out[6]  # optax-dls inspect of the logged run
+  keys = ast.literal_eval(out[7].splitlines()[0])  # the printed sorted list of metric keys
   assert {"fp32_fallback", "underflow/zero_frac"} <= set(keys)
-  assert "SkipAlerts(alert_after=...)" in out[6].splitlines()[1]
+  assert "SkipAlerts(alert_after=...)" in out[7].splitlines()[1]
 
 
 def test_the_fractions_are_those_of_the_last_applied_step_23(page):

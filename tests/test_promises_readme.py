@@ -95,6 +95,6 @@ def test_the_main_example_averages_each_step_over_65536_tokens_of_64_replicas():
   args = train_lm.parse_args([])
   assert args.replicas == 64 and train_lm.tokens_per_step(args) == 65_536
   table = (ROOT / "README.md").read_text().split("## The main example")[1].split("\n## ")[0]
-  runs = re.findall(r"^\s*(fp[\w-]+)\s+\d", table, re.MULTILINE)
+  runs = re.findall(r"^\|?\s*(fp[\w-]+)\s*\|?\s+\d", table, re.MULTILINE)
   assert runs == ["fp32", "fp16", "fp16-dls", "fp16-dls-recompute"]
   assert runs == list(args.runs)  # the runs the command makes by default

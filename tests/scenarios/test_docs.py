@@ -104,6 +104,43 @@ def test_page_snippets_run(page, tmp_path, monkeypatch):
       raise
 
 
+# The longest code line a page may show: wider lines scroll sideways in the rendered site.
+CODE_LINE_LIMIT = 88
+CODE_PAGES = [
+  ROOT / "README.md",
+  *sorted(DOCS.glob("*.md")),
+  *sorted((DOCS / "guide").glob("*.md")),
+]
+
+
+def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
+  """The (line number, text) of every line inside a fenced code block of a Markdown page."""
+  lines, fence = [], None
+  for number, line in enumerate(path.read_text().splitlines(), 1):
+    opening = re.match(r"\s*(`{3,}|~{3,})", line)
+    if fence is None:
+      if opening:
+        fence = opening.group(1)
+    elif line.strip().startswith(fence) and set(line.strip()) == {fence[0]}:  # its close
+      fence = None
+    else:
+      lines.append((number, line))
+  assert fence is None, f"{path}: a code block is never closed"
+  return lines
+
+
+def test_code_lines_fit_88_characters():
+  """Every line of a code block in README.md, docs/*.md and docs/guide/*.md fits in 88
+  characters, so that no code block of the site or the README scrolls sideways."""
+  long = [
+    f"{path.relative_to(ROOT)}:{number}: {len(line)} characters"
+    for path in CODE_PAGES
+    for number, line in _code_lines(path)
+    if len(line) > CODE_LINE_LIMIT
+  ]
+  assert not long, "code lines over 88 characters:\n" + "\n".join(long)
+
+
 def test_design_table_lists_every_module():
   """docs/design.md's layout table has a row for every module of optax_dls, and for no other."""
   package = ROOT / "optax_dls"
