@@ -88,45 +88,6 @@ def test_linen_loss_unscaled_grads_scaled_and_update_matches_plain_sgd():
   assert int(new.step) == 1 and _applied(new.opt_state) == 1
 
 
-@jax.jit
-def _linen_fused_step(state, x):
-  (_, grads), state = _linen_grad_fn(state, state.params, state.apply_fn, x)
-  return dls_flax._apply_gradients(state, grads=grads)
-
-
-def test_linen_fused_apply_gradients_matches_the_method_and_keeps_params_on_skip():
-  _, ref = _linen_setup()
-  fused = ref
-  for x in (X, X, X_BAD, X):
-    before = fused.params
-    ref = _linen_step(ref, x)[0]
-    fused = _linen_fused_step(fused, x)
-    jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), fused.params, ref.params
-    )
-    if x is X_BAD:  # skipped: the params come back bit for bit
-      jax.tree.map(np.testing.assert_array_equal, fused.params, before)
-  assert int(fused.step) == int(ref.step) == 4
-  assert _applied(fused) == 3
-  assert (
-    float(optax_dls.find_state(fused).loss_scale)
-    == float(optax_dls.find_state(ref).loss_scale)
-    == S0 / 2
-  )
-
-
-def test_linen_fused_apply_gradients_keeps_overwrite_with_gradient_and_kwargs():
-  params = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"amax": jnp.zeros(3)}}
-  state = train_state.TrainState.create(apply_fn=None, params=params, tx=_tx())
-  grads = {"params": {"w": jnp.full(2, S0)}, "_overwrite_with_gradient": {"amax": jnp.arange(3.0)}}
-  new = dls_flax._apply_gradients(state, grads=grads, apply_fn=len)
-  np.testing.assert_allclose(new.params["params"]["w"], 0.9, rtol=1e-6)
-  np.testing.assert_array_equal(new.params["_overwrite_with_gradient"]["amax"], jnp.arange(3.0))
-  assert new.apply_fn is len
-  with pytest.raises(TypeError, match="state must be a flax TrainState"):
-    dls_flax._apply_gradients({"params": 1}, grads={})
-
-
 def test_linen_skipped_step_counts_in_step_not_in_the_applied_updates():
   _, state = _linen_setup()
   state, *_ = _linen_step(state, X)

@@ -71,9 +71,7 @@ def test_when_called_a_non_floating_loss_or_missing_arguments_raise_type_error()
     dls_flax.value_and_grad(_sum)(several, state.params)
 
 
-def test_the_fused_step_and_the_checkpoint_port_name_a_wrong_argument():
-  with pytest.raises(TypeError, match="state must be a flax TrainState"):
-    dls_flax._apply_gradients({"params": 1}, grads={})
+def test_the_checkpoint_port_names_a_wrong_argument():
   for raw in ({"params": 1}, [1]):
     with pytest.raises(
       TypeError, match="source must be a flax DynamicScale.* 'dynamic_scale' entry"

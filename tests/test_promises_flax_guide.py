@@ -59,17 +59,6 @@ def test_axis_name_averages_the_gradients_and_not_the_loss(check_vma):
   np.testing.assert_array_equal(grads, np.full(4, reduced * 2.0**4))  # scaled, alike
 
 
-def test_apply_gradients_names_a_state_that_is_not_a_train_state_or_not_loss_scaled():
-  """The fused linen step (private, kept meanwhile): TypeError for a state without tx, params or
-  opt_state; ValueError when its opt_state holds no loss-scale state."""
-  grads = {"w": jnp.ones(2)}
-  with pytest.raises(TypeError, match="state must be a flax TrainState, got dict"):
-    optax_dls.flax._apply_gradients({"params": grads}, grads=grads)
-  plain = train_state.TrainState.create(apply_fn=None, params=grads, tx=optax.sgd(0.1))
-  with pytest.raises(ValueError, match="opt_state holds no LossScaleState"):
-    optax_dls.flax._apply_gradients(plain, grads=grads)
-
-
 def test_from_dynamic_scale_checks_its_values_against_the_range_it_knows():
   """flax.from_dynamic_scale docstring: for a bare optimizer state the scale must lie in
   [2**-126, 2**126] (the next update brings it into the policy's range); NaN, a

@@ -1,6 +1,5 @@
-"""Finding the one loss-scale state inside any optimizer state (a chain, MultiSteps, a flax
-TrainState or nnx.Optimizer), putting a new one in its place, and the transformation
-that owns it."""
+"""Finding the one loss-scale state inside any optimizer state, and putting a new one in its
+place."""
 
 from __future__ import annotations
 
@@ -31,10 +30,7 @@ def find_all(tree: Any) -> list[LossScaleState]:
 
 
 def _unwrap(tree: Any) -> Any:
-  """Replaces flax ``nnx.Variable`` leaves (an ``nnx.Optimizer``'s state) by their arrays.
-
-  flax is never imported here: without it loaded there can be no Variables.
-  """
+  """``tree`` with nnx ``Variable`` leaves replaced by their arrays (flax never imported)."""
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
     return tree
@@ -46,10 +42,9 @@ def _unwrap(tree: Any) -> Any:
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
-  ``opt_state`` may be the state itself or any pytree holding it: an
-  ``optax.chain`` state, a loss-scaled ``optax.MultiSteps`` state, a dict, a
-  flax ``TrainState``, an ``nnx.Optimizer`` or its ``opt_state``. Leaves
-  wrapped in ``nnx.Variable`` are returned as plain arrays.
+  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or
+  loss-scaled ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an
+  ``nnx.Optimizer`` or its ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
 
   Args:
     opt_state: any pytree holding the state of one loss-scaled transformation.
@@ -86,24 +81,9 @@ def find_state(opt_state: Any) -> LossScaleState:
   return _unwrap(found[0])
 
 
-def find_feature(opt_state: Any, kind: type) -> Any:
-  """The one node of type ``kind`` (a feature's state, e.g. a policy wrapper's)
-  inside the loss-scale state of ``opt_state``, or None when there is none."""
-  state = find_state(opt_state)
-  nodes = [
-    x
-    for x in jax.tree.leaves(
-      (state.policy_state, state.inner_state), is_leaf=lambda x: isinstance(x, kind)
-    )
-    if isinstance(x, kind)
-  ]
-  return nodes[0] if nodes else None
-
-
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new`` (a state of
-  the same structure, as :func:`find_state` returns it: each leaf keeps the dtype and
-  the wrapper, e.g. an ``nnx.Variable``, of the leaf it replaces)."""
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in
+  the dtype and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
 
   def put(node: Any) -> Any:
     if not isinstance(node, LossScaleState):
@@ -122,6 +102,6 @@ def is_variable(x: Any) -> bool:
 
 
 def _like(old: Any, new: Any) -> Any:
-  """``new`` in ``old``'s place: same dtype, and same wrapper (an nnx Variable) if any."""
+  """``new`` in ``old``'s place: same dtype, and same wrapper if any."""
   dtype = jnp.result_type(jax.tree.leaves(old)[0])
   return jax.tree.unflatten(jax.tree.structure(old), [jnp.asarray(new, dtype)])

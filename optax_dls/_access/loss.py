@@ -15,20 +15,13 @@ from optax_dls._util import frames as _frames
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   """Multiplies ``loss`` by the current loss scale S, before differentiation.
 
-  Micikevicius et al. (2018), *Mixed Precision Training*: scaling the loss
-  scales every gradient by S, lifting small fp16 gradients out of the
-  underflow range. The optimizer built by :func:`dynamic_loss_scale` divides
-  them by the same S.
+  Micikevicius et al. (2018), *Mixed Precision Training*: every gradient is scaled by S,
+  out of float16's underflow range; the loss-scaled optimizer divides them by S.
 
   Args:
-    loss: a floating array of any shape (usually the scalar loss, float32).
-      bfloat16 and float16 losses are promoted to float32 so that the scaled
-      value cannot overflow their range. A float16 loss warns (when traced, or
-      called): its backward pass starts at S in float16, inf from S = 2**16;
-      compute the loss in float32 (cast the per-example values before the
-      reduction, or ``full_precision(jnp.mean, output_dtype=jnp.float32)`` around
-      the reduction; a float16 loss cast to float32 after its reduction is not
-      warned about and still overflows).
+    loss: a floating array of any shape (usually the scalar loss, float32); bfloat16
+      and float16 are promoted to float32. A float16 loss warns: its backward pass
+      starts at S in float16, inf from S = 2**16; reduce in float32 instead.
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
 
   Returns:
@@ -49,8 +42,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
-  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a loss that is
-  not floating point."""
+  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a loss not
+  floating."""
   if loss is None or isinstance(loss, (str, bytes)):
     raise TypeError(
       f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."

@@ -15,47 +15,36 @@ from optax_dls._util import validation as _validation
 def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Array]:
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Every value is a 0-d array except the two bit sets; with ``scalars_only`` the
-  bit sets are left out and the flags (``skipped``,
-  ``nonfinite_loss``, ``fp32_fallback``) are int32 0 or 1, so the dict merges into a
-  trainer's metrics of 0-d values (summed or averaged over steps). The keys:
+  Every value is a 0-d array except the two bit sets; with ``scalars_only`` those are left
+  out and the bool flags are int32 0 or 1, for a trainer's metrics. The keys:
 
   - ``loss_scale`` (float32): the scale for the next loss.
   - ``skipped`` (bool): whether the last step was skipped.
   - ``skip_count`` (int32): skipped steps so far.
   - ``consecutive_skips`` (int32): skipped steps since the last applied one.
   - ``num_steps`` (int32): updates so far, skipped included.
-  - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1
-    before any).
-  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled
-    gradients (NaN before the first step, and with :func:`no_loss_scale`
-    unless it tracks the norm; inf or NaN when the gradients were not finite).
-  - ``nonfinite_step`` (int32): the update number (``num_steps`` after it) of
-    the last non-finite step; 0 before any.
-  - ``nonfinite_loss`` (bool): whether the loss of that step was itself not
-    finite (known when the loss is handed to ``update(..., loss=)`` or to
-    :func:`value_and_grad`).
-  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, one bit per
-    floating gradient leaf, ``W = ceil(leaves / 32)``, at least 1): the
-    leaves that were not finite on that step, and those of them that held a
-    NaN (the others held infinities); :func:`nonfinite_leaves` names them,
-    and :class:`optax_dls.writers.MetricsWriter` logs the names.
-  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in
-    which some leaf of that parameter group was not finite.
+  - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1 before any).
+  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled gradients (NaN
+    before the first step, and with :func:`no_loss_scale` unless it tracks the norm).
+  - ``nonfinite_step`` (int32): ``num_steps`` after the last non-finite step; 0 before any.
+  - ``nonfinite_loss`` (bool): whether that step's loss was itself not finite (known when
+    the loss is handed to ``update(..., loss=)`` or to :func:`value_and_grad`).
+  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, a bit per floating gradient
+    leaf, ``W = max(1, ceil(leaves / 32))``): the leaves not finite on that step, and those
+    that held a NaN; :func:`nonfinite_leaves` names them.
+  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in which some
+    leaf of that group was not finite.
 
-  The keys each feature adds: ``fp32_fallback`` (bool) and ``skips_at_min_scale``
-  (int32) with the :func:`fp32_fallback` policy wrapper; ``underflow/zero_frac``,
-  ``underflow/subnormal_frac`` and ``underflow/<label>/...`` (float32) with
-  :func:`underflow_stats` chained inside; ``recomputed_steps`` and
-  ``recompute_tries`` (int32) with :func:`recompute_stats` chained inside.
+  Features add: ``fp32_fallback`` (bool) and ``skips_at_min_scale`` (int32) with
+  :func:`fp32_fallback`; ``underflow/zero_frac``, ``underflow/subnormal_frac`` and
+  ``underflow/<label>/...`` (float32) with :func:`underflow_stats`; ``recomputed_steps``
+  and ``recompute_tries`` (int32) with :func:`recompute_stats`.
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`
       (any pytree around it, as for :func:`find_state`).
-    scalars_only: bool, default False: leave out ``nonfinite_leaves``,
-      and ``nonfinite_nan`` (what names the leaves,
-      which :func:`nonfinite_leaves` and the metrics writer read), and give the
-      bool flags as int32 (a sum of bools is a logical or).
+    scalars_only: bool, default False: leave out ``nonfinite_leaves`` and
+      ``nonfinite_nan``, and give the bool flags as int32 (a sum of bools is an or).
 
   Returns:
     A new ``dict`` from key to ``jax.Array``, as above.
@@ -112,8 +101,7 @@ def _pack(flags: jax.Array) -> jax.Array:
 
 
 def _feature_metrics(tree: Any) -> dict[str, jax.Array]:
-  """The keys each feature's state reports (policy wrappers, chained transformations),
-  nested ones included."""
+  """The keys each feature's state reports, nested ones included."""
   reports = lambda x: hasattr(x, "loss_scale_metrics")
   out = {}
   for node in jax.tree.leaves(tree, is_leaf=reports):

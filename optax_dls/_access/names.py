@@ -16,24 +16,14 @@ from optax_dls._util import model as _model
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
-  Host side: reads the record's small arrays from the device (its two bit
-  sets). The names are the key
-  paths of the parameter tree joined by ``/``
-  (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order; the metrics
-  writer gives them the same names.
-
-  A leaf is named where it has a bit in the record: where it is floating or
-  complex, by the same test that picks the leaves the finite check reads. A
-  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) and a flax linen box of
-  axis metadata (``nn.with_logical_partitioning``) are named by their own path,
-  without the ``/value`` of their array (``"linear/kernel"``); an Equinox
-  module's leaves by their attribute paths (``"layers/0/weight"``), its
-  functions and other leaves that are not arrays (Python numbers and bools such
-  as ``Dropout.p``) having no name, as ``eqx.filter(model, eqx.is_array)``
-  leaves them out: the whole model and its arrays name the same leaves.
-  Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
-  ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
-  would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.
+  Host side: reads the record's two bit sets from the device. A name is the key path
+  joined by ``/`` (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order, as the
+  metrics writer writes it; every floating or complex leaf has one. An nnx ``Variable``
+  and a linen axis-metadata box are named without ``/value`` (``"linear/kernel"``); an
+  Equinox module's leaves by attribute path (``"layers/0/weight"``), its functions and
+  other non-arrays (``Dropout.p``) unnamed, so the whole model and its arrays name the
+  same leaves. Names are unique: a ``/`` inside a key is written ``\\/`` (a ``\\`` as
+  ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its leaf index.
 
   Args:
     opt_state: an optimizer state holding one :class:`LossScaleState`, or the
@@ -47,13 +37,11 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
 
   Raises:
     TypeError: ``params`` is neither a pytree of arrays nor a list of names.
-    ValueError: ``opt_state`` holds none or several loss-scale states; the
-      floating leaves of ``params`` are not as many as the state was built
-      for (a dict of :func:`metrics`, such as a logged row, is checked only as
-      far as its bits allow: ``params`` needing as many 32-bit words and a
-      leaf for every bit set); or
-      the state is stacked (``jax.vmap(tx.init)``, an ensemble): name one
-      member's leaves, ``jax.tree.map(lambda x: x[i], opt_state)``.
+    ValueError: ``opt_state`` holds none or several loss-scale states; ``params`` has
+      another number of floating leaves than the state was built for (for a dict of
+      :func:`metrics`, as far as its bits tell: as many 32-bit words, a leaf per bit
+      set); or the state is stacked (``jax.vmap(tx.init)``): name one member's leaves,
+      ``jax.tree.map(lambda x: x[i], opt_state)``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -133,35 +121,6 @@ def _is_names(params: Any) -> bool:
 
 
 def leaf_names(params: Any) -> list[str]:
-  """The names :func:`~optax_dls.nonfinite_leaves` and the metrics writer give the floating
-  leaves of ``params``, in the order of the record's bits: key paths joined by ``/``
-  (``"params/decoder/layers_3/attn/query/kernel"``), by the rules that function's
-  docstring gives.
-
-  A leaf is named where it has a bit in the record: where it is floating or
-  complex, by the same test that picks the leaves the finite check reads. A
-  flax nnx ``Variable`` (``nnx.state(model, nnx.Param)``) and a flax linen box of
-  axis metadata (``nn.with_logical_partitioning``) are named by their own path,
-  without the ``/value`` of their array (``"linear/kernel"``); an Equinox
-  module's leaves by their attribute paths (``"layers/0/weight"``), its
-  functions and other leaves that are not arrays (Python numbers and bools such
-  as ``Dropout.p``) having no name, as ``eqx.filter(model, eqx.is_array)``
-  leaves them out: the whole model and its arrays name the same leaves.
-  Names are unique: a ``/`` inside a key is written ``\\/`` (and a ``\\`` as
-  ``\\\\``), so a key ``'a/b'`` and the path ``a``, ``b`` differ, and a name that
-  would still repeat an earlier one gets ``#k`` appended, ``k`` its leaf index.
-
-  Args:
-    params: a pytree of arrays or ``jax.ShapeDtypeStruct``; ``None`` leaves and
-      leaves that are not floating point (integer, bool) have no bit and no name.
-
-  Returns:
-    A list of ``"a/b/c"`` key-path names (``str``), one per floating leaf.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from optax_dls._access.names import leaf_names
-    >>> leaf_names({'dense': {'kernel': jnp.ones(2), 'bias': jnp.ones(1)}})
-    ['dense/bias', 'dense/kernel']
-  """
+  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``,
+  in the record's bit order (the rules are in its docstring)."""
   return _labels.leaf_names(_model.arrays_of_modules(params))

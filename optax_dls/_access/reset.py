@@ -15,17 +15,11 @@ from optax_dls._util import validation as _validation
 def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
-  The policy state restarts its growth count (each node of it that defines
-  ``after_scale_reset()``, as the built-in policies' states do); every other
-  field, the inner state included, is kept. The state holds no scale range
-  (that belongs to the transformation): ``value`` is only checked to be a
-  valid scale, and the next update of the transformation keeps the scale it
-  leaves within its range (the loss of that step is scaled by ``value`` and
-  unscaled by it too). A
-  traced NaN makes the next step skip and restart from the policy's initial
-  scale. A state stacked by ``jax.vmap(tx.init)`` (an ensemble) takes one
-  ``value`` for every member, or one per member (an array of the stacked
-  shape).
+  Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every
+  other field is kept. ``value`` is only checked to be a valid scale: the next update keeps
+  the scale within the transformation's range (that step's loss is scaled and unscaled by
+  ``value``). A traced NaN makes the next step skip and restart from the initial scale. A
+  state stacked by ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.

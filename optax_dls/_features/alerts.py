@@ -1,9 +1,4 @@
-"""Alerts on repeated skips, raised on the host from :func:`optax_dls.metrics`.
-
-Nothing here enters the jitted step: the alerts read the metrics the step
-already returns, whenever the training loop hands them over (every step, or
-every k steps at the cost of a host transfer each time).
-"""
+"""Alerts on repeated skips, raised on the host from :func:`optax_dls.metrics`."""
 
 from __future__ import annotations
 
@@ -22,22 +17,16 @@ logger = logging.getLogger("optax_dls")
 class SkipAlerts:
   """Logs a warning when skipped steps pile up, read from :func:`optax_dls.metrics`.
 
-  Two alerts, each once per run of consecutive skips (an *episode*), on the
-  ``optax_dls`` logger at WARNING level and only on process 0:
+  Two alerts, each once per run of consecutive skips (an *episode*), on the ``optax_dls``
+  logger at WARNING, on process 0 only:
 
   * ``alert_after`` consecutive skipped steps: float16 keeps overflowing;
-  * a skip taken at the policy's minimum scale (needs the
-    :func:`fp32_fallback` policy wrapper, whose count ``skips_at_min_scale``
-    :func:`metrics` reports): backing off cannot help, something else is wrong.
+  * a skip at the policy's minimum scale (needs the :func:`fp32_fallback` wrapper, whose
+    ``skips_at_min_scale`` :func:`metrics` reports): backing off cannot help.
 
-  Call it with the metrics of the steps you look at; with sparse calls an
-  episode shorter than the gap between two calls can go unseen.
-
-  When it warns, find the operation that overflowed by replaying that step's
-  batch outside the training step: ``print(optax_dls.locate(loss_fn, params,
-  batch, scale=float(optax_dls.find_state(opt_state).loss_scale)))`` names its phase,
-  primitive, ``file:line`` and scope, and the layers closest to float16's
-  limit (see :func:`optax_dls.locate`).
+  With sparse calls an episode shorter than the gap between two calls can go unseen. When
+  it warns, replay that step's batch with :func:`optax_dls.locate` (``scale=`` the state's
+  ``loss_scale``) to name the operation that overflowed.
 
   Args:
     alert_after: int in [1, 2**31 - 1], consecutive skips that raise the

@@ -1,9 +1,5 @@
-"""Casting policies: the parameter, compute and output dtypes of a mixed-precision model.
-
-The same classes and string forms as jmp's ``Policy`` and ``get_policy``, so that a
-jmp user changes one line; and :func:`full_precision`, which runs one function
-(softmax, a normalisation, the loss) in float32 inside a half-precision model.
-"""
+"""Casting policies in jmp's classes and string forms, and :func:`full_precision`, which
+runs one function in float32 inside a half-precision model."""
 
 from __future__ import annotations
 
@@ -34,11 +30,7 @@ _FORMS = (
 
 
 def half_dtype() -> Any:
-  """The half-precision dtype of the default backend, as jmp's ``half_dtype``.
-
-  Returns:
-    ``bfloat16`` on TPU, ``float16`` on every other platform.
-  """
+  """The default backend's half dtype, as jmp's: ``bfloat16`` on TPU, else ``float16``."""
   return jnp.dtype(jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16)
 
 
@@ -47,27 +39,13 @@ def _is_floating_array(x: Any) -> bool:
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
-  """Casts the floating arrays of ``tree`` to ``dtype``; every other leaf untouched.
-
-  The leaves cast are JAX and NumPy arrays whose dtype is floating (float16,
-  bfloat16, float32, float64, the float8 types), as jmp casts them. Integer,
-  boolean and complex arrays, Python and NumPy scalars, callables, strings and
-  ``None`` come back as they were; a NumPy array stays a NumPy array.
-
-  Args:
-    tree: any pytree.
-    dtype: the target dtype.
-
-  Returns:
-    A pytree of the same structure.
-  """
+  """``tree`` with its floating JAX and NumPy arrays cast to ``dtype``, as jmp casts."""
   cast = lambda x: x.astype(dtype) if _is_floating_array(x) else x
   return jax.tree_util.tree_map(cast, tree)
 
 
 def _floating_dtype(name: str, value: Any) -> Any:
-  """``value`` as a floating dtype JAX computes in: a dtype, or one of jmp's names ('f16',
-  'half', 'full', ...), which NumPy alone would read otherwise ('f16' is its float128)."""
+  """``value`` as a floating dtype: a dtype or a jmp name (NumPy reads 'f16' as float128)."""
   if isinstance(value, str) and (value in _DTYPES or value == "half"):
     return half_dtype() if value == "half" else _DTYPES[value]
   if value is None:
@@ -90,15 +68,10 @@ def _floating_dtype(name: str, value: Any) -> Any:
 class CastPolicy:
   """The parameter, compute and output dtypes of a mixed-precision model.
 
-  The casting half of mixed precision, with the methods of jmp's ``Policy``
-  (``cast_to_param``, ``cast_to_compute``, ``cast_to_output``,
-  ``with_output_dtype``, and ``str`` in jmp's form); the loss scale is the
-  optimizer's (:func:`~optax_dls.loss_scaled`). Each cast changes only the floating arrays
-  of a pytree (JAX and NumPy arrays of a floating dtype, as jmp casts them):
-  integer and boolean arrays, Python and NumPy scalars, callables and ``None``
-  are left alone. Frozen and hashable, so it can be a static argument of
-  ``jax.jit``. What :func:`~optax_dls.cast_policy` returns (built from a string; not
-  exported, importable from ``optax_dls._features.casting``).
+  jmp's ``Policy`` methods (``cast_to_param``, ``cast_to_compute``, ``cast_to_output``,
+  ``with_output_dtype``, ``str`` in jmp's form). Each cast changes only the floating JAX
+  and NumPy arrays of a pytree; every other leaf is left alone. Frozen and hashable (a
+  static argument of ``jax.jit``). What :func:`~optax_dls.cast_policy` returns.
 
   Args:
     param_dtype: the dtype the parameters (master weights) are kept in.
@@ -166,17 +139,14 @@ def _parse_dtype(policy_name: str, value: str) -> Any:
 
 
 def cast_policy(policy_name: str) -> CastPolicy:
-  """A :class:`~optax_dls._features.casting.CastPolicy` from jmp's string form, as
-  ``jmp.get_policy`` reads it.
+  """A :class:`~optax_dls._features.casting.CastPolicy` from jmp's string form.
 
-  Either one dtype name for all three dtypes (``"f16"``, ``"half"``), or
-  comma-separated ``key=dtype`` pairs with keys ``params``/``p``,
-  ``compute``/``c`` and ``output``/``o``, no spaces. A key left out follows jmp:
-  the parameters default to float32, the compute dtype to the parameters', the
-  output dtype to the compute dtype (``"c=f16"`` is ``p=f32,c=f16,o=f16``); a
-  key given twice takes its last value. Dtype names: ``bf16``/``bfloat16``,
-  ``f16``/``float16``, ``full``/``f32``/``float32``, ``f64``/``float64``, and
-  ``half``, which is bfloat16 on TPU and float16 elsewhere.
+  One dtype name for all three (``"f16"``, ``"half"``), or comma-separated ``key=dtype``
+  pairs, keys ``params``/``p``, ``compute``/``c``, ``output``/``o``, no spaces. As in jmp,
+  params default to float32, compute to params, output to compute (``"c=f16"`` is
+  ``p=f32,c=f16,o=f16``); a repeated key takes its last value. Dtype names:
+  ``bf16``/``bfloat16``, ``f16``/``float16``, ``full``/``f32``/``float32``,
+  ``f64``/``float64``, and ``half`` (bfloat16 on TPU, float16 elsewhere).
 
   Args:
     policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"``
@@ -201,8 +171,7 @@ def cast_policy(policy_name: str) -> CastPolicy:
   if not isinstance(policy_name, str):
     raise TypeError(f"policy_name must be a string, got {policy_name!r}; expected {_FORMS}.")
   if "=" not in policy_name:
-    dtype = _parse_dtype(policy_name, policy_name)
-    return CastPolicy(dtype, dtype, dtype)
+    return CastPolicy(*[_parse_dtype(policy_name, policy_name)] * 3)
   dtypes: dict[str, Any] = {"param": jnp.float32, "compute": None, "output": None}
   for part in policy_name.split(","):
     key, sep, value = part.partition("=")
@@ -219,19 +188,14 @@ def cast_policy(policy_name: str) -> CastPolicy:
 def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = None) -> Any:
   """Runs ``fn`` in float32 inside a half-precision model: softmax, normalisation, the loss.
 
-  The returned function casts the floating arrays among its arguments to
-  float32 (every other argument, integer arrays and Python values included,
-  passes as it is), calls ``fn``, and casts the floating arrays of its output
-  back: to ``output_dtype`` if given, else to the promoted dtype of the floating
-  array arguments (float16 arguments give float16 outputs; float16 and float32
-  ones give float32), else, with no floating array argument, leaves them
-  float32 (around the loss's reduction, pass ``output_dtype=jnp.float32``: a
-  float16 loss starts its backward pass at the loss scale in float16, and
-  :func:`scale_loss` warns about it; a whole loss function that casts to
-  float16 inside still reduces in float16). The casts are ordinary JAX operations:
-  ``jax.grad`` differentiates through them (a float16 argument gets a float16
-  gradient) and ``jax.jit`` compiles them. Use it as ``@full_precision``,
-  ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
+  The wrapper casts the floating arrays among the arguments to float32 (others pass as
+  they are), calls ``fn``, and casts the output's floating arrays to ``output_dtype`` if
+  given, else to the promoted dtype of the floating array arguments, else leaves them
+  float32. Around the loss's reduction pass ``output_dtype=jnp.float32`` (a float16 loss
+  starts the backward pass at S in float16; :func:`scale_loss` warns). The casts are JAX
+  operations: ``jax.grad`` goes through them (a float16 argument gets a float16 gradient).
+  Use it as ``@full_precision``, ``@full_precision(output_dtype=...)`` or
+  ``full_precision(fn)``.
 
   Args:
     fn: the function; any pytrees in and out. Omitted, a decorator is returned.
@@ -262,7 +226,7 @@ def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = 
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    floating = [x.dtype for x in jax.tree_util.tree_leaves((args, kwargs)) if _is_floating_array(x)]
+    floating = [x.dtype for x in jax.tree.leaves((args, kwargs)) if _is_floating_array(x)]
     target = output_dtype
     if target is None and floating:
       target = jnp.result_type(*floating)

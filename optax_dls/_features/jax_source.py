@@ -1,10 +1,8 @@
 """Where a jaxpr equation came from: the user's ``file:line``, function and named scope,
-and, while :func:`watching`, which call of the user's code made it and where a constant
-overflowed as it was made.
+and, while :func:`watching`, which call made it and where a constant overflowed.
 
-The only module that reads JAX's private ``jax._src.source_info_util``; if a
-JAX release moves it, ``source`` and ``function`` fall back to ``"?"``, no call is
-told apart, and the named scope (a public attribute of ``eqn.source_info``) still works.
+The only reader of JAX's private ``source_info_util``: without it, source is ``"?"`` and
+no call is told apart; named scopes still work.
 """
 
 from __future__ import annotations
@@ -26,20 +24,9 @@ try:  # JAX-internal: the traceback an equation was traced with, resolved to fra
 except ImportError:  # pragma: no cover - only with a JAX that moved the module
   _siu = None  # type: ignore[assignment]
 
-# Library frames skipped when looking for the user's frame, besides JAX's own:
-# a layer's dot_general is written in flax or equinox, but the user wrote the call;
-# and JAX's own dependencies, which it calls while tracing.
-_LIBRARIES = (
-  "flax",
-  "equinox",
-  "optax_dls",
-  "optax",
-  "jmp",
-  "numpy",
-  "ml_dtypes",
-  "opt_einsum",
-  "scipy",
-)
+# Frames skipped besides JAX's: a layer's dot_general is in flax, but the user wrote the call.
+_LIBRARIES: tuple[str, ...] = ("flax", "equinox", "optax_dls", "optax", "jmp", "numpy", "scipy")
+_LIBRARIES += ("ml_dtypes", "opt_einsum")
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -83,8 +70,7 @@ def _is_user_code(code: Any) -> bool:
 
 
 def source_of(eqn: Any) -> tuple[str, str]:
-  """``("file:line", "qualified.function")`` of the user's code that wrote ``eqn``;
-  ``("?", "?")`` when unknown."""
+  """``("file:line", "qualified.function")`` of the user's code that wrote ``eqn``, or ``?``s."""
   frames = _user_frames(getattr(eqn.source_info, "traceback", None))
   if not frames:
     return "?", "?"
@@ -92,17 +78,14 @@ def source_of(eqn: Any) -> tuple[str, str]:
   return f"{file_name}:{line}", qualname
 
 
-# The scope a call of the user's code opens while locate traces: this prefix and a number.
-CALL = "optax_dls_locate_call:"
-# Scopes Equinox's layers open, named by the layer's type (every eqx.nn.Linear shares
-# one): inside a block instance, its path names the place instead.
+CALL = "optax_dls_locate_call:"  # the scope a user's call opens while locate traces
+# Equinox's layers open scopes named by type: inside a block instance, its path names it.
 _TYPE_SCOPES = ("eqx.",)
 
 
 def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
   """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (those of the call
-  whose body holds it: a jitted function's equations start a new stack), without the
-  ``jvp``/``transpose`` transforms; the calls :func:`watching` saw among them."""
+  whose body holds it), without transforms."""
   stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
   return [*outer, *(s.name for s in stack if type(s).__name__ == "Scope")]
 
@@ -110,9 +93,8 @@ def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
 def scope_of(
   eqn: Any, outer: Sequence[str] = (), instances: Mapping[str, str] | None = None
 ) -> str:
-  """The named scope ``eqn`` ran in (``jax.named_scope``, flax linen's module path), or,
-  inside a call :func:`watching` saw that ``instances`` names (a block of the model, by
-  its path), that name and the named scopes opened inside it; ``""`` at the top level."""
+  """The named scope ``eqn`` ran in, from the innermost block instance ``instances`` names
+  (by its path) inwards; ``""`` at the top level."""
   parts: list[str] = []
   inside = False
   for name in scopes(eqn, outer):
@@ -126,15 +108,9 @@ def scope_of(
 
 
 class Watch:
-  """What :func:`watching` saw while a function was traced.
-
-  Attributes:
-    calls: the scope each call of the user's code opened (:data:`CALL` and a number), in
-      the order they were made.
-    given: per call, what ``describe`` said of its positional arguments.
-    overflows: ``(file, function, line)`` of the user's code where NumPy overflowed
-      while making a constant (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``).
-  """
+  """What :func:`watching` saw: the scope each user call opened, in order (``calls``), what
+  ``describe`` said of each call's arguments (``given``), and ``(file, function, line)``
+  where NumPy overflowed making a constant (``overflows``)."""
 
   def __init__(self) -> None:
     self.calls: list[str] = []
@@ -142,8 +118,7 @@ class Watch:
     self.overflows: list[tuple[str, str, int]] = []
 
   def made_here(self, eqn: Any) -> bool:
-    """Whether a constant overflowed in the user's function that wrote ``eqn``, on its
-    line or an earlier one (``big = jnp.float16(1e5)``, then ``x * big``)."""
+    """Whether a constant overflowed in the function that wrote ``eqn``, at or before its line."""
     frames = _user_frames(getattr(eqn.source_info, "traceback", None))
     if not frames:
       return False
@@ -159,14 +134,10 @@ _SITE = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "
 
 @contextlib.contextmanager
 def watching(describe: Callable[[list[Any]], Any] | None = None) -> Iterator[Watch]:
-  """While tracing: every call of the user's code (not a generator, an ``__enter__`` or
-  a comprehension, nor a flax linen module's method: linen names its modules itself)
-  opens a named scope of its own, so that the equations of two calls of one block can
-  be told apart, and ``describe`` is given its positional arguments; and a NumPy
-  overflow (a Python float beyond float16's range cast to it, as JAX makes a constant)
-  is noted with the user's line that caused it. Nothing of it is left after: the
-  profile function and NumPy's error handling are restored. Under another profiler
-  (``sys.getprofile()`` set), calls are not told apart."""
+  """While tracing, every user call (not a linen method: linen names its modules) opens a
+  scope of its own and ``describe`` gets its positional arguments; a NumPy overflow making
+  a constant is noted with the user's line. Under another profiler, calls are not told
+  apart."""
   watch = Watch()
   if _siu is None:
     yield watch
@@ -185,7 +156,7 @@ def watching(describe: Callable[[list[Any]], Any] | None = None) -> Iterator[Wat
 
 
 class _Hook:
-  """The profile function of :func:`watching`, and its NumPy error callback."""
+  """:func:`watching`'s profile function and NumPy error callback."""
 
   def __init__(self, watch: Watch, describe: Callable[[list[Any]], Any] | None) -> None:
     self.watch = watch
@@ -232,26 +203,16 @@ class _Hook:
 
 def _positional(frame: Any) -> list[Any]:
   """The positional arguments of the call ``frame`` runs (``*args`` included)."""
-  code = frame.f_code
-  n = code.co_argcount
-  names = list(code.co_varnames[:n])
+  code, values = frame.f_code, frame.f_locals
+  out = [values.get(name) for name in code.co_varnames[: code.co_argcount]]
   if code.co_flags & inspect.CO_VARARGS:
-    names.append(code.co_varnames[n + code.co_kwonlyargcount])
-  values = frame.f_locals
-  out: list[Any] = []
-  for i, name in enumerate(names):
-    value = values.get(name)
-    if i == n:
-      out.extend(value or ())
-    else:
-      out.append(value)
+    out.extend(values.get(code.co_varnames[code.co_argcount + code.co_kwonlyargcount]) or ())
   return out
 
 
 def _eligible(code: Any) -> bool:
-  """A function of the user's code whose call opens a scope: not a generator (its frame
-  is left at each ``yield``), an ``__enter__`` or ``__exit__`` (which may open a scope
-  that outlives it), a module body or a comprehension (part of the function around it)."""
+  """A user function whose call opens a scope: not a generator (left at each ``yield``),
+  an ``__enter__``/``__exit__``, a module body or a comprehension."""
   if code.co_flags & _SKIPPED or code.co_name in ("__enter__", "__exit__"):
     return False
   if code.co_name.startswith("<") and code.co_name != "<lambda>":

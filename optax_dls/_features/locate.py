@@ -1,28 +1,17 @@
 """``locate``: the operation that made an inf or NaN, and every scope's headroom.
 
-``S * fun(*args)`` and its gradient are traced to two jaxprs, the forward (from
-``jax.vjp``: the loss and the residuals) and the backward (the pullback applied to
-the cotangent 1), and evaluated equation by equation on the CPU
-(``eqn.primitive.bind``), so the phase of every operation is known by
-construction and the training step is untouched. Each jaxpr is evaluated under
-one ``jax.jit`` that returns every operation's inputs and outputs (one compile,
-not one per operation), or, when it holds a ``cond``, eagerly, one operation at a
-time. Nested ``jit``, ``remat`` /
-``checkpoint``, ``custom_jvp`` / ``custom_vjp`` calls and the taken branch of a
-``cond`` are entered (their equations keep the scopes of the call around them); a
-``scan`` or ``while`` is evaluated whole and, if it makes the inf or NaN, reported
-as the place with a note. The function's arguments are inputs of the forward jaxpr,
-so its constants are those the loss function made or closed over: which values are
-constants is followed through every operation, and an inf among them is a constant
-made beyond its range where the trace saw NumPy overflow making it
-(:func:`jax_source.watching`). The calls that trace also saw are named by
-:mod:`locate_instances`.
+``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the
+pullback of 1), each evaluated equation by equation on the CPU under one ``jax.jit`` that
+returns every value (eagerly when it holds a ``cond``). Call-like equations and a
+``cond``'s taken branch are entered; a ``scan`` or ``while`` is run whole. Which values are
+constants is followed, so an inf made from a literal beyond the range
+(:func:`jax_source.watching`) is told from an explicit one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,22 +50,18 @@ def locate(
 ) -> _headroom.LocateReport:
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
-  Runs outside the training step, on the CPU, recording every operation's inputs and
-  outputs (a few seconds for a small model; every intermediate value is held in host
-  memory): call it once, on a micro-batch of a skipped step.
+  Runs outside the training step, on the CPU, holding every intermediate value in host
+  memory: call it once, on a micro-batch of a skipped step.
 
-  An operation is named by its scope: flax linen's module path or a
-  ``jax.named_scope``; in a block of the model called once per instance (an Equinox
-  or nnx module's method, a function given the block's parameters), the block's path
-  in the differentiated argument, as :func:`optax_dls.nonfinite_leaves` writes it
-  (``"blocks/2"``): while it traces, ``locate`` gives each call of the user's code a
-  scope of its own and names it by the parameters its operations apply to data, so
-  the instances of one block have a headroom row each; otherwise the user's function
-  that wrote it. A float16 constant beyond 65504 (``jnp.float16(1e5)``, ``x + 1e5`` with
-  a float16 ``x``) is inf in the jaxpr before anything runs: the operation that makes
-  or first reads it is the place, its note saying it reads a constant (a literal
-  beyond float16's range). An inf constant not seen made while tracing (an explicit
-  ``-jnp.inf``, as masks use) is taken as meant: reported only where nothing else is.
+  An operation is named by its scope (flax linen's module path or a ``jax.named_scope``);
+  in a block called once per instance (an Equinox or nnx module's method, a function given
+  the block's parameters), by the block's path in the differentiated argument, as
+  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``), so each instance has a
+  headroom row; otherwise by the user's function that wrote it. A float16 constant beyond
+  65504 (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``) is inf before anything
+  runs: the operation that makes or first reads it is the place, its note saying so. An
+  inf constant not seen made while tracing (an explicit ``-jnp.inf`` mask) is taken as
+  meant: reported only where nothing else is.
 
   Args:
     fun: the loss function, as given to ``jax.grad``, not yet multiplied by the
@@ -122,15 +107,13 @@ def locate(
   arrays, rebuild = _calls.split_arrays(args)  # strings, functions and flags stay as they are
   arrays = jax.device_put(arrays, cpu)
   target = rebuild(arrays)[argnums]
-  # Of a differentiated argument holding leaves that are not floating arrays (an Equinox
-  # model's functions), only the floating arrays are differentiated, as value_and_grad does.
+  # Only the floating arrays are differentiated, as value_and_grad does.
   split = _model.has_non_arrays(target)
   wrt = _model.partition(target)[0] if split else target
   acc = _headroom.Accumulator()
 
   def scaled(x: Any, arrays: list[Any]) -> tuple[Any, Any]:
-    # The arguments are inputs of the traced function, not constants of it: a constant
-    # of the jaxpr is one the loss function made or closed over.
+    # The arguments are inputs, so the jaxpr's constants are those the loss made.
     full = rebuild(arrays)
     x = _model.combine(x, _model.partition(full[argnums])[1]) if split else x
     out = fun(*full[:argnums], x, *full[argnums + 1 :])
@@ -181,31 +164,16 @@ def locate(
   return acc.report(float(scale))
 
 
-class _Seen:
-  """What tracing saw: the constants that overflowed as they were made, and the name of
-  each block instance."""
+class _Seen(NamedTuple):
+  """What tracing saw: constants that overflowed as made, and each block instance's name."""
 
-  def __init__(self, watch: _jax_source.Watch, instances: dict[str, str]) -> None:
-    self.watch = watch
-    self.instances = instances
-
-
-def _floats(values: list[Any]) -> list[np.ndarray]:
-  out = []
-  for v in values:
-    if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact):
-      out.append(np.asarray(v))
-  return out
+  watch: _jax_source.Watch
+  instances: dict[str, str]
 
 
 def _largest_finite(arrays: list[np.ndarray]) -> float:
-  largest = 0.0
-  for a in arrays:
-    values = np.abs(a.astype(np.float64))
-    finite = values[np.isfinite(values)]
-    if finite.size:
-      largest = max(largest, float(finite.max()))
-  return largest
+  finite = [np.abs(a[np.isfinite(a)].astype(np.float64)) for a in arrays]
+  return max((float(f.max()) for f in finite if f.size), default=0.0)
 
 
 def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
@@ -229,9 +197,8 @@ Record = Callable[[Any, list[Any], list[Any], list[bool], tuple[str, ...]], None
 
 
 def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _Seen) -> list[Any]:
-  """Evaluates ``closed`` and records every operation in order. Compiled once, returning
-  every intermediate value, unless it holds a ``cond`` (whose taken branch needs the
-  concrete index): then one operation at a time, eagerly."""
+  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a
+  ``cond`` needs its concrete index."""
 
   def now(
     eqn: Any, invals: list[Any], outvals: list[Any], constant: list[bool], outer: tuple[str, ...]
@@ -279,8 +246,7 @@ def _has_cond(jaxpr: Any) -> bool:
 def _entered(
   eqn: Any, invals: list[Any], flags: list[bool]
 ) -> tuple[Any, list[Any], list[Any], list[bool]] | None:
-  """``(jaxpr, consts, args, which args are constants)`` of the body ``eqn`` runs where
-  it is entered (a nested call, the taken branch of a ``cond``); None otherwise."""
+  """``(jaxpr, consts, args, constant flags)`` of the body ``eqn`` enters, or None."""
   body = _body(eqn)
   if body is not None:
     return body[0], body[1], invals, flags
@@ -298,9 +264,8 @@ def _eval(
   record: Record,
   outer: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[bool]]:
-  """The outputs of ``jaxpr`` and, for each, whether it is a constant (made of literals
-  and the jaxpr's constants alone). ``record`` gets every operation with its inputs,
-  outputs, which inputs are constants, and the scopes of the calls around it."""
+  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every
+  operation with its inputs, outputs, constant flags and the scopes of the calls around."""
   env: dict[Any, Any] = {}
   constant: set[Any] = set(jaxpr.constvars)
 
@@ -358,9 +323,7 @@ def _notes(
   overflowed: list[np.ndarray],
   carried: bool,
 ) -> list[str]:
-  """Why the place is approximate or where the value came from: a ``scan`` or ``while``
-  run whole; a constant beyond the range read; every input a constant; inputs already
-  not finite."""
+  """Why the place is approximate, or where the value came from."""
   notes = []
   if eqn.primitive.name in ("scan", "while"):
     notes.append(f"a {eqn.primitive.name} evaluated whole: the operation is inside its body")
@@ -393,7 +356,7 @@ def _record(
   acc: Any,
   seen: _Seen,
 ) -> None:
-  outputs = _floats(outvals)
+  outputs = [np.asarray(v) for v in outvals if _is_inexact(v)]
   if not outputs:
     return
   pairs = [(np.asarray(v), c) for v, c in zip(invals, constant) if _is_inexact(v)]
@@ -401,9 +364,8 @@ def _record(
   carried = any(not c and not _finite(a) for a, c in pairs)  # made by an earlier operation
   constants = [a for a, c in pairs if c and not _finite(a)]  # inf already in the jaxpr
   nonfinite = not all(_finite(o) for o in outputs)
-  # A constant that is inf already in the jaxpr was made beyond the range where the user's
-  # code made it (a literal 1e5 cast to float16, as the trace noted): made here. One that
-  # was not seen made is taken as meant (an explicit -inf, a mask's), as is a NaN.
+  # An inf constant seen made beyond the range (a literal 1e5 cast to float16) is made here;
+  # one not seen made is taken as meant (an explicit -inf mask), as is a NaN.
   overflowed = [a for a in constants if bool(np.isinf(a).any())]
   from_made_constant = bool(overflowed) and seen.watch.made_here(eqn)
   made = nonfinite and not carried and (not constants or from_made_constant)

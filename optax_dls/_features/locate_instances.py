@@ -1,22 +1,15 @@
 """Which instance of a repeated block each operation of :func:`optax_dls.locate` ran in.
 
-While ``locate`` traces, every call of the user's code opens a scope of its own
-(:func:`~optax_dls._features.jax_source.watching`), so the operations of the third
-call of ``ResidualBlock.__call__`` are told from those of the first. Here the forward
-jaxpr is read once to name each call: a parameter leaf's path follows its value
-through the operations that read nothing else but constants (a cast, a transpose),
-and each call collects the parameters its operations apply to data (the activations,
-the batch). A call is named by the path those parameters share, written as
-:func:`optax_dls.nonfinite_leaves` writes paths (``blocks/2`` for the third of a list of
-blocks); a call that applies every parameter the model applies (the whole model), or
-whose parameters share no path, is not named: the scopes around it, or its function,
-name its operations, as for a model of one block. Nor is a call that JAX traced once and
-runs at several places (a function wrapped in ``jax.jit`` or ``jax.checkpoint``, called
-once per block): its one call cannot tell the places apart.
+Each user call opens a scope while ``locate`` traces. A parameter's path follows its value
+through operations reading nothing else but constants, and each call collects the
+parameters its operations apply to data; it is named by the path they share (``blocks/2``).
+A call applying every parameter, whose parameters share no path, or that JAX traced once
+and runs at several places (``jax.jit(block)``) is not named.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,8 +26,7 @@ Kind = Path | str | None  # a parameter's path, _CONSTANT, or None: data
 
 
 def leaf_paths(tree: Any) -> list[Path]:
-  """The path of each leaf of ``jax.tree.leaves(tree)``, its keys written as
-  :func:`optax_dls.nonfinite_leaves` writes them (an nnx ``Variable`` without its ``value``)."""
+  """The path of each leaf of ``tree``, keys written as ``nonfinite_leaves`` writes them."""
   out: list[Path] = []
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree_paths.is_variable)
   for path, leaf in flat:
@@ -44,9 +36,8 @@ def leaf_paths(tree: Any) -> list[Path]:
 
 
 def given_paths(args: Sequence[Any]) -> frozenset[Path]:
-  """The paths of the arrays inside a call's arguments, relative to the argument
-  (``linear1/weight`` inside a block's ``self``): a parameter ``blocks/2/linear1/weight``
-  that the call applies is then the block at ``blocks/2``."""
+  """The paths of the arrays inside a call's arguments (``linear1/weight`` in a block's
+  ``self``): ``blocks/2/linear1/weight`` applied there makes the call ``blocks/2``."""
   out: set[Path] = set()
   for value in args:
     for path, leaf in _flat(value):
@@ -69,20 +60,13 @@ def names(
   given: Mapping[str, frozenset[Path]],
   body: Callable[[Any], tuple[Any, list[Any]] | None],
 ) -> dict[str, str]:
-  """``{call scope: path}`` for the calls of ``calls`` that are an instance of a block.
-
-  Args:
-    closed: the forward pass, a ``ClosedJaxpr``.
-    kinds: per input of ``closed``: the path of the parameter it is, or None (data).
-    calls: the scopes the calls of the user's code opened while ``closed`` was traced.
-    given: per call, :func:`given_paths` of its arguments.
-    body: the jaxpr (and constants) an equation runs, for the calls ``locate`` enters.
-  """
+  """``{call scope: path}`` for the ``calls`` that are a block instance; ``kinds`` per input
+  of ``closed``: a parameter's path or None (data); ``given`` per call: :func:`given_paths`;
+  ``body``: the jaxpr an equation enters."""
   applied: dict[str, set[Path]] = {}
   every: set[Path] = set()
-  # Per call, the bodies (of a jitted or checkpointed function, by the equation that runs
-  # it; 0 outside any) whose own equations it opened: a function JAX traced once and runs
-  # at several places (jax.jit(block), called per block) shows its one call in each.
+  # Per call, the bodies whose equations it opened: a body run at several places shows one
+  # call in each.
   bodies: dict[str, set[int]] = {}
 
   def walk(jaxpr: Any, kinds_in: Sequence[Kind], outer: Sequence[str], at: int) -> list[Kind]:
@@ -118,10 +102,7 @@ def names(
 
 
 def _places(paths: set[Path], given: frozenset[Path]) -> set[Path]:
-  """Where the arguments holding ``paths`` sit in the model: each path without the
-  longest of ``given`` it ends with (a block's ``linear1/weight``). Parameters the
-  arguments do not hold (one the call reads from elsewhere) are left out, unless none
-  is held (a function given a leaf: its own path)."""
+  """Each of ``paths`` without the longest of ``given`` it ends with; ``paths`` if none does."""
   held = set()
   for p in paths:
     suffix = max(
@@ -135,8 +116,7 @@ def _places(paths: set[Path], given: frozenset[Path]) -> set[Path]:
 def _apply(
   eqn: Any, ins: list[Kind], outer: Sequence[str], applied: dict[str, set[Path]], every: set[Path]
 ) -> Kind:
-  """The kind of ``eqn``'s outputs; where it applies parameters to data, noted for every
-  call it ran in."""
+  """The kind of ``eqn``'s outputs; parameters applied to data noted for its calls."""
   params = {k for k in ins if isinstance(k, tuple)}
   if any(k is None for k in ins):
     if params:
@@ -152,10 +132,4 @@ def _apply(
 
 def _shared(paths: set[Path]) -> Path:
   """The longest path every one of ``paths`` starts with."""
-  shared, *rest = sorted(paths)
-  for p in rest:
-    n = 0
-    while n < min(len(shared), len(p)) and shared[n] == p[n]:
-      n += 1
-    shared = shared[:n]
-  return shared
+  return tuple(k[0] for k in itertools.takewhile(lambda k: len(set(k)) == 1, zip(*paths)))

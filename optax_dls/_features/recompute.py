@@ -1,11 +1,6 @@
-"""Recomputing an overflowing step inside the same jitted step, so that no batch is lost.
-
-Every other loss scaler throws an overflowing step away and backs the scale off
-for the next batch. Here the whole step is one compiled program, so when the
-gradients come back non-finite the same program backs off and computes them
-again for the same batch, up to a bounded number of tries, then in float32 if
-a float32 loss is given; only then is the step skipped.
-"""
+"""Recomputing an overflowing step inside the same jitted step, so that no batch is lost:
+back off and compute the gradients again for the same batch, up to a bounded number of
+tries, then in float32 if a float32 loss is given; only then is the step skipped."""
 
 from __future__ import annotations
 
@@ -35,7 +30,7 @@ Pass = Callable[[LossScaleState], tuple[Any, Any]]
 
 
 class Try(NamedTuple):
-  """One pass and what it decided: the carry of the retry loop."""
+  """One pass and what it decided: the retry loop's carry."""
 
   tries: jax.Array  # int32: the passes after the first one so far
   finite: jax.Array  # bool: this pass's loss and gradients are finite
@@ -47,7 +42,7 @@ class Try(NamedTuple):
 
 
 class Outcome(NamedTuple):
-  """What a recomputing call returns, and whether its gradients are finite."""
+  """What a recomputing call returns."""
 
   value: Any
   grads: Any
@@ -56,7 +51,7 @@ class Outcome(NamedTuple):
 
 
 class Plan(NamedTuple):
-  """The static side of a recomputing ``grad_fn``: checked once, when it is built."""
+  """The static side of a recomputing ``grad_fn``."""
 
   fp16: Callable[..., Any]  # jax.grad of the scaled fun: (scale, /, *args, **kwargs)
   fp32: Callable[..., Any] | None
@@ -71,8 +66,7 @@ class Plan(NamedTuple):
 def checked(
   fun: Any, fp32_fun: Any, max_tries: Any, argnums: Any, has_aux: Any
 ) -> tuple[int, int | tuple[int, ...], bool]:
-  """The checks of :func:`value_and_grad`'s arguments, before any tracing (the Flax helpers
-  run them too); returns ``(max_tries, argnums, has_aux)`` normalised."""
+  """:func:`value_and_grad`'s argument checks; ``(max_tries, argnums, has_aux)``."""
   _validation.function("fun", fun)
   if fp32_fun is not None:
     _validation.function("fp32_fun", fp32_fun)
@@ -94,7 +88,7 @@ def make_plan(
   axis_name: _multi_device.AxisName = None,
   tx_name: str = "tx",
 ) -> Plan:
-  """The :class:`Plan` of a recomputing ``grad_fn``; raises what :func:`value_and_grad` does."""
+  """The :class:`Plan` of a recomputing ``grad_fn``."""
   max_tries, argnums, has_aux = checked(fun, fp32_fun, max_tries, argnums, has_aux)
   _accumulation.refuse_multisteps_outside(tx, tx_name)
   if not _transform.is_loss_scaled(tx):
@@ -128,111 +122,84 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` of a loss-scaled loss that recomputes an overflowing step.
 
-  The returned ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S *
-  fun(*args, **kwargs)`` with S the loss scale in ``opt_state`` (Micikevicius
-  et al. 2018, *Mixed Precision Training*). When the gradients are not
-  finite, it hands them to the policy as an overflow (which backs S off,
-  exactly as a skipped step would) and differentiates again at the new scale,
-  for the same arguments, up to ``max_tries`` times; then once with
-  ``fp32_fun``, if given. It returns the loss, the scaled gradients of the
-  last try and ``opt_state`` with the scale they were computed at, so that
-  ``tx.update`` unscales them correctly::
+  ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S * fun(*args, **kwargs)``, S the
+  loss scale in ``opt_state`` (Micikevicius et al. 2018, *Mixed Precision Training*). When
+  the gradients are not finite it hands them to the policy as an overflow (which backs S
+  off, as a skipped step would) and differentiates again at the new scale, for the same
+  arguments, up to ``max_tries`` times; then once with ``fp32_fun``, if given. It returns
+  the loss, the scaled gradients of the last try and ``opt_state`` with the scale they were
+  computed at, so that ``tx.update`` unscales them correctly::
 
       grad_fn = optax_dls.value_and_grad(loss_fn, tx, fp32_fun=loss_fn_fp32)
       (loss, grads), opt_state = grad_fn(opt_state, params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
 
-  **When it stops early.** Another float16 pass is not run when it cannot
-  help:
+  **When it stops early.** No further float16 pass runs when it cannot help:
 
-  * the loss itself is not finite (a bad batch, or a forward pass that
-    overflowed: the scale multiplies the loss only after it): no retry, no
-    back-off; the returned state records the loss as the cause, and
-    ``tx.update`` then skips the step and backs off once, as for any skipped
-    step, and :func:`metrics` reports ``nonfinite_loss`` (``loss=`` need not
-    be passed to it). ``fp32_fun``, if given, still runs once, at the same
-    scale;
-  * the back-off left the scale where it was (a static policy, the floor
-    ``min_scale``, or hysteresis still left): the same pass at the same
-    scale would overflow the same way. ``fp32_fun``, if given, still runs,
-    at the state after that back-off.
+  * the loss itself is not finite (a bad batch, or a forward pass that overflowed): no
+    retry, no back-off; the state records the loss as the cause, ``tx.update`` skips the
+    step and backs off once, and :func:`metrics` reports ``nonfinite_loss``. ``fp32_fun``,
+    if given, still runs once, at the same scale;
+  * the back-off left the scale where it was (a static policy, the floor ``min_scale``,
+    hysteresis left). ``fp32_fun``, if given, still runs, at the state after it.
 
-  **Cost.** The first pass runs as the plain ``jax.grad`` would; the retries
-  run in a ``lax.while_loop`` of the same compiled step, entered through a
-  ``lax.cond`` only after an overflow, which carries only the scale, the
-  policy state and the last try's outputs. The common case (no overflow) is
-  one forward and backward pass plus one read of the gradients, and the step
-  compiles once (``fun`` is traced three times: for its output types, for
-  the first pass and for the loop; twice when no retry can run). The policy
-  sees every overflow: each failed try counts for growth and hysteresis as
-  a skipped step would, and ``tx.update`` then sees the
-  final gradients (finite, or, when every try overflowed, non-finite: the
-  step is skipped as usual). The result equals a step run directly at the
-  final scale, up to the rounding of the scaled loss and gradients (none
-  when the scales are powers of two); a train step compiled with and
-  without the retries may still differ in the last bit of a parameter, as
-  XLA may contract the optimizer's arithmetic differently in the two
-  programs. With a passthrough ``tx`` (:func:`no_loss_scale`: S = 1 by
-  construction) nothing is retried and no retry is compiled: the loss is
-  multiplied by the state's scale (1, or a restored scale that the next
-  update divides out), one pass.
+  **Cost.** The first pass runs as plain ``jax.grad`` would; the retries run in a
+  ``lax.while_loop`` entered through a ``lax.cond`` only after an overflow, carrying the
+  scale, the policy state and the last try's outputs. The common case is one forward and
+  backward pass plus one read of the gradients; the step compiles once (``fun`` traced
+  three times; twice when no retry can run). Each failed try counts for growth and
+  hysteresis as a skipped step would; ``tx.update`` then sees the final gradients (when
+  every try overflowed, the step is skipped). The result equals a step run directly at the
+  final scale, up to the rounding of the scaled loss and gradients (none for powers of
+  two; XLA may still contract the optimizer's arithmetic differently, in the last bit).
+  With a passthrough ``tx`` (:func:`no_loss_scale`) nothing is retried or compiled for it.
 
-  **Counts.** Chain :func:`recompute_stats` inside ``tx`` to count the
-  recomputed steps and the extra passes (``metrics`` reports
-  ``recomputed_steps`` and ``recompute_tries``); without it nothing is
-  counted.
+  **Counts.** Chain :func:`recompute_stats` inside ``tx`` for ``recomputed_steps`` and
+  ``recompute_tries`` in ``metrics``; without it nothing is counted.
 
-  On the CPU, when a retry can run (``max_tries`` > 0 or ``fp32_fun``), every
-  pass's gradients are pinned to the row-major layout, so that the retry
-  branch's layouts do not make the common case transpose them. The pin is a
-  ``LayoutConstraint`` custom call, which ``jax.export`` refuses by default:
-  export such a step for the CPU with
-  ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")]``.
+  On the CPU, when a retry can run, every pass's gradients are pinned to the row-major
+  layout (a ``LayoutConstraint`` custom call, which ``jax.export`` refuses by default:
+  export with
+  ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")]``).
 
   Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
-  ``axis_name``, so every device takes the same number of tries. Under ``jit``
-  with ``NamedSharding`` it is global. With ``optax.MultiSteps`` inside the
-  transformation, each micro-batch is recomputed on its own.
+  ``axis_name``, so every device takes the same number of tries; under ``jit`` with
+  ``NamedSharding`` it is global. With ``optax.MultiSteps`` inside the transformation each
+  micro-batch is recomputed on its own.
 
   Args:
-    fun: the loss function; returns the plain (unscaled) loss, a floating
-      scalar (float16 is promoted to float32 before scaling), or ``(loss,
-      aux)`` with ``has_aux=True``. It may take any positional and keyword
-      arguments (``scale`` and ``opt_state`` included).
-    tx: the loss-scaled transformation itself (what :func:`loss_scaled` or
-      :func:`dynamic_loss_scale` return), not a chain around it.
-    fp32_fun: optional, ``fun`` computed in float32: the last resort when
-      every float16 try overflowed. Same signature and output structure and
-      shapes; outputs of both are cast to their promoted dtypes. Default None.
-    max_tries: int in [0, 64], recomputations in float16 after the first pass.
-      Default 3.
-    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in
-      ``args`` (after ``opt_state``). Default 0.
+    fun: the loss function, returning the unscaled floating scalar loss (float16 is
+      promoted to float32 before scaling), or ``(loss, aux)`` with ``has_aux=True``; any
+      positional and keyword arguments.
+    tx: the loss-scaled transformation itself (from :func:`loss_scaled` or
+      :func:`dynamic_loss_scale`), not a chain around it.
+    fp32_fun: optional, ``fun`` in float32, the last resort when every float16 try
+      overflowed; same signature, output structure and shapes (both cast to their
+      promoted dtypes). Default None.
+    max_tries: int in [0, 64], float16 recomputations after the first pass. Default 3.
+    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in ``args``
+      (after ``opt_state``). Default 0.
     has_aux: bool, as in ``jax.value_and_grad``. Default False.
 
   Returns:
-    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``,
-    with ``value`` the loss (``(loss, aux)`` with ``has_aux``) and ``grads``
-    scaled by ``opt_state``'s new loss scale.
+    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``: ``value`` the
+    loss (``(loss, aux)`` with ``has_aux``), ``grads`` scaled by the new loss scale.
 
   Raises:
-    TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not a loss-scaled
-      transformation, ``max_tries`` not an int, ``argnums`` / ``has_aux`` of
-      the wrong type; (when called) a non-floating loss, a ``fun`` that
-      returns no ``(loss, aux)`` pair with ``has_aux``, fewer positional
-      arguments than ``argnums`` asks for.
-    ValueError: ``max_tries`` out of range, a negative or repeated
-      ``argnums``, ``tx`` an ``optax.MultiSteps`` around a loss-scaled
-      transformation (the refused order); (when called) a first argument that holds no loss-scale
-      state (the message gives the order, and says when the arguments look
-      swapped) or several, outputs of ``fun`` and ``fp32_fun`` that differ in
-      structure or shape, or more than one :func:`recompute_stats` in ``tx``.
+    TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not loss-scaled, ``max_tries``,
+      ``argnums`` or ``has_aux`` of the wrong type; when called, a non-floating loss, no
+      ``(loss, aux)`` pair with ``has_aux``, fewer positional arguments than ``argnums``.
+    ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``tx`` an
+      ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first
+      argument holding no loss-scale state (the message gives the order) or several,
+      ``fun`` and ``fp32_fun`` outputs differing in structure or shape, or more than one
+      :func:`recompute_stats` in ``tx``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**16)
     >>> params = {'w': jnp.ones(1)}
-    >>> half = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # 4 * 2**16 overflows float16
+    >>> half = lambda p: jnp.sum(p['w'].astype(jnp.float16) * 4.0)  # overflows at 2**16
     >>> loss = lambda p: half(p).astype(jnp.float32)  # the loss itself in float32
     >>> (value, grads), state = optax_dls.value_and_grad(loss, tx)(tx.init(params), params)
     >>> float(optax_dls.find_state(state).loss_scale), grads['w']  # at their scale
@@ -251,7 +218,7 @@ def value_and_grad(
 
 
 def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
-  """One recomputing call of ``plan`` on ``fun(*args, **kwargs)``, at the scale in ``opt_state``."""
+  """One recomputing call of ``plan`` on ``fun(*args, **kwargs)``."""
   _calls.check_reach(plan.argnums, args, "opt_state")
   state = _loss_scale_state(opt_state, args)
   if _passthrough(plan, state):  # S = 1 by its rule: nothing overflows, nothing is retried
@@ -271,8 +238,7 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _passthrough(plan: Plan, state: LossScaleState) -> bool:
-  """Whether the transformation's policy checks nothing (:func:`no_loss_scale`): its check
-  of no gradients, traced on an abstract state, is then a constant True, not a traced flag."""
+  """Whether the policy checks nothing (:func:`no_loss_scale`): its check is a constant."""
   said: list[bool] = []
 
   def probe(s: LossScaleState) -> tuple:
@@ -286,8 +252,7 @@ def _passthrough(plan: Plan, state: LossScaleState) -> bool:
 
 
 def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
-  """:func:`find_state` of the first argument; when it holds none, an error that gives the
-  calling order (and says so when a later argument holds one: the arguments look swapped)."""
+  """:func:`find_state` of the first argument; else an error giving the calling order."""
   if _holds_state(opt_state):
     return _find.find_state(opt_state)
   swapped = _calls.first_index(args, _holds_state)
@@ -313,8 +278,7 @@ def _holds_state(tree: Any) -> bool:
 def _grads_of(
   f: Callable[..., Any], has_aux: bool, argnums: int | tuple[int, ...]
 ) -> Callable[..., Any]:
-  """``jax.grad`` of ``S * loss`` with respect to
-  ``argnums``, taking ``(scale, /, *args, **kwargs)`` and returning ``(grads, out)``."""
+  """``jax.grad`` of ``S * loss``: ``(scale, /, *args, **kwargs) -> (grads, out)``."""
 
   def scaled(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     out = f(*args, **kwargs)
@@ -327,9 +291,7 @@ def _grads_of(
   which = argnums if isinstance(argnums, tuple) else (argnums,)
 
   def filtered(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    # When a differentiated argument holds leaves that are not floating arrays (an Equinox
-    # model's functions, Python numbers and bools), only its floating arrays go to
-    # jax.grad, as eqx.filter_value_and_grad does: the other leaves' gradients are None.
+    # Only the floating arrays go to jax.grad, as eqx.filter_value_and_grad does.
     if not any(_model.has_non_arrays(args[i]) for i in which):
       return grad(scale, *args, **kwargs)
     parts = {i: _model.partition(args[i]) for i in which}
@@ -347,10 +309,8 @@ def _grads_of(
 def _passes(
   plan: Plan, state: LossScaleState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Pass, Pass | None, Callable[[Any], Any]]:
-  """The float16 and float32 passes on ``args``, each returning ``(value, grads)`` of the
-  types both have in common (the first's alone without ``fp32_fun``), ``value`` holding only
-  the array leaves of ``fun``'s output; and the function that puts its other leaves (a
-  string or a Python number in ``aux``, as ``jax.value_and_grad`` passes them) back."""
+  """The float16 and float32 passes, returning ``(array leaves of the value, grads)`` in the
+  types both share, and the function that puts the value's other leaves back."""
   statics: list[Callable[[Any], Any]] = []  # from the first trace: the same in every pass
   trees: dict[str, Any] = {}  # the tree structure of each function's whole output
 
@@ -372,8 +332,7 @@ def _passes(
   if plan.fp32 is not None:
     fp32 = raw(plan.fp32, "fp32_fun")
     fp32_types = jax.eval_shape(fp32, state)
-    # Compared whole, the containers of aux and its leaves that are not arrays included: the
-    # passes return only the array leaves, in fun's structure.
+    # Compared whole: the passes return only the array leaves, in fun's structure.
     if trees["fun"] != trees["fp32_fun"]:
       raise ValueError(
         f"fun and fp32_fun must return the same pytree structure, got {trees['fun']} and "
@@ -385,7 +344,7 @@ def _passes(
 
 
 def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Try:
-  """``one_pass`` at ``at``, checked as ``tx.update`` checks it; the state to go on from."""
+  """``one_pass`` at ``at``, checked as ``tx.update`` checks it."""
   out = one_pass(at)
   value, grads = out
   loss = value[0]  # the first array leaf of fun's output: the loss, with or without aux
@@ -393,8 +352,7 @@ def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Tr
   # A non-finite loss is no overflow of the gradients: the next pass runs at the same state.
   after = jax.tree.map(functools.partial(jnp.where, loss_finite), backed_off, at)
   stuck = ~loss_finite | (backed_off.loss_scale == at.loss_scale)
-  # It is kept for tx.update, so that metrics say the loss was the cause even when update
-  # is not given the loss; the overflow counts stay update's to move, once per step.
+  # Kept for tx.update, so that metrics name the loss even when update is not given it.
   record = jnp.where(loss_finite, at.nonfinite, backed_off.nonfinite)
   return Try(tries, finite, stuck, at, after, out, record)
 
@@ -402,10 +360,8 @@ def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Tr
 def _check(
   plan: Plan, grads: Any, at: LossScaleState, loss: jax.Array
 ) -> tuple[jax.Array, jax.Array, LossScaleState]:
-  """``(finite, loss_finite, backed_off)``: the transformation's check of the gradients and
-  the loss (reduced over its ``axis_name``, and over ``plan.axis_name`` too), whether the
-  loss was finite, and the state after the policy's move for an overflow (whose record says
-  when the loss was the cause)."""
+  """``(finite, loss_finite, backed_off)``: the transformation's check, whether the loss was
+  finite, and the state after the policy's move for an overflow."""
   finite, backed_off = plan.update(grads, at._replace(inner_state=_transform.BackOff()), loss=loss)
   backed_off = backed_off._replace(inner_state=at.inner_state)
   # The record is kept as it was by a finite check: only a non-finite one speaks of this loss.
@@ -421,7 +377,7 @@ def _again(plan: Plan, last: Try) -> jax.Array:
 
 
 def _retries(plan: Plan, fp16: Pass, first: Try) -> Try:
-  """Float16 passes, each at the state the one before left, while :func:`_again` says so."""
+  """Float16 passes while :func:`_again` says so."""
   return lax.while_loop(
     functools.partial(_again, plan),
     lambda t: _try(plan, fp16, t.next, t.tries + 1),
@@ -430,15 +386,8 @@ def _retries(plan: Plan, fp16: Pass, first: Try) -> Try:
 
 
 def _row_major(grads: Any) -> Any:
-  """``grads`` with, on the CPU, every leaf of two or more dimensions pinned to the
-  row-major layout, in every pass alike.
-
-  Without the pin, XLA's CPU layout assignment gives the gradients leaving
-  the retry branch the layouts of that branch's transposed products, and
-  the branch that keeps the first pass's gradients then transposes them on
-  every step, overflow or not. Row-major is the layout the optimizer reads
-  and the parameters have, so the first pass costs nothing more. Other
-  platforms choose their own layouts (tiled on TPUs) and are left alone."""
+  """``grads`` pinned to row-major on the CPU, where XLA would otherwise give the retry
+  branch's transposed layouts to every step's gradients; other platforms left alone."""
 
   def pin(g: jax.Array) -> jax.Array:  # jax.grad's leaves are floating arrays (no float0)
     return with_layout_constraint(g, Layout(tuple(range(g.ndim)))) if g.ndim >= 2 else g

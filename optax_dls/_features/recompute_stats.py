@@ -1,5 +1,4 @@
-"""The recomputation's counters: an identity optax transformation chained inside the loss
-scaler, whose state :func:`optax_dls.value_and_grad` writes to."""
+"""The recomputation's counters, written by :func:`optax_dls.value_and_grad`."""
 
 from __future__ import annotations
 
@@ -34,18 +33,15 @@ class RecomputeState(NamedTuple):
 def recompute_stats() -> optax.GradientTransformation:
   """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
 
-  An identity transformation (updates and state pass through unchanged) whose
-  state, a ``RecomputeState``, holds the number of steps whose gradients
-  :func:`value_and_grad` recomputed after an overflow and the extra passes they
-  took. Chain it inside the loss-scaled transformation; :func:`value_and_grad`
-  finds it there and counts, and :func:`metrics` reports ``recomputed_steps``
-  and ``recompute_tries``::
+  An identity transformation whose ``RecomputeState`` counts the steps
+  :func:`value_and_grad` recomputed after an overflow and the extra passes they took.
+  Chain it inside the loss-scaled transformation; :func:`metrics` reports
+  ``recomputed_steps`` and ``recompute_tries``::
 
-      tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3)))
+      inner = optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3))
+      tx = optax_dls.dynamic_loss_scale(inner)
 
-  Without it, :func:`value_and_grad` recomputes all the same and counts
-  nothing. Inner state like any other, it is kept as it is by a skipped step:
-  the counts of a step that recomputed and still overflowed stay counted.
+  Without it nothing is counted. A skipped step keeps the counts of its recomputation.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of
@@ -64,22 +60,16 @@ def recompute_stats() -> optax.GradientTransformation:
     (1, 3)
   """
 
-  return optax.GradientTransformation(_init, _update)
-
-
-def _init(params: Any) -> RecomputeState:
-  del params
-  return RecomputeState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+  init = lambda _: RecomputeState(*[jnp.zeros([], jnp.int32)] * 2)
+  return optax.GradientTransformation(init, _update)
 
 
 def _update(updates: Any, state: RecomputeState, params: Any = None) -> tuple[Any, Any]:
-  del params
   return updates, state
 
 
 def record(inner_state: Any, tries: jax.Array) -> Any:
-  """``inner_state`` with the :class:`RecomputeState` in it (if any) counting a step that
-  took ``tries`` extra passes (int32 ``>= 0``); ValueError when it holds more than one."""
+  """``inner_state`` with its :class:`RecomputeState` (if any) counting ``tries`` passes."""
   is_node = lambda x: isinstance(x, RecomputeState)
   if sum(map(is_node, jax.tree.leaves(inner_state, is_leaf=is_node))) > 1:
     raise ValueError(
@@ -99,6 +89,5 @@ def record(inner_state: Any, tries: jax.Array) -> Any:
 
 
 def _add(count: jax.Array, n: jax.Array) -> jax.Array:
-  """``count + n`` for int32 ``n >= 0``, saturating at ``2**31 - 1``."""
   top = _validation.INT32_MAX
   return jnp.where(count > top - n, top, count + n).astype(jnp.int32)

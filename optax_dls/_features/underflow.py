@@ -1,14 +1,8 @@
-"""Gradient-underflow statistics: an optax transformation chained inside the loss scaler.
-
-Chained first inside the loss-scaled transformation, it sees the *unscaled*
-gradients of every applied step and records which fraction of their entries
-is exactly zero and which is below the smallest normal float16 number, the
-signal that float16 loses without loss scaling.
-"""
+"""Gradient-underflow statistics: an identity transformation chained inside the loss
+scaler, recording the fractions of zero and float16-subnormal unscaled gradient entries."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -19,7 +13,6 @@ from optax_dls._core import labels as _labels
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._core import numerics as _numerics
 
-# Smallest positive normal float16 number: below it fp16 values are subnormal.
 F16_MIN_NORMAL = 2.0**-14
 _RESERVED = ("zero_frac", "subnormal_frac")
 
@@ -45,36 +38,27 @@ class UnderflowState(NamedTuple):
     return out
 
 
-def _groups(labels: Any, tree: Any) -> dict[str, list[jax.Array]]:
-  """Floating leaves of ``tree`` grouped by label (trace-time Python)."""
-  groups: dict[str, list[jax.Array]] = {}
-  names = _labels.leaf_labels(labels, tree, "underflow_stats", _RESERVED)
-  for label, leaf in zip(names, _numerics.float_leaves(tree), strict=True):
-    groups.setdefault(label, []).append(leaf)
-  return groups
-
-
 def _fractions(leaves: list[jax.Array], axis_name: Any) -> dict[str, jax.Array]:
   counts = jnp.zeros([3], jnp.float32).at[2].set(sum(int(x.size) for x in leaves))
   for x in leaves:
     a = jnp.abs(x.astype(_numerics.compute_dtype(x.dtype)))
-    counts = counts + jnp.stack(
-      [
-        jnp.sum(a == 0, dtype=jnp.float32),
-        jnp.sum((a > 0) & (a < F16_MIN_NORMAL), dtype=jnp.float32),
-        jnp.zeros([], jnp.float32),
-      ]
-    )
+    zero, sub = jnp.sum(a == 0), jnp.sum((a > 0) & (a < F16_MIN_NORMAL))
+    counts = counts + jnp.stack([zero, sub, 0]).astype(jnp.float32)
   counts = _multi_device.psum(counts, axis_name)
   denom = jnp.maximum(counts[2], 1.0)
   return {"zero_frac": counts[0] / denom, "subnormal_frac": counts[1] / denom}
 
 
 def _all_fractions(labels: Any, tree: Any, axis_name: Any) -> dict[str, Any]:
-  out: dict[str, Any] = dict(_fractions(_numerics.float_leaves(tree), axis_name))
+  leaves = _numerics.float_leaves(tree)
+  out: dict[str, Any] = dict(_fractions(leaves, axis_name))
   if labels is not None:
-    for label, leaves in sorted(_groups(labels, tree).items()):
-      out[label] = _fractions(leaves, axis_name)
+    groups: dict[str, list[jax.Array]] = {}
+    names = _labels.leaf_labels(labels, tree, "underflow_stats", _RESERVED)
+    for label, leaf in zip(names, leaves, strict=True):
+      groups.setdefault(label, []).append(leaf)
+    for label, group in sorted(groups.items()):
+      out[label] = _fractions(group, axis_name)
   return out
 
 
@@ -85,23 +69,19 @@ def underflow_stats(
 ) -> optax.GradientTransformation:
   """Records the fractions of zero and of float16-subnormal gradient entries.
 
-  An identity transformation (updates pass through unchanged) whose state
-  holds, for the last step it saw, the fraction of floating entries that are
-  exactly 0 (``zero_frac``) and that are float16-subnormal, ``0 < |x| <
-  2**-14`` (``subnormal_frac``), overall and per label. Chain it first inside
-  the loss-scaled transformation, where it sees the unscaled gradients of
-  every applied step (skipped steps leave it untouched, like any inner
-  state); :func:`metrics` then reports ``underflow/zero_frac``,
+  An identity transformation whose state holds, for the last step it saw, the fraction of
+  floating entries exactly 0 (``zero_frac``) and float16-subnormal, ``0 < |x| < 2**-14``
+  (``subnormal_frac``), overall and per label. Chain it first inside the loss-scaled
+  transformation, where it sees the unscaled gradients of every applied step (skipped
+  steps leave it untouched); :func:`metrics` reports ``underflow/zero_frac``,
   ``underflow/subnormal_frac`` and ``underflow/<label>/...``::
 
-      tx = optax_dls.dynamic_loss_scale(optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)))
+      inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3))
+      tx = optax_dls.dynamic_loss_scale(inner)
 
-  Cost: one extra read of the gradients per step. Nothing in the step waits for
-  these fractions, so XLA's GPU backend merges their read with the optimizer's
-  elementwise work into reduction kernels (at 1B float32 parameters in 256 leaves
-  on an H100 target: 1.215x bare Adam's bytes against the default's 1.143x, and
-  twice the kernels; ``benchmarks/gpu_program.py``): chain it in to look, not in
-  every run.
+  Cost: one extra read of the gradients per step (at 1B float32 parameters on an H100
+  target, 1.215x bare Adam's bytes against the default's 1.143x, and twice the kernels;
+  ``benchmarks/gpu_program.py``): chain it in to look, not in every run.
 
   Args:
     labels: None (default: overall fractions only), a pytree of string labels
@@ -133,17 +113,11 @@ def underflow_stats(
   labels = _labels.check_labels(labels, "underflow_stats", _RESERVED)
   axis_name = _multi_device.check_axis_name(axis_name)
 
-  init = functools.partial(_underflow_init, labels)
-  return optax.GradientTransformation(init, functools.partial(_underflow_update, labels, axis_name))
+  def init(params: Any) -> UnderflowState:
+    shapes = jax.eval_shape(lambda p: _all_fractions(labels, p, None), params)
+    return UnderflowState(jax.tree.map(lambda s: jnp.full([], jnp.nan, jnp.float32), shapes))
 
+  def update(updates: Any, state: UnderflowState, params: Any = None) -> tuple[Any, Any]:
+    return updates, UnderflowState(_all_fractions(labels, updates, axis_name))
 
-def _underflow_init(labels: Any, params: Any) -> UnderflowState:
-  shapes = jax.eval_shape(lambda p: _all_fractions(labels, p, None), params)
-  return UnderflowState(jax.tree.map(lambda s: jnp.full([], jnp.nan, jnp.float32), shapes))
-
-
-def _underflow_update(
-  labels: Any, axis_name: Any, updates: Any, state: UnderflowState, params: Any = None
-) -> tuple[Any, UnderflowState]:
-  del params, state
-  return updates, UnderflowState(_all_fractions(labels, updates, axis_name))
+  return optax.GradientTransformation(init, update)

@@ -1,18 +1,9 @@
-"""Loss-scale policies: the programmable rule that moves the loss scale.
+"""Loss-scale policies: pure ``init`` / ``update`` pairs over a small state (:mod:`.base`).
+The dynamic rule (:mod:`.dynamic`) backs the dynamic, static and no-op policies and the
+framework presets (:mod:`.presets`); :mod:`.amax` follows the gradients' magnitude;
+:mod:`.fallback` wraps a policy with a float32 fallback and :mod:`.min_scale`'s count.
 
-A policy is a pair of pure functions over a small policy-state pytree, in the
-style of an optax ``GradientTransformation`` (:mod:`.base`). The dynamic rule
-is written once (:mod:`.dynamic`) and reused by the dynamic, static and no-op
-policies and by every framework preset of :func:`optax_dls.config.preset`;
-:mod:`.amax` follows the gradients' magnitude. The float32 fallback
-(:mod:`.fallback`) is a policy wrapper that owns state beside the wrapped
-policy's, with the count of skips at the minimum scale (:mod:`.min_scale`). The
-framework presets, each a dynamic rule with another framework's settings, are
-in :mod:`.presets`.
-
-May import: ``_util`` only; the core applies a policy, a policy knows nothing of the
-core.
-"""
+May import: ``_util`` only."""
 
 from optax_dls._policies.amax import AmaxScaleState, amax_policy
 from optax_dls._policies.base import STATS, GradStats, LossScalePolicy, check_policy

@@ -19,20 +19,15 @@ class AmaxScaleState(NamedTuple):
   """Policy state of :func:`amax_policy`.
 
   Attributes:
-    amax_history: float32 ``[history_len]``. The unscaled gradient statistic
-      (amax or global norm) of the last ``history_len`` steps, newest first;
-      0 marks an empty slot. A non-finite step at scale S records
-      ``max_value / S``, the least magnitude that overflows at S.
-    growth_tracker: int32 ``()``. Consecutive finite steps since the scale
-      last moved.
-  """
+    amax_history: float32 ``[history_len]``. The unscaled statistic of the last steps,
+      newest first, 0 for an empty slot; a non-finite step at S records ``max_value / S``.
+    growth_tracker: int32 ``()``. Consecutive finite steps since the scale last moved."""
 
   amax_history: jax.Array
   growth_tracker: jax.Array
 
   def after_scale_reset(self) -> AmaxScaleState:
-    """This state once :func:`optax_dls.reset_scale` has set a new scale: the growth
-    count restarts at 0."""
+    """After :func:`optax_dls.reset_scale`: the growth count restarts at 0."""
     return self._replace(growth_tracker=jnp.zeros_like(self.growth_tracker))
 
 
@@ -56,29 +51,19 @@ def amax_policy(
 ) -> LossScalePolicy:
   """Gradient-aware loss scaling: keep the scaled amax ``margin`` octaves below fp16 max.
 
-  The dynamic rule learns the largest safe scale only by overflowing. This
-  policy keeps a short history of the gradients' magnitude instead, the recipe
-  of delayed scaling for FP8 (Micikevicius et al. 2022, *FP8 Formats for Deep
-  Learning*; NVIDIA Transformer Engine ``DelayedScaling``). Each step records
-  the unscaled gradient statistic ``a`` (the amax of the scaled gradients
-  divided by S, or the global norm) and computes the target scale
-  ``T = pow2_floor(max_value / 2**margin / max(history))``, clipped to
-  ``[min_scale, max_scale]``: the largest power of two at which every recent
-  scaled gradient stays below ``max_value / 2**margin``.
+  Delayed scaling, as for FP8 (Micikevicius et al. 2022, *FP8 Formats for Deep Learning*;
+  Transformer Engine ``DelayedScaling``): each step records the unscaled statistic (the
+  scaled amax over S, or the global norm) and targets ``T = pow2_floor(max_value /
+  2**margin / max(history))``, clipped to ``[min_scale, max_scale]``.
 
   * Finite step, ``T < S``: back off to ``T`` at once, before any overflow.
   * Finite step, ``T > S`` and ``growth_interval`` consecutive finite steps
     since the scale last moved: grow to ``min(S * growth_factor, T)``.
-  * Non-finite step (skipped): ``S = max(S * backoff_factor, min_scale)`` as
-    in the dynamic rule, and ``max_value / S`` enters the history (an
-    overflow at S means the magnitude was at least that), which holds the
-    scale down for the next ``history_len`` steps.
+  * Non-finite step (skipped): ``S = max(S * backoff_factor, min_scale)``, and
+    ``max_value / S`` enters the history, holding the scale down for ``history_len`` steps.
 
-  The amax is taken over the gradients the optimizer receives: with float32
-  master parameters cast to float16 inside the model, the float16 parameter
-  gradients upcast. Activation cotangents inside the network are not seen;
-  they can be larger, which is what ``margin`` absorbs. With
-  ``statistic="grad_norm"`` the (larger) global norm stands in for the amax.
+  The amax is over the gradients the optimizer receives; activation cotangents can be
+  larger, which ``margin`` absorbs.
 
   Args:
     init_scale: float, the first scale, in ``[min_scale, max_scale]``.
@@ -100,10 +85,9 @@ def amax_policy(
       ``"grad_norm"``.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: the last
-    ``history_len`` unscaled statistics, newest first (``amax_history``, float32
-    ``[history_len]``, 0 for an empty slot), and the consecutive finite steps
-    since the scale last moved (``growth_tracker``, int32 ``()``).
+    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: ``amax_history``
+    (float32 ``[history_len]``, newest first, 0 for an empty slot) and ``growth_tracker``
+    (int32 ``()``).
 
   Raises:
     ValueError: a value outside its range; the message names it.
@@ -121,22 +105,19 @@ def amax_policy(
   max_value = _validation.real("max_value", max_value)
   _validation.check(0.0 < max_value < math.inf, "max_value", max_value, "0 < value < inf")
   tiny = float(np.finfo(np.float32).tiny)
-  for name, value in (
-    ("max_value", max_value),
-    ("max_value * 2**-margin", max_value * 2.0**-margin),
-  ):
-    _validation.float32(
-      name, value, lambda r: tiny <= r < math.inf, "2**-126 <= value < inf (a normal number)"
-    )
+  normal = lambda r: tiny <= r < math.inf
+  for name, value in (("max_value", max_value), ("max_value * 2**-margin", max_value * 2**-margin)):
+    _validation.float32(name, value, normal, "2**-126 <= value < inf (a normal number)")
   if not isinstance(statistic, str) or statistic not in ("amax", "grad_norm"):
     kind = ValueError if isinstance(statistic, str) else TypeError
     raise kind(f"statistic must be 'amax' or 'grad_norm', got statistic={statistic!r}.")
+  headroom = max_value * 2.0**-margin
   rule = _AmaxRule(
     init_scale,
     history_len,
     statistic,
     max_value,
-    max_value * 2.0**-margin,
+    headroom,
     min_scale,
     max_scale,
     growth_interval,

@@ -1,11 +1,5 @@
-"""Float32 fallback: run the loss in float32 for a while after a run of skipped steps.
-
-A policy wrapper owns the flag and the scale: after ``after`` consecutive
-skips it turns the flag on for ``steps`` updates, then restarts the wrapped
-policy at ``scale``. The step reads the flag from ``optax_dls.metrics`` to pick
-the float16 or the float32 computation with ``jax.lax.cond``. It also counts the
-consecutive skips taken at the policy's minimum scale (:mod:`.min_scale`).
-"""
+"""Float32 fallback: a policy wrapper whose flag asks for the loss in float32 for a while
+after a run of skipped steps."""
 
 from __future__ import annotations
 
@@ -22,16 +16,9 @@ from optax_dls._util import validation as _validation
 
 
 class FallbackState(NamedTuple):
-  """Policy state of :func:`fp32_fallback`.
-
-  Attributes:
-    policy_state: a ``SkipsAtMinScaleState``: the wrapped policy's state
-      (``policy_state``) and the consecutive skips taken at its minimum scale
-      (``skips_at_min_scale``, int32 ``()``).
-    fp32_fallback: bool ``()``. True while the loss should run in float32.
-    steps_left: int32 ``()``. Updates left before the fallback ends (0 when off).
-    consecutive_skips: int32 ``()``. Skipped steps since the last applied one.
-  """
+  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState``
+  (``policy_state``), the flag (``fp32_fallback``, bool ``()``), the updates it has left
+  (``steps_left``) and the skips in a row (``consecutive_skips``), int32 ``()``."""
 
   policy_state: Any
   fp32_fallback: jax.Array
@@ -51,26 +38,19 @@ def fp32_fallback(
 ) -> LossScalePolicy:
   """Wraps ``policy`` with a float32 fallback for when float16 keeps failing.
 
-  When a skipped step makes ``after`` consecutive skips, the state's
-  ``fp32_fallback`` flag turns on for the next ``steps`` updates, during which
-  the training step computes the loss in float32; the wrapped policy keeps
-  moving the scale meanwhile. On the update that ends it, the scale restarts at
-  ``scale`` and the wrapped policy's state at its initial value.
-  :func:`metrics` reports the flag as ``fp32_fallback``; the step picks the
-  computation with it inside the compiled step (both branches traced once, so
-  switching never recompiles; they must return the same structure, shapes and
-  dtypes)::
+  After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on
+  for the next ``steps`` updates, while the wrapped policy keeps moving the scale; the
+  update that ends it restarts the scale at ``scale`` and the wrapped policy's state. The
+  step picks the computation with the flag (both branches traced once, so switching never
+  recompiles; they must return the same structure, shapes and dtypes)::
 
       loss = jax.lax.cond(
         optax_dls.metrics(opt_state)["fp32_fallback"], fp32_loss, fp16_loss, params, batch
       )
 
-  It also counts the consecutive skips taken while the scale was already at
-  the policy's ``min_scale``: such an overflow cannot be cured by backing off
-  (the data, the learning rate or the forward pass is at fault, or float16
-  itself). :func:`metrics` reports the count as ``skips_at_min_scale`` (reset
-  by an applied step, and when the fallback ends); :class:`SkipAlerts` warns
-  on the first one.
+  It also counts the consecutive skips taken at the policy's ``min_scale``, which backing
+  off cannot cure: :func:`metrics` reports ``skips_at_min_scale`` (reset by an applied
+  step and when the fallback ends); :class:`SkipAlerts` warns on the first.
 
   Args:
     policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`;
@@ -82,13 +62,10 @@ def fp32_fallback(
       default: the policy's initial scale), the scale to restart at.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a ``FallbackState``
-    (``optax_dls._policies.fallback``): the wrapped policy's
-    state and the skips at the minimum scale (``policy_state``, a
-    ``SkipsAtMinScaleState`` of ``policy_state`` and ``skips_at_min_scale``,
-    int32 ``()``), the flag (``fp32_fallback``, bool ``()``), the updates left
-    (``steps_left``) and the skips in a row (``consecutive_skips``), both int32
-    ``()``.
+    A :class:`LossScalePolicy` whose state is a ``FallbackState``: ``policy_state`` (a
+    ``SkipsAtMinScaleState`` of the wrapped state and ``skips_at_min_scale``, int32
+    ``()``), ``fp32_fallback`` (bool ``()``), ``steps_left`` and ``consecutive_skips``
+    (int32 ``()``).
 
   Raises:
     TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields

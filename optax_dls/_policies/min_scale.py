@@ -1,6 +1,4 @@
-"""Counting skips at the minimum scale: the overflow is then not the loss scale's doing.
-
-Part of :func:`optax_dls.fp32_fallback`, which wraps its policy in this count."""
+"""Counting skips at the minimum scale, which backing off cannot cure (for ``fp32_fallback``)."""
 
 from __future__ import annotations
 
@@ -15,14 +13,8 @@ from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
 
 
 class SkipsAtMinScaleState(NamedTuple):
-  """Policy state of :func:`skips_at_min_scale`, the ``policy_state`` of a
-  :class:`~optax_dls._policies.fallback.FallbackState`.
-
-  Attributes:
-    policy_state: the wrapped policy's state.
-    skips_at_min_scale: int32 ``()``. Consecutive skipped steps taken while
-      the scale was already at the policy's ``min_scale``. Saturating.
-  """
+  """Policy state of :func:`skips_at_min_scale`: the wrapped ``policy_state`` and
+  ``skips_at_min_scale`` (int32 ``()``, saturating), consecutive skips at ``min_scale``."""
 
   policy_state: Any
   skips_at_min_scale: jax.Array
@@ -32,15 +24,8 @@ class SkipsAtMinScaleState(NamedTuple):
 
 
 def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
-  """Wraps ``policy`` to count consecutive skips taken at its ``min_scale`` (for
-  :func:`optax_dls.fp32_fallback`, which reports the count).
-
-  A step that overflows although the scale is already at its floor cannot be cured by
-  backing off. The scale itself is the wrapped policy's, unchanged; the state is a
-  ``SkipsAtMinScaleState`` of the wrapped policy's state and the count (int32 ``()``,
-  saturating). TypeError / ValueError as :func:`~optax_dls._policies.base.check_policy`
-  raises them for a policy that is not valid.
-  """
+  """Wraps ``policy`` to count consecutive skips at its ``min_scale``; the scale is the
+  wrapped policy's. TypeError / ValueError as ``check_policy`` raises them."""
   policy = check_policy(policy)
   init = functools.partial(_min_scale_init, policy)
   return policy._replace(init=init, update=functools.partial(_min_scale_update, policy))

@@ -1,6 +1,5 @@
-"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair, the
-positional arguments ``argnums`` reaches, the calling order, the dtypes two versions of a
-function have in common, and the array arguments that a ``lax.cond`` may carry."""
+"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair,
+``argnums``' reach, the calling order, shared dtypes, and the array arguments."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ import numpy as np
 
 
 def loss_and_aux(f: Callable[..., Any], has_aux: bool, out: Any) -> tuple[Any, Any]:
-  """``(loss, aux)`` of ``f``'s output ``out`` (``aux`` None without ``has_aux``); TypeError
-  when ``has_aux`` is True and ``out`` is no ``(loss, aux)`` pair."""
+  """``(loss, aux)`` of ``out`` (aux None without ``has_aux``); TypeError for no pair."""
   if not has_aux:
     return out, None
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -27,8 +25,7 @@ def loss_and_aux(f: Callable[..., Any], has_aux: bool, out: Any) -> tuple[Any, A
 
 
 def check_reach(argnums: int | tuple[int, ...], args: tuple[Any, ...], first: str) -> None:
-  """TypeError when ``argnums`` asks for a positional argument beyond ``args``, the
-  arguments of ``grad_fn(first, *args)`` after ``first``."""
+  """TypeError when ``argnums`` reaches beyond ``args``."""
   needed = max(argnums) if isinstance(argnums, tuple) else argnums
   if needed >= len(args):
     raise TypeError(
@@ -40,8 +37,8 @@ def check_reach(argnums: int | tuple[int, ...], args: tuple[Any, ...], first: st
 def order_error(
   first: str, expected: str, lacks: str, has: str, got: Any, swapped: int | None
 ) -> str:
-  """The message for a ``grad_fn(first, *args)`` whose first argument is not ``expected``
-  (it ``lacks``); ``swapped`` is the position in ``args`` of one that is (it ``has``), if any."""
+  """The message for a ``grad_fn(first, *args)`` whose first argument is not ``expected``;
+  ``swapped``: the position in ``args`` of one that is."""
   message = (
     f"grad_fn takes {expected} first and fun's arguments after it, grad_fn({first}, *args); "
     f"the first argument given {lacks}: got a {type(got).__name__}."
@@ -62,9 +59,8 @@ def first_index(args: tuple[Any, ...], test: Callable[[Any], bool]) -> int | Non
 
 
 def promoted(out_a: Any, out_b: Any, names: tuple[str, str]) -> Any:
-  """The shapes of ``out_a`` with each dtype promoted with ``out_b``'s (the shapes, e.g. of
-  ``jax.eval_shape``, of the outputs of the two functions ``names``); ValueError when the
-  two differ in structure or in a leaf's shape."""
+  """``out_a``'s shapes with dtypes promoted with ``out_b``'s; ValueError where they
+  differ in structure or shape."""
   treedef: Any = jax.tree.structure(out_a)
   if treedef != jax.tree.structure(out_b):
     raise ValueError(
@@ -92,9 +88,7 @@ def _is_array(x: Any) -> bool:
 
 
 def split_arrays(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-  """The array leaves of ``tree`` (what a ``lax.cond`` can carry as operands), and the
-  function that puts them back among its other leaves (Python bools, strings, objects:
-  kept as they are, as a plain call would see them)."""
+  """The array leaves of ``tree`` and the function that puts them back among the others."""
   leaves, treedef = jax.tree.flatten(tree)
   where = [i for i, x in enumerate(leaves) if _is_array(x)]
 

@@ -1,5 +1,4 @@
-"""Where a warning points: the user's line, past the frames of this package, JAX, and the
-libraries that call an optimizer's ``update`` for the user (optax, flax, Equinox)."""
+"""Where a warning points: the user's line, past this package, JAX, optax, flax, Equinox."""
 
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ def _folders() -> tuple[str, ...]:
 
 
 def user_stacklevel() -> int:
-  """The ``stacklevel`` for ``warnings.warn`` called by the caller of this function that
-  names the first frame outside optax_dls, JAX, optax, flax and Equinox (a flax
-  ``TrainState.apply_gradients`` calls ``update`` for the user)."""
+  """The ``stacklevel`` naming the caller's first frame outside those libraries."""
   frame: FrameType | None = sys._getframe(2)
   level = 2
   folders = _folders()

@@ -1,5 +1,4 @@
-"""The report :func:`optax_dls.locate` returns: the first non-finite operation and the
-headroom of every named scope, printable as a short table and JSON-ready."""
+"""The report :func:`optax_dls.locate` returns (no JAX here: ``_logs`` reads it)."""
 
 from __future__ import annotations
 
@@ -19,17 +18,12 @@ class Operation:
     phase: ``"forward"`` (computing ``S * fun(*args)``) or ``"backward"`` (its gradient).
     primitive: the JAX primitive, e.g. ``"dot_general"``.
     source: ``"file:line"`` of the user's code that wrote it (``"?"`` when unknown).
-    scope: the named scope it ran in (flax linen's module path, ``jax.named_scope``);
-      in a block of the model called once per instance (an Equinox or nnx module, a
-      function given the block's parameters), the block's path (``"blocks/2"``); else
-      the qualified name of the user's function that wrote it.
+    scope: its named scope, the block instance's path (``"blocks/2"``), or else the
+      qualified name of the user's function that wrote it.
     kind: ``"inf"`` or ``"nan"`` (``"nan"`` when its output holds any NaN).
     dtype: its output's dtype, e.g. ``"float16"``.
     input_max: the largest finite ``|value|`` among its inputs (0.0 when none).
-    note: why the place is approximate (a ``scan`` or ``while`` evaluated whole), or
-      where the value came from (a constant beyond the dtype's range, inputs already
-      not finite), else ``""``.
-  """
+    note: why the place is approximate or where the value came from, else ``""``."""
 
   phase: str
   primitive: str
@@ -47,15 +41,13 @@ class ScopeHeadroom:
 
   Attributes:
     scope: the scope's name (``"(top level)"`` outside any).
-    forward_fraction / backward_fraction: the largest finite ``|activation|`` in the
-      forward pass / ``|cotangent|`` in the backward pass, as a fraction of its dtype's
-      largest finite value (65504 for float16); 0.0 when the scope has none. Entries at
-      exactly that value (a mask's ``jnp.finfo(dtype).min``) are not counted.
+    forward_fraction / backward_fraction: the largest finite ``|activation|`` /
+      ``|cotangent|`` as a fraction of the dtype's largest finite value, entries at exactly
+      that value (a mask's ``finfo.min``) left out; 0.0 when none.
     forward_overflow / backward_overflow: an operation of the scope made an inf or NaN
       from finite inputs in that pass.
-    underflow_share: the share of its floating-point output entries, both passes,
-      that are nonzero and below the dtype's smallest normal.
-  """
+    underflow_share: the share of its floating output entries, both passes, nonzero and
+      below the dtype's smallest normal."""
 
   scope: str
   forward_fraction: float = 0.0
@@ -75,14 +67,9 @@ class ScopeHeadroom:
 
 @dataclasses.dataclass
 class LocateReport:
-  """What :func:`optax_dls.locate` found.
-
-  Attributes:
-    scale: the loss scale ``S`` the loss was multiplied by.
-    first: the first :class:`Operation` that made an inf or NaN, or ``None``.
-    headroom: one :class:`ScopeHeadroom` per scope, closest to overflow first (those
-      that overflowed first, in the order they did).
-  """
+  """What :func:`optax_dls.locate` found: the ``scale`` ``S``, the ``first``
+  :class:`Operation` that made an inf or NaN (or ``None``), and one :class:`ScopeHeadroom`
+  per scope in ``headroom``, closest to overflow first (those that overflowed in order)."""
 
   scale: float
   first: Operation | None
@@ -109,8 +96,7 @@ class LocateReport:
     return self.headroom[:n]
 
   def __str__(self) -> str:
-    """A table: the scale as a power of two, each scope's whole name (the column as wide
-    as the longest), the ten nearest scopes; the code outside any scope is not a row."""
+    """A table: the scale as a power of two and the ten nearest scopes."""
     lines = [f"locate at loss scale {power_text(self.scale)}:"]
     f = self.first
     if f is None:
@@ -134,13 +120,7 @@ class LocateReport:
 
 
 def _plain(value: Any) -> Any:
-  if isinstance(value, (bool, np.bool_)):
-    return bool(value)
-  if isinstance(value, (float, np.floating)):
-    return float(value)
-  if isinstance(value, (int, np.integer)):
-    return int(value)
-  return value
+  return value.item() if isinstance(value, np.generic) else value
 
 
 class Accumulator:
@@ -155,9 +135,8 @@ class Accumulator:
   def add(
     self, phase: str, scope: str, outputs: list[np.ndarray], ranged: bool, made: bool
   ) -> None:
-    """Records one operation's float outputs: their range where ``ranged`` (no inf or NaN
-    carried in from an earlier operation), and an overflow of the scope where ``made``
-    (the operation made an inf or NaN)."""
+    """Records one operation's float outputs: their range where ``ranged`` (nothing
+    non-finite carried in), and the scope's overflow where ``made``."""
     h = self.scopes.setdefault(scope or "(top level)", ScopeHeadroom(scope or "(top level)"))
     if ranged:
       for out in outputs:
@@ -187,8 +166,8 @@ class Accumulator:
 
 
 def power_text(x: float) -> str:
-  """A loss scale as a power of two: ``2^k`` when it is one (1 as ``1``), else ``2^x`` with
-  two decimals; a scale that is not finite and > 0 in ``%g`` form.
+  """A loss scale as ``2^k`` when a power of two (1 as ``1``), else ``2^x.xx``;
+  ``%g`` when not finite and > 0.
 
   >>> from optax_dls._util.locate_report import power_text
   >>> power_text(2.0**21), power_text(2.0**-126), power_text(1.0), power_text(1500.0)

@@ -1,6 +1,5 @@
-"""Models whose pytree holds leaves that are not arrays (an Equinox module's activation
-functions, Python scalars, strings) or integer arrays: the parameters whose gradient is
-``None``, and integer and bool arrays, are held out of the step and passed through
+"""Models whose pytree holds leaves that are not floating arrays (an Equinox module's
+functions, Python scalars, integer arrays): held out of the step or passed through
 untouched, as ``eqx.apply_updates`` does."""
 
 from __future__ import annotations
@@ -18,17 +17,14 @@ def _NONE(x: Any) -> bool:
 
 
 def held_out(grads: Any, params: Any) -> list[bool] | None:
-  """Per leaf of ``grads`` (``None`` leaves included): whether it is ``None``, so the
-  parameter subtree at its place is held out of the step; None when nothing is held
-  out or ``params`` does not have the structure of ``grads``."""
+  """Per leaf of ``grads``: whether it is ``None`` (its parameter subtree held out); None
+  when nothing is, or ``params`` does not match."""
   return _places(grads, params, lambda g, p: g is None)
 
 
 def untrained(grads: Any, params: Any) -> list[bool] | None:
-  """Per leaf of ``grads``: whether it is the gradient (not None) of an integer or bool
-  array, which the inner optimizer does not see (:func:`trained`): told by the parameter,
-  or, with ``params`` None, by the gradient's own dtype (integer, bool, ``float0``); None
-  when there is none or ``params`` does not have the structure of ``grads``."""
+  """Per leaf of ``grads``: whether it is the gradient of an integer or bool array (by the
+  parameter, or the gradient's dtype without ``params``); None when there is none."""
   if params is None:
     leaves = jax.tree.leaves(grads, is_leaf=_NONE)
     places = [g is not None and _not_trained(g) for g in leaves]
@@ -53,19 +49,13 @@ def _not_trained(x: Any) -> bool:
 
 
 def trained(params: Any) -> Any:
-  """``params`` with None at its integer and bool arrays (an Equinox model's index arrays
-  or counters): what the inner optimizer's ``init`` sees. Every step keeps them from the
-  inner update: held out where their gradient is None (:func:`held_out`), their
-  gradient passed through untouched as their update otherwise (:func:`inner_update`)."""
+  """``params`` with None at its integer and bool arrays: what the inner ``init`` sees."""
   return jax.tree.map(lambda x: None if _not_trained(x) else x, params)
 
 
 def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-  """``update(grads, *args, params, **kwargs) -> (updates, state)`` without the integer
-  parameters whose gradient is not None (:func:`untrained`): None at their places in the
-  gradients and parameters it sees, and their gradient, untouched, as their update (zeros
-  of the parameter's type for a ``float0`` one, ``jax.grad(..., allow_int=True)``'s, which
-  ``optax.apply_updates`` cannot add)."""
+  """``update(grads, *args, params, **kwargs)`` without the integer parameters: their
+  gradient, untouched, is their update (zeros for a ``float0`` one)."""
   places = untrained(grads, params)
   if places is None:
     return update(grads, *args, params, **kwargs)
@@ -80,8 +70,7 @@ def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any
 
 
 def _passed(grad: Any, param: Any) -> Any:
-  """The update of an integer parameter: its gradient, or, for a ``float0`` one, zeros of
-  the parameter's type (None for a PRNG key, or without the parameter: nothing to add)."""
+  """An integer parameter's update: its gradient, or zeros for ``float0`` (None for a key)."""
   if grad.dtype != jax.dtypes.float0:
     return grad
   if param is None or jax.dtypes.issubdtype(param.dtype, jax.dtypes.prng_key):
@@ -90,11 +79,8 @@ def _passed(grad: Any, param: Any) -> Any:
 
 
 def recorded(grads: Any, params: Any, held: list[bool] | None) -> Any:
-  """``grads`` as the check and the record read them: zeros of the parameter's type where a
-  floating parameter's gradient is None (frozen by ``multi_transform`` and
-  ``set_to_zero``, say), so that the record has a bit for every floating parameter, in the
-  order of the names :func:`optax_dls.nonfinite_leaves` gives them; ``grads`` itself where no
-  such parameter is held out. ``held`` is :func:`held_out`'s."""
+  """``grads`` with zeros where a floating parameter's gradient is None (frozen), so that
+  the record has a bit for every floating parameter; ``held`` is :func:`held_out`'s."""
   if held is None:
     return grads
   leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
@@ -118,8 +104,7 @@ def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
 
 
 def held_apart(grads: Any, params: Any) -> tuple[list[bool] | None, Any, list[Any]]:
-  """``(held, kept, static)``: :func:`held_out`, and :func:`split` where something is held
-  out (``params`` itself and no subtrees where nothing is)."""
+  """``(held, kept, static)``: :func:`held_out`, and :func:`split` where something is held."""
   held = held_out(grads, params)
   if held is None:
     return None, params, []
@@ -152,9 +137,8 @@ def _is_array(x: Any) -> bool:
 
 
 def arrays_of_modules(tree: Any) -> Any:
-  """``tree`` with None at every leaf of an Equinox module that is not an array (its
-  functions, Python numbers and bools), as ``eqx.filter(model, eqx.is_array)`` gives a
-  model's parameters; ``tree`` itself where it holds no Equinox module."""
+  """``tree`` with None at every leaf of an Equinox module that is not an array, as
+  ``eqx.filter(model, eqx.is_array)``."""
   if sys.modules.get("equinox") is None:
     return tree
   arrays = lambda node: jax.tree.map(lambda x: x if _is_array(x) else None, node)
@@ -162,10 +146,8 @@ def arrays_of_modules(tree: Any) -> Any:
 
 
 def check_init_params(params: Any) -> None:
-  """TypeError naming the leaf and the fix where ``params`` holds a function or a string,
-  or an Equinox module holds a leaf that is not an array (a whole Equinox model, whose
-  Python numbers and bools, such as ``Dropout.p``, are not parameters): ``init`` takes the
-  arrays alone."""
+  """TypeError naming the leaf where ``params`` holds a function, a string, or an
+  Equinox module's leaf that is not an array: ``init`` takes the arrays alone."""
   marked = jax.tree.map(
     lambda n: jax.tree.map(lambda _: True, n) if _is_module(n) else False,
     params,
@@ -182,24 +164,17 @@ def check_init_params(params: Any) -> None:
       )
 
 
-def _is_jax_type(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
-
-
 def _is_inexact_array(x: Any) -> bool:
-  """What ``eqx.filter_value_and_grad`` differentiates: a floating or complex array."""
   return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def has_non_arrays(tree: Any) -> bool:
-  """Whether a leaf of ``tree`` is not a floating array (a function, a string, a Python
-  number or bool, an integer array): then only its floating arrays are differentiated."""
+  """Whether a leaf of ``tree`` is not a floating array."""
   return not all(_is_inexact_array(x) for x in jax.tree.leaves(tree))
 
 
 def partition(tree: Any) -> tuple[Any, Any]:
-  """``(arrays, others)``: ``tree`` twice, with None at the leaves that are not floating
-  arrays, and with None at those that are (as ``eqx.partition(tree, eqx.is_inexact_array)``)."""
+  """``(arrays, others)``, as ``eqx.partition(tree, eqx.is_inexact_array)``."""
   leaves, treedef = jax.tree.flatten(tree)
   arrays = [x if _is_inexact_array(x) else None for x in leaves]
   others = [None if _is_inexact_array(x) else x for x in leaves]

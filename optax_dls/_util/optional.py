@@ -38,22 +38,8 @@ def install(extra: str) -> str:
 
 
 def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
-  """Imports ``module``, which ``feature`` needs.
-
-  Args:
-    module: the dotted module name, e.g. ``"matplotlib.pyplot"``; its first
-      component is a key of :data:`PACKAGES`.
-    feature: what needs it, for the message, e.g. ``"--plot"``.
-    otherwise: what else the user can do, ending the message
-      (e.g. ``"pass tensorboard=False"``). Default: nothing.
-
-  Returns:
-    The module.
-
-  Raises:
-    MissingExtraError: the module cannot be imported; one line naming the
-      package, the extra to install, and the import error.
-  """
+  """Imports ``module``, which ``feature`` needs; MissingExtraError naming the extra (and
+  ``otherwise``, what else the user can do) when it cannot be imported."""
   try:
     return importlib.import_module(module)
   except ImportError as e:

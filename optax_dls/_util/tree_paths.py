@@ -1,5 +1,4 @@
-"""Leaves by path, the same for a live pytree and for a tree as checkpoints store it, and
-what differs between two such trees: which leaves, which shapes or dtypes, on which side."""
+"""Leaves by path, alike for a live pytree and a stored one, and how two such trees differ."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ _SHOWN = 8  # paths listed per kind of difference
 
 
 def live_leaves(tree: Any) -> dict[Path, Any]:
-  """The leaves of a pytree by path: dict keys, attribute and field names (NamedTuples,
-  dataclasses such as a flax ``TrainState``) and sequence indices, each as a string."""
+  """The leaves of a pytree by path, each key a string."""
   return {live_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -32,10 +30,9 @@ def _key(key: Any) -> str:
 
 
 def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
-  """The leaves by path of a tree as Orbax (its metadata, or a restore without a target)
-  or flax's serialisation stores it: NamedTuples and dataclasses as dicts of their fields,
-  tuples as lists or as dicts of ``'0'``, ``'1'``, ..., and empty nodes as None; or as it
-  is in memory, NamedTuples (an optax state) by their fields."""
+  """The leaves by path of a tree as Orbax or flax's serialisation stores it (NamedTuples
+  and dataclasses as dicts, tuples as lists or dicts of ``'0'``..., empty nodes as None), or
+  as it is in memory."""
   if tree is None:
     return {}
   items = children(tree)
@@ -48,8 +45,7 @@ def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
 
 
 def children(tree: Any) -> list[tuple[str, Any]] | None:
-  """The ``(key, child)`` pairs of a node of a stored tree (a dict, list or tuple), or None
-  for a leaf."""
+  """The ``(key, child)`` pairs of a stored tree's node, or None for a leaf."""
   if isinstance(tree, Mapping):
     return [(str(k), v) for k, v in tree.items()]
   if is_namedtuple(tree):  # in memory (an optax state)
@@ -60,7 +56,6 @@ def children(tree: Any) -> list[tuple[str, Any]] | None:
 
 
 def is_namedtuple(x: Any) -> bool:
-  """Whether ``x`` is a NamedTuple (an optax state's node)."""
   return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
@@ -77,12 +72,11 @@ class Difference(NamedTuple):
   dtypes: list[tuple[Path, Any, Any]]  # path, stored, target
 
   def blocks(self) -> bool:
-    """Whether the stored leaves cannot be put in the target's (a leaf missing on a side,
-    or a shape that differs; a dtype is converted)."""
+    """Whether a leaf is missing on a side or a shape differs (a dtype is converted)."""
     return bool(self.only_stored or self.only_target or self.shapes)
 
   def describe(self) -> str:
-    """The difference in words, each kind with its first few paths; empty when none."""
+    """The difference in words, each kind with its first few paths."""
     parts = [
       _listed("only in the checkpoint", [show(p) for p in self.only_stored]),
       _listed("only in the target", [show(p) for p in self.only_target]),
@@ -104,8 +98,7 @@ def _listed(what: str, items: list[str]) -> str:
 
 
 def difference(stored: dict[Path, Any], target: dict[Path, Any]) -> Difference:
-  """How the leaves ``stored`` (:func:`stored_leaves`) differ from ``target``'s
-  (:func:`live_leaves`). A Python number in the target has no dtype to compare."""
+  """How the ``stored`` leaves differ from the ``target``'s (a Python number has no dtype)."""
   both = [p for p in target if p in stored]
   shapes, dtypes = [], []
   for p in both:
@@ -134,10 +127,8 @@ def _dtype(leaf: Any) -> Any:
 
 
 def is_variable(x: Any) -> bool:
-  """Whether ``x`` is a flax nnx ``Variable`` (``nnx.Param`` ...) or a flax linen box of
-  axis metadata (``nn.Partitioned``, ``nn.LogicallyPartitioned``: what
-  ``nn.with_logical_partitioning`` puts around a parameter), told without importing
-  flax: its key path ends in ``value``, which names leave out."""
+  """Whether ``x`` is a flax nnx ``Variable`` or a linen axis-metadata box, told without
+  importing flax."""
   return any(
     (c.__name__ == "Variable" and c.__module__.startswith("flax.nnx"))
     or (c.__name__ == "AxisMetadata" and c.__module__.startswith("flax.core"))

@@ -24,17 +24,7 @@ def _concrete(name: str, value: Any) -> Any:
 
 
 def _number(name: str, value: Any, kind: type, what: str) -> Any:
-  """``value`` (a 0-d array as its Python number) if it is a ``kind`` and not a bool.
-
-  Args:
-    name: the argument's name, for the messages.
-    value: the value given.
-    kind: ``numbers.Real`` or ``numbers.Integral``.
-    what: ``kind`` in words (``"a real number"``), for the message.
-
-  Raises:
-    TypeError: a traced value, a bool, or a value that is not a ``kind``.
-  """
+  """``value`` (a 0-d array as its number) if it is a ``kind`` and not a bool; else TypeError."""
   value = _concrete(name, value)
   if isinstance(value, bool) or not isinstance(value, kind):
     raise TypeError(f"{name} must be {what}, got {value!r} of type {type(value).__name__}.")
@@ -54,10 +44,7 @@ def real(name: str, value: Any) -> float:
 
 
 def boolean(name: str, value: Any) -> bool:
-  """Returns ``value`` as a bool; accepts ``bool`` and ``numpy.bool_``.
-
-  TypeError for other types (ints included) and for traced values.
-  """
+  """``value`` as a bool (``bool`` or ``numpy.bool_``); TypeError otherwise."""
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
       f"{name} must be a static bool, got a traced value {value!r}. It is fixed when the "
@@ -69,11 +56,7 @@ def boolean(name: str, value: Any) -> bool:
 
 
 def float32(name: str, value: float, ok: Callable[[float], bool], rule: str) -> float:
-  """Checks ``rule`` on ``value`` rounded to float32 (the dtype it is used in); returns ``value``.
-
-  Catches values valid as Python floats that stop being valid once rounded,
-  e.g. a backoff factor of ``1 - 1e-9`` (rounds to 1) or ``1e-50`` (rounds to 0).
-  """
+  """Checks ``rule`` on ``value`` rounded to float32 (``1 - 1e-9`` rounds to 1)."""
   with np.errstate(over="ignore", under="ignore"):
     rounded = float(np.float32(value))
   if not ok(rounded):
@@ -109,11 +92,7 @@ def count(name: str, value: Any, low: int = 1, high: int = INT32_MAX) -> int:
 
 
 def scale(name: str, value: Any, low: float = SCALE_MIN, high: float = SCALE_MAX) -> float:
-  """A loss scale (or factor) as a float in ``[low, high]``, by default ``[2**-126, 2**126]``.
-
-  The one range check of every scale the library is given (a policy's scales,
-  a fallback scale, ``reset_scale``'s value, a group factor).
-  """
+  """A loss scale (or factor) as a float in ``[low, high]``, by default ``[2**-126, 2**126]``."""
   value = real(name, value)
   check(low <= value <= high, name, value, f"{scale_text(low)} <= value <= {scale_text(high)}")
   return value
@@ -122,8 +101,7 @@ def scale(name: str, value: Any, low: float = SCALE_MIN, high: float = SCALE_MAX
 def scale_range(
   init: tuple[str, Any], low: tuple[str, Any], high: tuple[str, Any]
 ) -> tuple[float, float, float]:
-  """Checks ``low <= init <= high``, each a ``(name, value)`` loss scale; returns the three
-  floats."""
+  """Checks ``low <= init <= high``, each a ``(name, value)`` scale; the three floats."""
   (i_name, i), (lo_name, lo), (hi_name, hi) = init, low, high
   lo, hi = scale(lo_name, lo), scale(hi_name, hi)
   check(lo <= hi, hi_name, hi, f"{hi_name} >= {lo_name}={lo!r}")
@@ -160,8 +138,7 @@ def backoff_factor(name: str, value: Any) -> float:
 
 
 def argnums(value: Any) -> int | tuple[int, ...]:
-  """``argnums`` as in ``jax.grad``: an int >= 0 or a non-empty tuple of distinct ones;
-  TypeError (not ints) or ValueError (negative, repeated) otherwise."""
+  """``argnums`` as in ``jax.grad``: an int >= 0 or a non-empty tuple of distinct ones."""
   ok = isinstance(value, (int, np.integer)) or (
     isinstance(value, tuple) and value and all(isinstance(i, (int, np.integer)) for i in value)
   )
@@ -187,8 +164,7 @@ def function(name: str, value: Any) -> Any:
 
 
 def arrays(name: str, tree: Any) -> Any:
-  """``tree`` if every leaf is an array or a number; TypeError naming ``name``, the leaf and
-  its path otherwise (a string, an object)."""
+  """``tree`` if every leaf is an array or a number; TypeError naming the leaf otherwise."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
       raise TypeError(

@@ -1,11 +1,5 @@
-"""The oldest Python, JAX, jaxlib, optax and flax this library supports.
-
-The floors here are the ones ``pyproject.toml`` declares (a test compares
-them) and the ones CI installs and tests. :func:`check` runs when
-``optax_dls`` is imported, before anything else of it, so that a JAX that is
-too old fails with a message naming the installed and the required version
-instead of an ``AttributeError`` deep inside a trace.
-"""
+"""The oldest Python, JAX, jaxlib, optax and flax supported (as ``pyproject.toml``
+declares); :func:`check` runs at import so that too old a JAX fails with a clear message."""
 
 from __future__ import annotations
 
@@ -23,11 +17,7 @@ REQUIRED = {"jax": JAX_MIN, "jaxlib": JAXLIB_MIN, "optax": OPTAX_MIN}
 
 
 def parse(version: str) -> tuple[int, ...]:
-  """The release numbers at the start of ``version``: ``"0.7.0rc1"`` -> ``(0, 7, 0)``.
-
-  Pre-, post- and development-release suffixes are ignored, so a release
-  candidate of a floor counts as the floor.
-  """
+  """The release numbers at the start of ``version``: ``"0.7.0rc1"`` -> ``(0, 7)``."""
   m = re.match(r"\d+(?:\.\d+)*", str(version).strip())
   if not m:
     return ()
@@ -68,10 +58,7 @@ def _installed() -> dict[str, str]:
 
 
 def check(installed: Mapping[str, str] | None = None) -> None:
-  """Raises ImportError when Python, jax, jaxlib or optax is older than the floor.
-
-  ``installed`` maps names to version strings; by default the versions in use.
-  """
+  """ImportError when Python, jax, jaxlib or optax is older than the floor."""
   installed = _installed() if installed is None else installed
   problems = too_old(installed, {"python": PYTHON_MIN, **REQUIRED})
   if problems:
