@@ -21,23 +21,6 @@ import optax
 WORD_BITS = 32
 
 
-def init_record(num_leaves: int) -> jax.Array:
-  """int32 ``[num_leaves + 2]``: nothing recorded (every code 0, step 0)."""
-  return jnp.zeros([num_leaves + 2], jnp.int32)
-
-
-def recorded(
-  record: jax.Array, finite: jax.Array, step: jax.Array, codes: jax.Array, loss_code: jax.Array
-) -> jax.Array:
-  """``record`` after the update numbered ``step``: unchanged on a finite step; otherwise the
-  leaves' ``codes``, the loss's code (or the one a recomputation left for this very step)
-  and ``step``."""
-  pending = jnp.where(record[-1] == step, record[-2], 0)
-  loss = jnp.maximum(loss_code.astype(jnp.int32), pending)
-  new = jnp.concatenate([codes.astype(jnp.int32), jnp.stack([loss, step])])
-  return jnp.where(finite, record, new)
-
-
 def counted(
   overflows: dict[str, jax.Array], finite: jax.Array, codes: jax.Array, masks: dict
 ) -> dict[str, jax.Array]:
@@ -99,20 +82,3 @@ def unique(names: Sequence[str]) -> list[str]:
     out.append(name if name not in seen else f"{name}#{k}")
     seen.add(out[-1])
   return out
-
-
-def decode(leaves: Any, nan: Any, names: Sequence[str]) -> dict[str, str]:
-  """``{name: "inf" | "nan"}`` for each leaf whose bit is set in ``leaves`` (host side).
-
-  Args:
-    leaves: the packed "not finite" words (uint32 ``[W]``, device or host).
-    nan: the packed "held a NaN" words, same shape.
-    names: the leaf names, as :func:`leaf_names` gives them.
-
-  Returns:
-    The non-finite leaves in leaf order: ``"nan"`` where the leaf held a NaN,
-    ``"inf"`` where it held only infinities.
-  """
-  bad = unpack(leaves, len(names))
-  has_nan = unpack(nan, len(names))
-  return {name: ("nan" if n else "inf") for name, b, n in zip(names, bad, has_nan) if b}

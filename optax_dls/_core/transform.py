@@ -4,7 +4,6 @@ scale, count, record."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, NamedTuple
 
@@ -133,7 +132,7 @@ def build(  # noqa: C901 (the closures of one transformation)
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation of checked arguments (``track``: whether a passthrough policy's
   update measures the gradient norm)."""
-  inner = _with_extra_args(_accumulation.check_inner(inner))
+  inner = optax.with_extra_args_support(_accumulation.check_inner(inner))
   policy = _policies.check_policy(policy)
   axis_name = _multi_device.check_axis_name(axis_name)
   lowering = _skip.check_lowering(skip_lowering)
@@ -336,24 +335,17 @@ def _unscaled(grads: Any, scale: Any) -> bool:
   eager step, gradients handed in as arguments or a JAX without such records tell
   nothing, and nothing is said."""
   trace = getattr(scale, "_trace", None)
-  if trace is None or not hasattr(scale, "parent"):
-    return False
   leaves = [
     g
     for g in jax.tree.leaves(grads)
-    if getattr(g, "_trace", None) is trace
-    and getattr(g, "parent", None) is not None
-    and _numerics.is_float(g)
+    if trace is not None and getattr(g, "_trace", None) is trace and _numerics.is_float(g)
   ]
   roots: set[int] = set()
-
-  def root(x: Any) -> bool:
-    if getattr(x, "parent", None) is None:
-      roots.add(id(x))
+  root = lambda x: roots.add(id(x)) if getattr(x, "parent", None) is None else None
+  root(scale)  # the arguments the scale is computed from (itself, for a state's own)
+  if not any(getattr(g, "parent", None) is not None for g in leaves):
     return False
-
-  root(scale)
-  if not leaves or _walk([scale], root) is None:
+  if _walk([scale], root) is None:
     return False
   return _walk(leaves, lambda x: id(x) in roots) is False
 
@@ -402,23 +394,6 @@ def _other_params(state: LossScaleState, check: _numerics.Check) -> str:
     f"opt_state records {state.nonfinite.shape[0] - 2} floating gradient leaves and this "
     f"update receives {check.codes.shape[0]}: the state was built (tx.init) for other "
     "parameters. Build it with tx.init(params) for the parameters these gradients are of."
-  )
-
-
-def _without_extra_args(
-  update: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
-) -> Any:
-  del extra_args
-  return update(updates, state, params)
-
-
-def _with_extra_args(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """``inner`` taking ``**extra_args`` (dropped where it takes none), as
-  ``optax.with_extra_args_support`` does, and as picklable as ``inner`` is."""
-  if isinstance(inner, optax.GradientTransformationExtraArgs):
-    return inner
-  return optax.GradientTransformationExtraArgs(
-    inner.init, functools.partial(_without_extra_args, inner.update)
   )
 
 

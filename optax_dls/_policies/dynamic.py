@@ -194,32 +194,9 @@ def dynamic_policy(
 
 
 def static_policy(scale: float) -> LossScalePolicy:
-  """A fixed loss scale: the scale never moves, non-finite steps are still skipped.
-
-  Private: the policy :func:`~optax_dls.static_loss_scale` wraps its optimizer in.
-
-  Args:
-    scale: float in [2**-126, 2**126], the constant loss scale S. It is also
-      the policy's ``min_scale`` and ``max_scale``.
-
-  Returns:
-    A :class:`LossScalePolicy` with the same state layout as
-    :func:`dynamic_policy` (a ``DynamicScaleState`` held constant), so a
-    checkpoint moves between the two.
-
-  Raises:
-    ValueError: ``scale`` out of range.
-    TypeError: not a static number.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_dls
-    >>> from optax_dls._policies import static_policy
-    >>> tx = optax_dls.loss_scaled(optax.sgd(1.0), static_policy(8.0))
-    >>> state = tx.init({'w': jnp.zeros(1)})
-    >>> _, state = tx.update({'w': jnp.array([jnp.inf])}, state)  # skipped, S unchanged
-    >>> float(state.loss_scale), int(optax_dls.metrics(state)['skip_count'])
-    (8.0, 1)
-  """
+  """The policy of :func:`~optax_dls.static_loss_scale`: ``scale`` (in ``[2**-126,
+  2**126]``) never moves, non-finite steps are still skipped; the state is the dynamic
+  policy's, held constant, so a checkpoint moves between the two."""
   scale = _validation.scale("scale", scale)
   init = functools.partial(_static_init, scale)
   return LossScalePolicy(init, _static_update, min_scale=scale, max_scale=scale)
@@ -237,21 +214,6 @@ def _static_update(
 
 
 def noop_policy() -> LossScalePolicy:
-  """No loss scaling, for bf16 or fp32 training: S = 1, nothing checked or skipped.
-
-  Gradients reach the inner optimizer multiplied by 1/S, S = 1
-  (``passthrough=True``), so the result is the bare inner optimizer's, to
-  rounding (see :func:`no_loss_scale`). The state layout is the
-  dynamic policy's, so the same training loop and checkpoints serve every
-  precision. Private: :func:`no_loss_scale` is this policy around an optimizer.
-
-  Returns:
-    A :class:`LossScalePolicy` with ``passthrough=True`` and a scale of 1.
-
-  Example:
-    >>> from optax_dls._policies import noop_policy
-    >>> policy = noop_policy()
-    >>> float(policy.init()[0]), policy.passthrough
-    (1.0, True)
-  """
+  """The policy of :func:`~optax_dls.no_loss_scale`: S = 1, nothing checked or skipped
+  (``passthrough=True``)."""
   return static_policy(1.0)._replace(passthrough=True)
