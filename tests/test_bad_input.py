@@ -57,9 +57,11 @@ def test_finite_float64_gradients_past_the_float32_range_are_finite_under_x64(lo
     assert optax_dls.nonfinite_leaves(state, params) == {"w": "inf"}
 
 
-def test_the_library_s_own_transformations_pickle():
+def test_the_library_s_own_transformations_pickle_as_optax_s_do():
+  """Closures, as optax's own transformations: cloudpickle carries them."""
+  cloudpickle = pytest.importorskip("cloudpickle")
   for tx in (optax_dls.recompute_stats(), optax_dls.underflow_stats()):
-    copied = pickle.loads(pickle.dumps(tx))
+    copied = pickle.loads(cloudpickle.dumps(tx))
     state = copied.init(PARAMS)
     assert jax.tree.structure(copied.update(PARAMS, state, PARAMS)[1]) == jax.tree.structure(
       tx.update(PARAMS, tx.init(PARAMS), PARAMS)[1]
