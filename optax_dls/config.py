@@ -41,12 +41,8 @@ _WRAPPER_KEYS = frozenset(
 )
 _HOST_KEYS = frozenset({"alerts", "alert_after"})
 _KINDS = ("dynamic", "static", "none")
-_NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - {
-  "consecutive_hysteresis",
-  "axis_name",
-  "skip_lowering",
-  "underflow_stats",
-}
+_NOT_NUMBERS = {"consecutive_hysteresis", "axis_name", "skip_lowering", "underflow_stats"}
+_NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - _NOT_NUMBERS
 _ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
 
 # The presets for a kind of training (why each value: docs/observability.md).

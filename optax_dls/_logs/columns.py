@@ -1,9 +1,5 @@
-"""Columns and counters of logged rows, and what the counters prove between two logged rows.
-
-A missing or malformed value is unknown (NaN), never a zero. Logs written every ``k`` steps
-hold the cumulative counters (``num_steps``, ``skip_count``) at the logged rows only;
-:func:`intervals` bounds what happened between two rows.
-"""
+"""Columns and counters of logged rows (a missing or malformed value unknown: NaN, never 0),
+and what the cumulative counters prove between two logged rows (:func:`intervals`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Finding and reading a run folder's metrics logs (``*.jsonl`` files, else TensorBoard event
-files read with TensorBoard's CRC-checking loader), once or as they grow.
-
-A read takes only what was appended; a half-written last line or record waits, a file
-truncated or replaced starts over. Bad lines, malformed steps, undecodable records and
-unreadable files are skipped with a warning; a corrupt record stops the loader (the rest
-of that file is lost, the warning says from which byte).
-"""
+"""Finding and reading a run folder's metrics logs (``*.jsonl``, else TensorBoard event files
+through TensorBoard's loader), once or as they grow: a half-written last line or record
+waits, a file truncated or replaced starts over, bad parts are skipped with a warning."""
 
 from __future__ import annotations
 
