@@ -1,11 +1,6 @@
-"""Orbax checkpoints: restoring an optimizer state, with a clear error when its layout differs,
-and moving a checkpoint saved without loss scaling into a loss-scaled state.
-
-A public submodule: ``optax_dls.checkpoint.restore`` and
-``optax_dls.checkpoint.into_loss_scaled``.
-Orbax (``orbax-checkpoint``, the ``checkpoint`` extra) is imported only when
-:func:`restore` runs.
-"""
+"""Orbax checkpoints: :func:`restore` an optimizer state (a clear error when its layout
+differs), and :func:`into_loss_scaled` for a checkpoint saved without loss scaling. Orbax
+(the ``checkpoint`` extra) is imported only when :func:`restore` runs."""
 
 from __future__ import annotations
 
@@ -24,18 +19,14 @@ from optax_dls._util import tree_paths as _tree_paths
 
 __all__ = ["into_loss_scaled", "restore"]
 
-_FIELDS_KEYS = ("loss_scale", "inner_state")
 # Fields a LossScaleState held before it kept only what was learned: dropped on restore.
 _RETIRED_FIELDS = ("min_scale", "max_scale", "last_step_finite")
-# Fields an earlier layout lacked: the target's value (made by tx.init for these parameters).
-# The record of non-finite leaves was a NamedTuple of bit sets (restored as a fresh record).
+# Fields an earlier layout lacked (the old record of non-finite leaves included): the target's.
 _NEW_FIELDS = (("nonfinite",), ("nonfinite", "names_digest"), ("overflows",))
-_DYNAMIC_SCALE_KEYS = ("scale", "fin_steps")  # a flax DynamicScale, as checkpoints store it
 
 
 def _stored_nodes(tree: Any, keys: tuple[str, ...], path: _tree_paths.Path = ()) -> list[Any]:
-  """The paths of the dicts holding every one of ``keys`` in a stored tree (Orbax metadata,
-  where NamedTuples and dataclasses are dicts)."""
+  """The paths of the dicts holding all of ``keys`` in a stored tree (NamedTuples as dicts)."""
   found = [path] if isinstance(tree, Mapping) and all(k in tree for k in keys) else []
   for k, v in _tree_paths.children(tree) or []:
     found += _stored_nodes(v, keys, (*path, k))
@@ -48,9 +39,9 @@ def _where(paths: list[_tree_paths.Path]) -> str:
 
 def _advice(saved: Any, target: Any) -> str:
   """What to do about the loss-scale states of the stored tree ``saved`` and of ``target``."""
-  in_saved = _stored_nodes(saved, _FIELDS_KEYS)
+  in_saved = _stored_nodes(saved, ("loss_scale", "inner_state"))
   in_target = target_states(target)
-  dynamic = _stored_nodes(saved, _DYNAMIC_SCALE_KEYS)
+  dynamic = _stored_nodes(saved, ("scale", "fin_steps"))  # a flax DynamicScale
   if in_target and not in_saved and dynamic:
     return (
       f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
@@ -80,21 +71,8 @@ def _advice(saved: Any, target: Any) -> str:
   return ""
 
 
-def _explain(saved: Any, target: Any, step: int, directory: Any) -> str:
-  """Why the stored tree ``saved`` does not restore into ``target``: the loss-scale states on
-  each side, and every leaf, shape and dtype that differs."""
-  head = f"The checkpoint at step {step} in {directory} does not have the target's layout."
-  diff = _tree_paths.difference(
-    _tree_paths.stored_leaves(saved), _tree_paths.live_leaves(target)
-  ).describe()
-  return " ".join(
-    part for part in (head, _advice(saved, target), diff and f"What differs: {diff}.") if part
-  )
-
-
 def _check_target(target: Any) -> None:
-  """TypeError unless ``target`` is a non-empty pytree of arrays, numbers or
-  ``jax.ShapeDtypeStruct``."""
+  """TypeError unless ``target`` is a non-empty pytree of arrays, numbers or abstract ones."""
   leaves = jax.tree_util.tree_leaves_with_path(target)
   if not leaves:
     raise TypeError(
@@ -110,11 +88,7 @@ def _check_target(target: Any) -> None:
 
 
 def _check_step(manager: Any, step: Any) -> int:
-  """``step`` as an int, or the latest saved step when it is None.
-
-  TypeError / ValueError for a step that is not a whole number >= 0,
-  FileNotFoundError when no checkpoint is saved at it.
-  """
+  """``step`` as an int (the latest saved one for None); FileNotFoundError where none is."""
   if step is None:
     step = manager.latest_step()
     if step is None:
@@ -134,66 +108,47 @@ def _check_step(manager: Any, step: Any) -> int:
 
 
 def restore(manager: Any, target: Any, step: int | None = None) -> Any:
-  """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax, and
-  settles its loss scale for the transformation it will train under.
+  """Restores a pytree (e.g. ``{'params': ..., 'opt_state': ...}``) saved with Orbax's
+  ``manager.save(step, args=orbax.checkpoint.args.StandardSave(tree))``.
 
-  The checkpoint must have been saved with
-  ``manager.save(step, args=orbax.checkpoint.args.StandardSave(tree))``. The
-  result has ``target``'s tree structure (``LossScaleState`` and optax
-  NamedTuples included), dtypes, shapes and shardings, and its weak types
-  where a target scalar is weakly typed (flax's ``TrainState.step`` built by a
-  jitted init), so a jitted step compiles no second program: pass concrete arrays
-  (e.g. a fresh ``tx.init(params)``) or ``jax.ShapeDtypeStruct`` leaves with a
-  ``sharding``. Nothing runs on the restored state: the growth tracker and
-  every counter are exactly those saved.
-
-  The state holds only what was learned; the transformation it is restored
-  into supplies its configuration, and its first update settles the scale: that
-  update unscales by the saved S, which the loss was scaled by (under
-  ``no_loss_scale`` too), and applies the transformation's rule from there (1
-  under ``no_loss_scale``; within ``[min_scale, max_scale]`` under any other;
-  the initial scale where the saved one is not valid).
-
-  A checkpoint written by an earlier version, whose ``LossScaleState`` also
-  held its policy's ``min_scale`` and ``max_scale`` or lacked a field the
-  current layout has, restores into the current layout: those two fields are
-  dropped (the transformation supplies them) and a missing field is the
-  target's.
+  The result has ``target``'s tree structure (``LossScaleState`` and optax NamedTuples
+  included), dtypes, shapes, shardings and weak types (a jitted step compiles no second
+  program); nothing runs on it: the growth tracker and counters are those saved. The
+  transformation it is restored into supplies the configuration, and its first update
+  settles the scale: it unscales by the saved S (under ``no_loss_scale`` too), then
+  applies its own rule (1 under ``no_loss_scale``; else within ``[min_scale,
+  max_scale]``, the initial scale where the saved one is not valid). A checkpoint of an
+  earlier layout (a ``LossScaleState`` that also held ``min_scale`` and ``max_scale``, or
+  lacked a current field) restores too: those fields dropped, a missing one the target's.
 
   Args:
-    manager: an ``orbax.checkpoint.CheckpointManager``, or the checkpoint
-      directory (``str`` or ``os.PathLike``) one was saved to, or that
-      ``flax.training.checkpoints.save_checkpoint`` saved to (its
-      ``checkpoint_<step>`` folders).
-    target: a pytree of arrays or ``jax.ShapeDtypeStruct`` with the expected
-      layout.
-    step: int, the step to restore; default ``None`` is the latest one.
+    manager: an ``orbax.checkpoint.CheckpointManager``, or the directory (``str`` or
+      ``os.PathLike``) one saved to, or that flax's ``save_checkpoint`` saved to.
+    target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with a ``sharding``) with
+      the expected layout, e.g. a fresh ``tx.init(params)``.
+    step: int >= 0, the step to restore; default ``None``: the latest one.
 
   Returns:
     The restored pytree.
 
   Raises:
-    TypeError: ``manager`` is neither an ``orbax.checkpoint.CheckpointManager``
-      nor a path, ``target`` is not a non-empty pytree of arrays, numbers or
-      ``jax.ShapeDtypeStruct``, or ``step`` is neither an int nor None.
-    ValueError: ``step`` < 0; or the saved tree structure differs from
-      ``target``'s: the message says where a loss-scale state is expected and
-      found, and how to restore a checkpoint saved with or without loss
-      scaling. Other Orbax errors pass through unchanged.
-    FileNotFoundError: no checkpoint at ``step`` (the message lists the saved
-      steps), or ``step`` is None and the manager has no checkpoint; a
-      directory that does not exist.
+    TypeError: ``manager`` is neither a ``CheckpointManager`` nor a path, ``target`` is
+      not a non-empty pytree of arrays, numbers or ``jax.ShapeDtypeStruct``, or ``step``
+      is neither an int nor None.
+    ValueError: ``step`` < 0; or the saved layout differs from ``target``'s: the message
+      says where a loss-scale state is expected and found, and what to do. Other Orbax
+      errors pass through unchanged.
+    FileNotFoundError: no checkpoint at ``step`` (the saved steps listed), none at all,
+      or no such directory.
 
   Example:
-    A run saved under ``dynamic_loss_scale``, resumed in bfloat16 without loss
-    scaling::
+    A run saved under ``dynamic_loss_scale``, resumed in bfloat16 without loss scaling::
 
       tx = optax_dls.no_loss_scale(optax.adamw(3e-4))
       target = {'params': params, 'opt_state': tx.init(params)}
       state = optax_dls.checkpoint.restore(directory, target)  # its first update: S = 1
   """
   ocp = _optional.require("orbax.checkpoint", "optax_dls.checkpoint.restore")  # only needed here
-
   manager = _manager(ocp, manager)
   _check_target(target)
   step = _check_step(manager, step)
@@ -208,21 +163,21 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
     diff = _tree_paths.difference(_tree_paths.stored_leaves(saved), _tree_paths.live_leaves(target))
     if not diff.blocks():
       raise  # not a difference of layout: Orbax's own error
-    if _only_retired(diff, _tree_paths.stored_leaves(saved)):
-      restored = _placed(manager.restore(step, args=ocp.args.StandardRestore()), target)
-    else:
-      # Orbax's own message follows as the cause; its advice (a partial restore) would drop
-      # the optimizer state that the conversion above keeps.
-      raise ValueError(_explain(saved, target, step, manager.directory)) from err
-  restored = jax.tree.map(_weak_as, target, restored)
-  return restored
+    if not _only_retired(diff, _tree_paths.stored_leaves(saved)):
+      # Orbax's message follows as the cause; its advice (a partial restore) would drop the
+      # optimizer state that into_loss_scaled keeps.
+      head = (
+        f"The checkpoint at step {step} in {manager.directory} does not have the target's layout."
+      )
+      what = diff.describe() and f"What differs: {diff.describe()}."
+      raise ValueError(" ".join(p for p in (head, _advice(saved, target), what) if p)) from err
+    restored = _placed(manager.restore(step, args=ocp.args.StandardRestore()), target)
+  return jax.tree.map(_weak_as, target, restored)
 
 
 def _weak_as(target: Any, value: Any) -> Any:
   """``value`` weakly typed where its target leaf is a weakly typed scalar (flax's
-  ``TrainState.step``, made from the Python int 0 in a jitted init), which Orbax restores
-  strongly typed: the restored state then has the types of the one it replaces, and a
-  jitted step does not compile a second program for it."""
+  ``TrainState.step``), which Orbax restores strongly typed: no second compiled program."""
   if not (
     _types.weak(target)
     and isinstance(value, jax.Array)
@@ -253,9 +208,8 @@ def _manager(ocp: Any, manager: Any) -> Any:
 
 
 class _FlaxSteps:
-  """The checkpoints ``flax.training.checkpoints.save_checkpoint`` writes to a directory
-  (one ``checkpoint_<step>`` folder per step, each an Orbax PyTree checkpoint), read
-  through the few ``CheckpointManager`` methods :func:`restore` calls."""
+  """The ``checkpoint_<step>`` folders flax's ``save_checkpoint`` writes, read through the
+  few ``CheckpointManager`` methods :func:`restore` calls."""
 
   _PREFIX = "checkpoint_"
 
@@ -264,7 +218,6 @@ class _FlaxSteps:
 
   @classmethod
   def steps(cls, directory: str) -> dict[int, str]:
-    """``{step: folder}`` of the flax checkpoints in ``directory`` (empty when none)."""
     found = {}
     for name in os.listdir(directory):
       number, folder = name[len(cls._PREFIX) :], os.path.join(directory, name)
@@ -287,8 +240,7 @@ class _FlaxSteps:
 
 
 def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, Any]) -> bool:
-  """Whether ``diff`` is only the fields an earlier layout of a loss-scale state held or
-  lacked."""
+  """Whether ``diff`` is only fields an earlier layout of a loss-scale state held or lacked."""
 
   def in_a_state(node: _tree_paths.Path) -> bool:  # the node holds a loss-scale state's fields
     return all((*node, f) in stored for f in ("loss_scale", "num_steps", "num_skipped"))
@@ -307,9 +259,8 @@ def _only_retired(diff: _tree_paths.Difference, stored: dict[_tree_paths.Path, A
 
 
 def _placed(restored: Any, target: Any) -> Any:
-  """``target`` with each leaf taken from ``restored`` (a tree as Orbax stores it) at the
-  same path, converted to the target leaf's dtype and sharding; the target's own where the
-  checkpoint has none (:data:`_NEW_FIELDS`)."""
+  """``target`` with each leaf from the stored tree ``restored`` at its path, as the target
+  leaf is; the target's own where the checkpoint has none."""
   leaves, treedef = jax.tree.flatten(target)
   stored = _tree_paths.stored_leaves(restored)
   paths = list(_tree_paths.live_leaves(target))

@@ -1,9 +1,6 @@
-"""Writing loss-scale metrics to JSONL and TensorBoard every ``k`` steps.
-
-``MetricsWriter.log(step, metrics)`` decides on a Python ``int`` whether to
-write; only then does it move the (device) values to the host, so steps that
-are not logged cost no device-to-host transfer. The files are what
-``optax-dls inspect`` reads.
+"""Writing loss-scale metrics to JSONL and TensorBoard every ``k`` steps: ``log`` decides on
+a Python ``int`` whether to write, and only then moves the values to the host. The files
+are what ``optax-dls inspect`` reads.
 
 Example::
 
@@ -37,43 +34,35 @@ __all__ = ["MetricsWriter"]
 
 JSONL_NAME = "metrics.jsonl"
 LOCATE_NAME = "locate.json"  # the saved report of optax_dls.locate, shown by optax-dls inspect
-
-
 _RESERVED = ("step", "run")
+_LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # packed records, never written
+_DIGEST = "nonfinite_names_digest"  # the checksum of the state's leaf names, never written
 
 
 def _to_python(name: str, value: Any) -> Any:
-  """A host scalar as a JSON-friendly Python value (bool, int, float, str or None).
-
-  Takes Python numbers, NumPy and JAX scalars and 0-d arrays of any real
-  dtype: bool, every integer width (``int4`` included) and every float width
-  (``float16``, ``bfloat16``, the ``float8`` types, ...).
-  """
+  """A host scalar (Python, NumPy or JAX, any real dtype: int4, bfloat16, float8, ...) as a
+  bool, int, float, str or None."""
   if value is None or isinstance(value, (str, bool)):
     return value
   if isinstance(value, int):
     return int(value)  # any size: JSON holds it exactly
-  if isinstance(value, float):
-    return float(value)  # numpy.float64 included
-  if isinstance(value, numbers.Real) and not isinstance(value, (np.generic, np.ndarray, jax.Array)):
-    return float(value)  # e.g. fractions.Fraction
+  if isinstance(value, float) or (
+    isinstance(value, numbers.Real) and not isinstance(value, (np.generic, np.ndarray, jax.Array))
+  ):
+    return float(value)  # numpy.float64, fractions.Fraction
   arr = np.asarray(value)
   if arr.ndim:
     raise ValueError(f"metric {name!r} must be a scalar, got an array of shape {arr.shape}.")
-  if jnp.issubdtype(arr.dtype, jnp.bool_):
-    return bool(arr)
-  if jnp.issubdtype(arr.dtype, jnp.integer):
-    return int(arr)
-  if jnp.issubdtype(arr.dtype, jnp.floating):
-    return float(arr)
+  for kind, cast in ((jnp.bool_, bool), (jnp.integer, int), (jnp.floating, float)):
+    if jnp.issubdtype(arr.dtype, kind):
+      return cast(arr)
   raise TypeError(
     f"metric {name!r} must be a real number or bool, got {value!r} of type {type(value).__name__}."
   )
 
 
 def _tensorboard_value(value: Any) -> float | None:
-  """``value`` as the float of a TensorBoard scalar, or None for strings, None, and non-finite
-  or out-of-float-range numbers (those stay in the JSON lines only)."""
+  """``value`` as a TensorBoard scalar; None for str, None, non-finite or too large."""
   if value is None or isinstance(value, str):
     return None
   try:
@@ -90,10 +79,6 @@ def _write_all(f: Any, data: bytes) -> None:
     view = view[f.write(view) :]
 
 
-_LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # packed records, never written
-_DIGEST = "nonfinite_names_digest"  # the checksum of the state's leaf names, never written
-
-
 def _param_names(params: Any) -> list[str] | None:
   """The leaf names ``params`` gives (see :class:`MetricsWriter`), or None without it."""
   if params is None:
@@ -102,7 +87,8 @@ def _param_names(params: Any) -> list[str] | None:
     return list(params)
   try:
     leaves = jax.tree.leaves(params)
-    if leaves and not any(_is_array_like(x) for x in leaves):  # an Equinox model has some
+    array_like = lambda x: hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
+    if leaves and not any(map(array_like, leaves)):  # an Equinox model has some
       raise TypeError("no leaf is an array or a number")
     return _names.leaf_names(params)
   except (TypeError, ValueError) as e:
@@ -112,18 +98,13 @@ def _param_names(params: Any) -> list[str] | None:
     ) from None
 
 
-def _is_array_like(x: Any) -> bool:
-  return hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
-
-
 def _words(name: str, value: Any) -> np.ndarray:
   """A packed bit record as a 1-D uint32 array; ValueError naming ``name`` unless integers."""
   arr = np.asarray(value)
   if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1:
     raise ValueError(
       f"metric {name!r} must be the uint32 array optax_dls.metrics returns under that name (one "
-      f"bit per leaf), got an array of "
-      f"dtype {arr.dtype} and shape {arr.shape}."
+      f"bit per leaf), got an array of dtype {arr.dtype} and shape {arr.shape}."
     )
   return arr.astype(np.uint32).reshape(-1)
 
@@ -131,26 +112,21 @@ def _words(name: str, value: Any) -> np.ndarray:
 class MetricsWriter:
   """Writes scalar metrics every ``every`` steps as JSON lines and TensorBoard events.
 
-  One JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step": int,
-  "run": run_name (if given), <metric>: value, ...}``, bools as ``true``/``false``,
-  non-finite floats as ``NaN`` / ``Infinity``. The file is opened for appending (a resumed
-  run continues it; a last line cut short by a crash is ended with a newline first), and
-  each row is one unbuffered append, so several writers may share a folder.
+  A JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step": int, "run":
+  run_name (if given), <metric>: value, ...}``, non-finite floats as ``NaN`` /
+  ``Infinity``; each row is one unbuffered append (a resumed run continues the file, a last
+  line cut short is ended first; several writers may share a folder).
 
-  With ``tensorboard=True`` every finite numeric value is also a TensorBoard scalar (tag =
-  the metric key, e.g. ``underflow/zero_frac``), written by a ``tensorboardX.SummaryWriter``
-  into an event file of this writer's own (named with the process id and a random
-  suffix); non-finite values (``grad_norm`` on a skipped step), strings and None stay in
-  the JSON lines only.
+  With ``tensorboard=True`` every finite number is also a TensorBoard scalar (tag = the
+  metric key, e.g. ``underflow/zero_frac``) in an event file of this writer's own (process
+  id and a random suffix); non-finite values, strings and None stay in the JSON lines.
 
   The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics`
   are written as names: on the first row, and whenever ``nonfinite_step`` (> 0) differs
-  from that of the last row written, the row gets ``"nonfinite_leaves": {name: "inf" |
-  "nan", ...}``, the gradient leaves that were not finite on that step (``"nan"`` where a
-  leaf held a NaN), as :func:`optax_dls.nonfinite_leaves` gives them. Logging every ``k``
-  steps records the last non-finite step before each logged row only. TensorBoard also
-  gets ``nonfinite_leaf_count`` on every row, and the names as a text summary tagged
-  ``nonfinite_leaves`` (the same JSON object; ``optax-dls inspect`` reads it back).
+  from the last row's, the row gets ``"nonfinite_leaves": {name: "inf" | "nan"}``, as
+  :func:`optax_dls.nonfinite_leaves` gives them (logging every ``k`` steps records the last
+  non-finite step before each row only). TensorBoard also gets ``nonfinite_leaf_count``,
+  and the names as a text summary tagged ``nonfinite_leaves``.
 
   Args:
     logdir: folder to write into (created if missing).
@@ -212,7 +188,7 @@ class MetricsWriter:
     self._jsonl: Any = self._open_jsonl() if jsonl else None
 
   def _open_jsonl(self) -> Any:
-    """Opens ``metrics.jsonl`` for unbuffered appends, first ending a line that was cut short."""
+    """Opens ``metrics.jsonl`` for unbuffered appends, ending a line that was cut short."""
     f = open(os.path.join(self.logdir, JSONL_NAME), "a+b", buffering=0)  # noqa: SIM115
     if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
       _write_all(f, b"\n")  # appends: a+ writes at the end whatever the position
@@ -252,28 +228,22 @@ class MetricsWriter:
     """Writes ``metrics`` and ``extra`` for ``step`` if ``step % every == 0``.
 
     Args:
-      step: a Python int (or NumPy integer), the training step. A JAX array
-        is refused: reading it would be a device-to-host transfer on every
-        step.
-      metrics: a mapping of scalar values (JAX or NumPy arrays, numbers,
-        bools; a ``str`` or None is written as it is, to the JSON lines
-        only), e.g. :func:`optax_dls.metrics` of the optimizer state, whose
-        ``nonfinite_leaves`` / ``nonfinite_nan`` records (one bit per leaf)
-        are written as the names of the non-finite leaves (see the class docstring).
+      step: a Python int (or NumPy integer), the training step; a JAX array is refused (a
+        device-to-host transfer on every step).
+      metrics: a mapping of scalars (JAX or NumPy arrays, numbers, bools; a ``str`` or None
+        goes to the JSON lines only), e.g. :func:`optax_dls.metrics` of the optimizer
+        state, its packed records written as names (see the class docstring).
       **extra: more scalars to write, e.g. ``loss=loss``.
 
     Returns:
       True when the step was written.
 
     Raises:
-      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a
-        mapping, a metric name is not a str, or a value is not a real number,
-        bool, str or None.
-      ValueError: the writer is closed, a value is not a scalar (other than
-        the two packed records), a metric is named ``"step"`` or ``"run"``
-        (reserved columns of every row), ``nonfinite_leaves`` comes without
-        ``nonfinite_nan`` or ``nonfinite_step``, or its bits (one per leaf) do not fit the
-        leaves of ``params``.
+      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a mapping, a
+        metric name is not a str, or a value is not a real number, bool, str or None.
+      ValueError: the writer is closed, a value is not a scalar (but the packed records),
+        a metric is named ``"step"`` or ``"run"`` (reserved), ``nonfinite_leaves`` comes
+        without ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit ``params``.
     """
     self._check_open()
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
@@ -299,8 +269,8 @@ class MetricsWriter:
     return True
 
   def _nonfinite(self, values: dict[str, Any]) -> tuple[int, dict[str, str]] | None:
-    """``(nonfinite_step, {leaf name: "inf" | "nan"})`` from the packed records in ``values``
-    (removed from it), or None when it has none."""
+    """``(nonfinite_step, {leaf name: "inf" | "nan"})``, the packed records popped from
+    ``values``; None without them."""
     digest = values.pop(_DIGEST, None)  # checks the names of params, never written
     if _LEAVES not in values and _NAN not in values:
       return None
@@ -316,11 +286,11 @@ class MetricsWriter:
     names = self._names
     if names is None:
       names = [f"leaf {k}" for k in range(leaves.size * _localisation.WORD_BITS)]
-    step = _to_python("nonfinite_step", values["nonfinite_step"])
     record = {_LEAVES: leaves, _NAN: nan}
     if digest is not None and self._names is not None:
       record[_DIGEST] = digest
-    return int(step), _names.nonfinite_leaves(record, names)
+    step = int(_to_python("nonfinite_step", values["nonfinite_step"]))
+    return step, _names.nonfinite_leaves(record, names)
 
   def _write(self, step: int, row: dict[str, Any], tb_only: dict[str, Any]) -> None:
     if self._jsonl is not None:
@@ -335,20 +305,14 @@ class MetricsWriter:
         self._tb.add_text(_read.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
 
   def flush(self) -> None:
-    """Flushes the TensorBoard events (the JSON lines are written unbuffered).
-
-    Raises:
-      ValueError: the writer is closed.
-    """
+    """Flushes the TensorBoard events (the JSON lines are unbuffered); ValueError if closed."""
     self._check_open()
     if self._tb is not None:
       self._tb.flush()
 
   def close(self) -> None:
-    """Flushes and closes both outputs; then ``log`` and ``flush`` raise ``ValueError``.
-
-    Closing a closed writer does nothing.
-    """
+    """Closes both outputs (a second close does nothing); then ``log`` and ``flush`` raise
+    ``ValueError``."""
     if self._closed:
       return
     self._closed = True
@@ -365,7 +329,7 @@ class MetricsWriter:
 
 
 def _checked_values(metrics: Any, extra: dict[str, Any]) -> dict[str, Any]:
-  """``{**metrics, **extra}``; TypeError / ValueError for a bad mapping or metric name."""
+  """``{**metrics, **extra}``, the mapping and names checked."""
   if not isinstance(metrics, Mapping):
     raise TypeError(
       f"metrics must be a mapping of metric names to scalars, got {metrics!r} "

@@ -1,5 +1,4 @@
-"""A state saved without loss scaling carried into a loss-scaled target: the old optimizer
-state becomes the loss-scale state's ``inner_state``, every other leaf goes to its place."""
+"""A state saved without loss scaling carried into a loss-scaled target."""
 
 from __future__ import annotations
 
@@ -12,12 +11,9 @@ from optax_dls._core.state import LossScaleState
 from optax_dls._util import tree_paths as _tree_paths
 
 
-def is_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
 def target_states(tree: Any) -> list[_tree_paths.Path]:
   """The paths of the loss-scale states in a live pytree."""
+  is_state = lambda x: isinstance(x, LossScaleState)
   found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
   return [_tree_paths.live_path(p) for p, x in found if is_state(x)]
 
@@ -25,38 +21,29 @@ def target_states(tree: Any) -> list[_tree_paths.Path]:
 def into_loss_scaled(restored: Any, target: Any) -> Any:
   """Puts a checkpoint saved without loss scaling into a loss-scaled target.
 
-  ``restored`` is the tree of a checkpoint whose optimizer state has no
-  :class:`~optax_dls.LossScaleState` (a plain optax state), as it comes back without a
-  target: ``manager.restore(step)`` with Orbax, or
-  ``flax.training.checkpoints.restore_checkpoint(directory, target=None)``.
-  ``target`` has the new layout: the same tree, with the optimizer state
-  wrapped by a loss-scaled transformation (e.g. ``{'params': params,
-  'opt_state': tx.init(params)}`` or a flax ``TrainState`` built with that
-  ``tx``). Every leaf of ``restored`` goes to its place in ``target``, the old
-  optimizer state to the loss-scale state's ``inner_state``, each converted to
-  the target leaf's dtype (and placed with its sharding); the loss-scale
-  fields keep the target's values (the scale at ``init_scale``, the counters
-  at 0). Nothing is left at a default: a leaf on one side only, or of another
+  Every leaf of ``restored`` goes to its place in ``target``, the old optimizer state to
+  the loss-scale state's ``inner_state``, each converted to the target leaf's dtype and
+  sharding; the loss-scale fields keep the target's values (the scale at ``init_scale``,
+  the counters at 0). Nothing is left at a default: a leaf on one side only, or of another
   shape, is an error.
 
   Args:
-    restored: a tree of dicts and lists (or tuples) of arrays and numbers, or
-      an optimizer state as it is in memory (optax's NamedTuples: a plain
-      optax state handed over, or a jmp run's optimizer state).
-    target: a pytree of arrays (or ``jax.ShapeDtypeStruct``, outside the
-      loss-scale state's own fields) holding exactly one
-      :class:`~optax_dls.LossScaleState`.
+    restored: the tree of a checkpoint whose optimizer state has no
+      :class:`~optax_dls.LossScaleState`, as restored without a target
+      (``manager.restore(step)``, or flax's ``restore_checkpoint(directory,
+      target=None)``): dicts and lists of arrays and numbers, or an optax state in memory.
+    target: the new layout, e.g. ``{'params': params, 'opt_state': tx.init(params)}`` or
+      a flax ``TrainState`` with the loss-scaled ``tx``: a pytree of arrays (or
+      ``jax.ShapeDtypeStruct``, outside the loss-scale state's own fields) holding exactly
+      one :class:`~optax_dls.LossScaleState`.
 
   Returns:
-    ``target`` with the restored values: the same tree structure, dtypes and
-    shardings.
+    ``target`` with the restored values: the same tree structure, dtypes and shardings.
 
   Raises:
-    ValueError: ``target`` holds no loss-scale state or more than one; or
-      ``restored`` and ``target`` differ other than by that state: the
-      message lists the leaves on one side only and the shapes that differ.
-    TypeError: a field of the loss-scale state of ``target`` is a
-      ``jax.ShapeDtypeStruct`` (those fields keep the target's values).
+    ValueError: ``target`` holds no loss-scale state or several; or ``restored`` and
+      ``target`` differ other than by that state (the leaves and shapes listed).
+    TypeError: a field of the target's loss-scale state is a ``jax.ShapeDtypeStruct``.
 
   Example:
     >>> import numpy as np, jax.numpy as jnp, optax, optax_dls
@@ -106,8 +93,7 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
 
 def _source(path: _tree_paths.Path, prefix: _tree_paths.Path) -> _tree_paths.Path | None:
   """Where the target leaf at ``path`` is in a checkpoint without the loss-scale state at
-  ``prefix``: the same path, the inner state's leaves one level up; None for the loss-scale
-  state's own fields (kept)."""
+  ``prefix`` (the inner state one level up); None for that state's own fields."""
   if path[: len(prefix)] != prefix:
     return path
   rest = path[len(prefix) :]
@@ -115,7 +101,7 @@ def _source(path: _tree_paths.Path, prefix: _tree_paths.Path) -> _tree_paths.Pat
 
 
 def like(target: Any, value: Any) -> Any:
-  """``value`` as the target leaf is: of its dtype and sharding, or of its Python type."""
+  """``value`` of the target leaf's dtype and sharding, or of its Python type."""
   if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
     array = jax.numpy.asarray(value, target.dtype)
     sharding = getattr(target, "sharding", None)

@@ -1,8 +1,5 @@
-"""The port from flax's ``DynamicScale``: its scale and growth count into a loss-scale state,
-or a checkpoint of a ``TrainState`` with a ``dynamic_scale`` field into the ported state.
-
-Public as :func:`optax_dls.flax.from_dynamic_scale`; flax itself is not imported.
-"""
+"""The port from flax's ``DynamicScale`` (public as :func:`optax_dls.flax.from_dynamic_scale`;
+flax itself is not imported)."""
 
 from __future__ import annotations
 
@@ -21,66 +18,37 @@ def from_dynamic_scale(source: Any, target: Any) -> Any:
   """``target`` with the loss scale and growth count of a flax ``DynamicScale``, from the
   ``DynamicScale`` itself or from a whole checkpoint of a ``TrainState`` that had one.
 
-  For a port from ``flax.training.dynamic_scale.DynamicScale``: its ``scale``
-  becomes the loss scale and its ``fin_steps`` (finite steps since the last
-  growth or overflow) the growth tracker of the built-in policies (every
-  ``growth_tracker`` in the policy state). With ``optax_dls.config.preset("flax",
-  ...)`` of the DynamicScale's own settings (``growth_factor``,
-  ``backoff_factor``, ``growth_interval``, ``minimum_scale``), as
-  ``optax_dls.loss_scaled(inner, optax_dls.config.preset("flax",
-  growth_interval=...))``, the scale then moves exactly as flax's would have:
-  flax grows on the ``growth_interval + 1``-th consecutive finite step.
-  :func:`optax_dls.dynamic_loss_scale` of the same ``growth_interval`` grows one
-  step earlier.
-
-  ``source`` is one of:
-
-  * a ``DynamicScale``, or the dict flax's and Orbax's checkpoints restore it
-    as, ``{'scale': ..., 'fin_steps': ...}``: only the scale and the growth
-    tracker of ``target`` change, every other field is kept;
-  * the raw tree of a checkpoint of a flax ``TrainState`` that had a
-    ``dynamic_scale`` field beside a plain optax ``opt_state`` (dicts and lists
-    of arrays with a top-level ``'dynamic_scale'`` entry, as restored without a
-    target): every leaf of ``target`` is restored. The old ``opt_state`` goes
-    to the loss-scale state's ``inner_state``
-    (:func:`optax_dls.checkpoint.into_loss_scaled`), every other field to its
-    place, and ``dynamic_scale`` to the loss scale and growth tracker; nothing
-    is left at its initial value silently.
-
-  A port of a flax example from ``DynamicScale`` to
-  :func:`optax_dls.dynamic_loss_scale` changes the layout: restored with flax's
-  or Orbax's own code into the new state, such a checkpoint would leave the
-  optimizer's moments, its count and the loss scale at their initial values
-  (:func:`optax_dls.checkpoint.restore` refuses it). Restore it raw and
-  convert it instead::
+  Its ``scale`` becomes the loss scale and its ``fin_steps`` the growth tracker (every
+  ``growth_tracker`` in the policy state). Under ``optax_dls.config.preset("flax", ...)``
+  of the same settings the scale then moves exactly as flax's would
+  (:func:`optax_dls.dynamic_loss_scale` of the same ``growth_interval`` grows one step
+  earlier). A checkpoint of such a ``TrainState`` restored with flax's or Orbax's own code
+  into the new state would leave the moments, count and scale at their initial values
+  (:func:`optax_dls.checkpoint.restore` refuses it); restore it raw and convert it::
 
       raw = flax.training.checkpoints.restore_checkpoint(directory, target=None)
-      # or, with Orbax: raw = manager.restore(step)
       state = optax_dls.flax.from_dynamic_scale(raw, state)
 
   Args:
-    source: a ``DynamicScale``, its dict, or a raw checkpoint tree, as above.
-      The scale must lie in ``[2**-126, 2**126]`` (the next update keeps it
-      within the policy's range); ``fin_steps`` must be a whole number of steps >= 0 (static
-      values).
-    target: an optimizer state, a ``TrainState`` built with the loss-scaled
-      ``tx``, or any pytree holding exactly one
-      :class:`optax_dls.LossScaleState`; for a checkpoint tree it gives the
-      layout, dtypes and shardings.
+    source: a ``DynamicScale`` or its stored dict ``{'scale', 'fin_steps'}`` (only the
+      target's scale and growth tracker change), or the raw tree of a ``TrainState``
+      checkpoint with a top-level ``'dynamic_scale'`` beside a plain optax ``opt_state``
+      (every leaf restored, ``opt_state`` into ``inner_state`` as
+      :func:`optax_dls.checkpoint.into_loss_scaled` does). The scale must lie in
+      ``[2**-126, 2**126]``, ``fin_steps`` be a whole number >= 0 (static values).
+    target: an optimizer state, a ``TrainState`` built with the loss-scaled ``tx``, or
+      any pytree holding exactly one :class:`optax_dls.LossScaleState`.
 
   Returns:
-    ``target``, of the same structure and dtypes, with the new scale and growth
-    tracker (and, for a checkpoint tree, every other leaf restored).
+    ``target``, of the same structure and dtypes, with the new scale and growth tracker
+    (and, for a checkpoint tree, every other leaf restored).
 
   Raises:
-    TypeError: ``source`` is none of the above (no ``scale`` and ``fin_steps``,
-      nor a ``'dynamic_scale'`` entry), they are not static numbers, or a
-      field of ``target``'s loss-scale state is a ``jax.ShapeDtypeStruct``
-      (checkpoint tree).
-    ValueError: the scale is not finite and > 0 or lies outside that range,
-      ``fin_steps`` < 0, ``target`` holds none or several loss-scale states,
-      or a checkpoint tree and ``target`` differ other than by the loss-scale
-      state (the message lists the leaves and shapes).
+    TypeError: ``source`` is none of the above, its values are not static numbers, or a
+      field of the target's loss-scale state is a ``jax.ShapeDtypeStruct`` (checkpoint).
+    ValueError: the scale is not finite and > 0 or out of range, ``fin_steps`` < 0,
+      ``target`` holds no or several loss-scale states, or a checkpoint tree and
+      ``target`` differ other than by the loss-scale state (leaves and shapes listed).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
@@ -98,8 +66,7 @@ def from_dynamic_scale(source: Any, target: Any) -> Any:
 
 
 def _ported(dynamic_scale: Any, opt_state: Any) -> Any:
-  """``opt_state`` with the scale and growth count of ``dynamic_scale`` (a ``DynamicScale``
-  or its dict)."""
+  """``opt_state`` with the scale and growth count of ``dynamic_scale``."""
   scale, fin_steps = _dynamic_scale_fields(dynamic_scale)
   lss = _find.find_state(opt_state)
   _validation.scale("dynamic_scale.scale", scale, _validation.SCALE_MIN, _validation.SCALE_MAX)
@@ -118,7 +85,6 @@ def _ported(dynamic_scale: Any, opt_state: Any) -> Any:
 
 
 def _dynamic_scale_fields(dynamic_scale: Any) -> tuple[Any, Any]:
-  """``(scale, fin_steps)`` of a ``DynamicScale`` or of its stored dict."""
   if isinstance(dynamic_scale, Mapping):
     if all(k in dynamic_scale for k in ("scale", "fin_steps")):
       return dynamic_scale["scale"], dynamic_scale["fin_steps"]

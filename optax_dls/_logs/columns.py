@@ -1,14 +1,9 @@
-"""Columns and counters of logged rows, and what the counters prove between two logged rows.
-
-The rows are those :mod:`optax_dls._logs.read` reads: dicts with a whole-number
-``step`` and the keys of :func:`optax_dls.metrics`. A missing or malformed
-value is unknown (NaN), never a zero. Logs written every ``k`` steps hold the
-cumulative counters (``num_steps``, ``skip_count``) at the logged rows only;
-:func:`intervals` gives what they prove about the updates between two rows.
-"""
+"""Columns and counters of logged rows (a missing or malformed value unknown: NaN, never 0),
+and what the cumulative counters prove between two logged rows (:func:`intervals`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -16,18 +11,24 @@ import numpy as np
 Rows = list[dict[str, Any]]
 
 
+def whole(value: Any) -> int | None:
+  """``value`` as an int when a whole finite number (not a bool) below 2**63 in size."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+    return None
+  return int(value) if abs(value) < 2**63 else None
+
+
 def number(value: Any) -> float:
   """``value`` as a float; NaN (unknown) for a missing or malformed value."""
-  if not isinstance(value, (int, float)):
-    return np.nan  # missing, a string, list, null, ...
   try:
-    return float(value)
+    return float(value) if isinstance(value, (int, float)) else np.nan
   except OverflowError:  # an integer beyond float range
     return np.nan
 
 
 def column(rows: Rows, key: str) -> np.ndarray:
-  """The column ``key`` as float64, NaN where a row lacks it (unknown)."""
   return np.array([number(r.get(key)) for r in rows], dtype=np.float64)
 
 
@@ -39,27 +40,22 @@ def counter(x: np.ndarray) -> np.ndarray:
 
 
 def updates(rows: Rows) -> np.ndarray:
-  """Updates done at each row: ``num_steps``; without that column, the step (one per step)."""
+  """Updates done at each row: ``num_steps``; without that column, the step."""
   n = counter(column(rows, "num_steps"))
-  if np.isnan(n).all():
-    return column(rows, "step")
-  return n
+  return column(rows, "step") if np.isnan(n).all() else n
 
 
 def skips(rows: Rows) -> np.ndarray:
-  """Skipped updates done at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``.
-
-  The ratio is a float32: it gives the count exactly only below 2**22 updates.
-  """
+  """Skipped updates at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``
+  where that float32 ratio gives it exactly (below 2**22 updates)."""
   s = counter(column(rows, "skip_count"))
-  ratio = column(rows, "update_ratio")
-  n_logged = counter(column(rows, "num_steps"))
+  n = counter(column(rows, "num_steps"))
   with np.errstate(invalid="ignore"):
-    derived = n_logged * (1.0 - ratio)
+    derived = n * (1.0 - column(rows, "update_ratio"))
     exact = (
-      (n_logged < 2.0**22)
+      (n < 2.0**22)
       & (derived > -0.25)
-      & (derived < n_logged + 0.25)
+      & (derived < n + 0.25)
       & (np.abs(derived - np.round(derived)) < 0.25)
     )
   return np.where(np.isnan(s) & exact, np.round(derived), s)
@@ -80,7 +76,6 @@ def present(rows: Rows, key: str) -> np.ndarray:
 
 
 def last_known(x: np.ndarray) -> float | None:
-  """The last finite value of ``x``, or None when it has none."""
   finite = x[np.isfinite(x)]
   return float(finite[-1]) if finite.size else None
 
@@ -88,15 +83,11 @@ def last_known(x: np.ndarray) -> float | None:
 class Intervals(NamedTuple):
   """What the counters prove between each logged row and the next (index i: rows i -> i + 1).
 
-  ``known``: both rows carry consistent counters. ``dn``, ``ds``: updates and
-  skips in the interval. ``octaves``: log2 of the scale ratio (NaN unknown).
-  ``factor_two``: the logged scales follow the rule "a growth doubles the
-  scale, only a skip lowers it, by one octave at most" as far as the rows
-  show (every ratio a power of two, no drop of more octaves than skips).
-  ``growth_ub``: an upper bound on the growths in the interval: the clean
-  updates, and under that rule also skips + octaves. ``excess``: ``ds -
-  growth_ub``, a lower bound on the skips that no growth in the interval
-  explains.
+  ``known``: both rows carry consistent counters; ``dn``, ``ds``: updates and skips in the
+  interval; ``octaves``: log2 of the scale ratio (NaN unknown); ``factor_two``: the scales
+  follow "a growth doubles, only a skip lowers, by one octave at most" as far as the rows
+  show; ``growth_ub``: an upper bound on the growths (the clean updates, and under that rule
+  also skips + octaves); ``excess``: ``ds - growth_ub``, skips no growth explains.
   """
 
   known: np.ndarray
@@ -108,20 +99,10 @@ class Intervals(NamedTuple):
   excess: np.ndarray
 
 
-def _follows_factor_two(octaves: np.ndarray, ds: np.ndarray, known: np.ndarray) -> bool:
-  """Whether the logged scale moves only by whole octaves, and down by at most one per skip."""
-  seen = np.isfinite(octaves)
-  whole = np.all(np.abs(octaves[seen] - np.round(octaves[seen])) < 1e-6)
-  both = seen & known
-  return bool(whole and np.all(octaves[both] >= -ds[both] - 1e-6))
-
-
 def intervals(rows: Rows) -> Intervals:
   """What the counters of consecutive rows prove (see :class:`Intervals`)."""
-  n = updates(rows)
-  s = skips(rows)
   scale = column(rows, "loss_scale")
-  dn, ds = np.diff(n), np.diff(s)
+  dn, ds = np.diff(updates(rows)), np.diff(skips(rows))
   log_scale = np.full(len(rows), np.nan)
   good = np.isfinite(scale) & (scale > 0)
   log_scale[good] = np.log2(scale[good])
@@ -129,13 +110,16 @@ def intervals(rows: Rows) -> Intervals:
   with np.errstate(invalid="ignore"):
     known = np.isfinite(dn) & np.isfinite(ds) & (ds >= 0) & (ds <= dn)
   dn, ds = np.where(known, dn, np.nan), np.where(known, ds, np.nan)
-  factor_two = _follows_factor_two(octaves, ds, known)
-  clean = dn - ds
-  growth_ub = clean
+  seen, both = np.isfinite(octaves), np.isfinite(octaves) & known
+  factor_two = bool(
+    np.all(np.abs(octaves[seen] - np.round(octaves[seen])) < 1e-6)
+    and np.all(octaves[both] >= -ds[both] - 1e-6)
+  )
+  growth_ub = dn - ds
   if factor_two:
     with np.errstate(invalid="ignore"):
       by_scale = np.clip(np.round(ds + octaves), 0, None)
-    growth_ub = np.where(np.isfinite(octaves), np.minimum(clean, by_scale), clean)
+    growth_ub = np.where(seen, np.minimum(growth_ub, by_scale), growth_ub)
   return Intervals(known, dn, ds, octaves, factor_two, growth_ub, ds - growth_ub)
 
 
@@ -152,5 +136,5 @@ def segments(known: np.ndarray, start: int = 0) -> list[range]:
 
 
 def every_update_logged(iv: Intervals) -> bool:
-  """Whether the rows hold every update: all intervals known and none longer than one update."""
+  """Whether the rows hold every update: all intervals known, none over one update."""
   return bool(iv.known.all() and (iv.dn <= 1).all())

@@ -1,9 +1,6 @@
-"""The diagnosis of one run's logged rows: the loss-scaling problems they prove, and what to do.
-
-A problem is reported only where the logged rows prove it: what happened
-between two logged rows is bounded (see :mod:`optax_dls._logs.columns`), not
-guessed, so a sparser log may show less but never something false.
-"""
+"""The loss-scaling problems one run's logged rows prove, and what to do about each: what
+happened between two logged rows is bounded, not guessed, so a sparser log may show less but
+never something false."""
 
 from __future__ import annotations
 
@@ -15,6 +12,7 @@ from optax_dls._logs import columns as C
 from optax_dls._logs.summary import scale_text
 
 Rows = C.Rows
+_Found = list[tuple[str, str]]
 
 # Diagnosis thresholds.
 OVERFLOW_RATE = 0.01  # provable excess skips per update, second half of the logged rows
@@ -84,12 +82,9 @@ _ADVICE = {
 }
 
 
-def _overflow_excess(rows: Rows, iv: C.Intervals) -> tuple[int, int, int | None, int | None]:
-  """``(excess skips, updates, first step, last step)`` proven over the second half of the rows.
-
-  Per run of consecutive known intervals, the first skip may still be the
-  probe of a growth made before it, so one skip is given back per run.
-  """
+def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
+  """Excess skips over the second half of the rows; per run of known intervals one skip is
+  given back (it may be the probe of a growth made before it)."""
   steps = C.column(rows, "step")
   excess = updates = 0
   first = last = None
@@ -98,39 +93,6 @@ def _overflow_excess(rows: Rows, iv: C.Intervals) -> tuple[int, int, int | None,
     updates += int(np.sum(iv.dn[seg.start : seg.stop]))
     first = int(steps[seg.start]) if first is None else first
     last = int(steps[seg.stop])
-  return excess, updates, first, last
-
-
-def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
-  """Skipped updates proven to have run at a loss scale <= 1.
-
-  An interval that starts at scale S and holds at most g growths of one
-  octave never runs above S * 2**g (without the factor-two rule: above S when
-  g = 0); when that is <= 1, each of its skips ran at a scale <= 1.
-  """
-  scale = C.column(rows, "loss_scale")[:-1]
-  growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
-  with np.errstate(invalid="ignore", over="ignore"):
-    low = (
-      iv.known & np.isfinite(scale) & (scale * np.exp2(np.nan_to_num(growths, nan=np.inf)) <= 1.0)
-    )
-  return int(np.sum(iv.ds[low]))
-
-
-def _applied(rows: Rows, iv: C.Intervals) -> np.ndarray:
-  """Rows whose own update is proven applied: ``skipped`` False, ``consecutive_skips`` 0, or no
-  skip since the previous logged row."""
-  flags = C.flag(rows, "skipped")
-  consec = C.counter(C.column(rows, "consecutive_skips"))
-  clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
-  return (flags == 0) | (consec == 0) | clean_since
-
-
-_Found = list[tuple[str, str]]
-
-
-def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
-  excess, updates, first, last = _overflow_excess(rows, iv)
   if stuck or not updates or excess / updates <= OVERFLOW_RATE:
     return []
   symptom = (
@@ -141,17 +103,26 @@ def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[s
   return [(symptom, where_advice(summary) + _ADVICE["frequent overflow"])]
 
 
+def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
+  """Skips proven to have run at a scale <= 1: an interval from scale S with at most g
+  growths never runs above S * 2**g (without the factor-two rule: above S when g = 0)."""
+  scale = C.column(rows, "loss_scale")[:-1]
+  growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
+  with np.errstate(invalid="ignore", over="ignore"):
+    top = scale * np.exp2(np.nan_to_num(growths, nan=np.inf))
+    low = iv.known & np.isfinite(scale) & (top <= 1.0)
+  return int(np.sum(iv.ds[low]))
+
+
 def _never_grows(rows: Rows, iv: C.Intervals, summary: dict[str, Any]) -> _Found:
   if len(rows) < 2 or not iv.known.all() or (iv.growth_ub > 0).any():
     return []
   span = int(np.sum(iv.dn))
   if span < NO_GROWTH_UPDATES:
     return []
-  cap = (
-    f" (the scale stays at or below {scale_text(summary['scale_max'])})"
-    if "scale_max" in summary
-    else ""
-  )
+  cap = ""
+  if "scale_max" in summary:
+    cap = f" (the scale stays at or below {scale_text(summary['scale_max'])})"
   symptom = (
     f"scale never grows: no increase in the {span} updates from step {summary['first_step']} "
     f"to step {summary['last_step']}{cap}"
@@ -159,32 +130,24 @@ def _never_grows(rows: Rows, iv: C.Intervals, summary: dict[str, Any]) -> _Found
   return [(symptom, _ADVICE["scale never grows"])]
 
 
-def _zero_shares(rows: Rows) -> np.ndarray:
-  zero = C.column(rows, "underflow/zero_frac")
-  return zero[np.isfinite(zero)]
-
-
 def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
-  """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest
-  such share among ``runs`` (runs logged beside each other train the same model on the
-  same data), or None when fewer than two runs logged it."""
-  medians = {
-    name: float(np.median(z)) for name, rows in runs.items() if len(z := _zero_shares(rows)) >= 4
-  }
+  """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest such
+  share (runs logged side by side train the same model), or None with fewer than two."""
+  medians = {}
+  for name, rows in runs.items():
+    zero = C.column(rows, "underflow/zero_frac")
+    if (zero := zero[np.isfinite(zero)]).size >= 4:
+      medians[name] = float(np.median(zero))
   if len(medians) < 2:
     return None
   name = min(medians, key=medians.__getitem__)
   return name, medians[name]
 
 
-def _lost_gradients(
-  rows: Rows, summary: dict[str, Any], floor: tuple[str, float] | None = None
-) -> _Found:
-  """Gradient entries flushed to zero in float16 show up as exact zeros of the unscaled
-  gradients. The logs prove lost signal when the share of zeros rises well above the
-  run's own early level, or stays well above that of a run logged beside it (``floor``,
-  see :func:`zero_floor`); a loss-scaled run keeps it at the floor. A high share of
-  float16-subnormal unscaled entries proves nothing by itself: loss scaling lifts them."""
+def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float] | None) -> _Found:
+  """Gradients flushed to zero in float16 show as exact zeros of the unscaled gradients: a
+  share that rises well above its early level, or stays well above ``floor`` (the run beside
+  it), proves lost signal; subnormal entries prove nothing (loss scaling lifts them)."""
   zero = C.column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
@@ -205,19 +168,13 @@ def _lost_gradients(
         f"{early:.1%} (first logged steps) to a median {late:.1%} ({since})"
       )
     if symptom:
-      symptom += ", with no loss scaling" if unscaled else ""
-      return [
-        (symptom, _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"])
-      ]
+      advice = _ADVICE["gradients lost, no loss scaling" if unscaled else "gradients too small"]
+      return [(symptom + (", with no loss scaling" if unscaled else ""), advice)]
   at_max = summary.get("steps_at_max_scale", 0) / len(rows)
   # Overflows recomputed inside the step (optax_dls.value_and_grad) skip nothing but are overflows.
   recomputed = C.last_known(C.counter(C.column(rows, "recompute_tries")))
-  if (
-    at_max > 0.5
-    and summary.get("scale_max", 0) >= 2.0**24
-    and summary["skips"] == 0
-    and not recomputed
-  ):
+  pinned = summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0
+  if at_max > 0.5 and pinned and not recomputed:
     symptom = (
       f"scale pinned at {scale_text(summary['scale_max'])}, the highest logged, for "
       f"{at_max:.0%} of the logged steps, with no skipped step"
@@ -237,11 +194,15 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
 
 
 def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
+  """Over the rows whose own update is proven applied (``skipped`` False,
+  ``consecutive_skips`` 0, or no skip since the row before)."""
   loss, steps = C.column(rows, "loss"), C.column(rows, "step")
-  applied = _applied(rows, iv) & C.present(rows, "loss")
-  if applied.sum() < 20:
+  consec = C.counter(C.column(rows, "consecutive_skips"))
+  clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
+  applied = (C.flag(rows, "skipped") == 0) | (consec == 0) | clean_since
+  idx = np.flatnonzero(applied & C.present(rows, "loss"))
+  if idx.size < 20:
     return []
-  idx = np.flatnonzero(applied)
   tenth = max(len(idx) // 10, 1)
   first, last = idx[:tenth], idx[-tenth:]
   bad = last[~np.isfinite(loss[last])]
@@ -263,56 +224,53 @@ def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
   return [(symptom, _ADVICE["diverging loss"])]
 
 
-def _names(entries: list[dict[str, Any]]) -> str:
-  shown = [d["name"] for d in entries[:_NAMED]]
-  return ", ".join(shown) + (f" and {len(entries) - _NAMED} more" if len(entries) > _NAMED else "")
+def _listing(items: list[Any], total: bool = False) -> str:
+  shown = ", ".join(str(x) for x in items[:_NAMED])
+  if len(items) <= _NAMED:
+    return shown
+  return shown + (f", ... ({len(items)} in all)" if total else f" and {len(items) - _NAMED} more")
 
 
 def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
-  """What the kind of the recorded non-finite values says, naming the parameters: NaN (a bad
-  operation or bad data) against infinities (a scale too high, or, ``at_minimum``, values that
-  overflow float16 unscaled); "" without a record."""
+  """What the recorded non-finite values say, naming the parameters: NaN (a bad operation or
+  data) against infinities (a scale too high, or, ``at_minimum``, values that overflow
+  float16 unscaled); "" without a record."""
   by = (summary.get("nonfinite") or {}).get("by_parameter") or []
-  nan = sorted((d for d in by if d["nan"]), key=lambda d: -d["nan"])
-  inf = [d for d in by if not d["nan"]]
+  nan = [d["name"] for d in sorted((d for d in by if d["nan"]), key=lambda d: -d["nan"])]
+  inf = [d["name"] for d in by if not d["nan"]]
   out = ""
   if nan:
     out += (
-      f"The logged non-finite steps held NaN in {_names(nan)}: an operation without a finite "
+      f"The logged non-finite steps held NaN in {_listing(nan)}: an operation without a finite "
       "result (0/0, log(0), the square root of a negative number, inf - inf) or bad data, which "
       "no loss scale fixes: look at that layer's divisions, logs, square roots and "
       "normalisations (an epsilon, float32), and at the data. "
     )
-  if inf and at_minimum:
+  if inf:
     out += (
       f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
-      f"{_names(inf)}, at a scale of 1 or less: values that overflow float16 unscaled, in "
-      "that layer's forward pass or its input. "
+      f"{_listing(inf)}"
     )
-  elif inf:
     out += (
-      f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
-      f"{_names(inf)}: their gradients outgrew float16 at the scale of the step. The dynamic "
-      "scaler backs off by itself, so this needs action only when it keeps happening: look "
-      "at that layer first. "
+      ", at a scale of 1 or less: values that overflow float16 unscaled, in that layer's "
+      "forward pass or its input. "
+      if at_minimum
+      else ": their gradients outgrew float16 at the scale of the step. The dynamic scaler "
+      "backs off by itself, so this needs action only when it keeps happening: look at that "
+      "layer first. "
     )
   return out
 
 
-def _listing(steps: list[int]) -> str:
-  shown = ", ".join(str(s) for s in steps[:_NAMED])
-  return shown + (f", ... ({len(steps)} in all)" if len(steps) > _NAMED else "")
-
-
 def _loss_not_finite(summary: dict[str, Any]) -> _Found:
   where = summary.get("nonfinite")
-  if not where or not where["loss_steps"]:
+  if not where or not (steps := where["loss_steps"]):
     return []
   unit = "step" if where["numbering"] == "step" else "update"
-  steps = where["loss_steps"]
   symptom = (
     f"non-finite loss: the loss itself was not finite on {unit}{'s' * (len(steps) > 1)} "
-    f"{_listing(steps)}: loss scaling cannot fix this, look at the data or the model"
+    f"{_listing(steps, total=True)}: loss scaling "
+    "cannot fix this, look at the data or the model"
   )
   return [(symptom, _ADVICE["non-finite loss"])]
 
@@ -326,8 +284,8 @@ def _nan_skips(summary: dict[str, Any]) -> _Found:
   n = where["steps_with_leaves"]
   symptom = (
     f"NaN, not overflow: every one of the {n} non-finite step{'s' * (n > 1)} the logs record "
-    f"held NaN in its gradients ({_names(by)}) and none an infinity: a bug that no loss scale "
-    "cures"
+    f"held NaN in its gradients ({_listing([d['name'] for d in by])}) and none an infinity: "
+    "a bug that no loss scale cures"
   )
   return [(symptom, _ADVICE["NaN skips"])]
 
@@ -335,14 +293,9 @@ def _nan_skips(summary: dict[str, Any]) -> _Found:
 def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
-  """``[(symptom, what to do)]`` for the loss-scaling problems that ``rows`` prove.
-
-  Args:
-    rows: one run's rows, sorted by step.
-    summary: :func:`optax_dls._logs.summary.summarize` of ``rows``.
-    zero_floor: what runs logged beside it prove (see :func:`zero_floor`).
-      Default None.
-  """
+  """``[(symptom, what to do)]`` for the problems that ``rows`` (one run's, sorted by step)
+  prove, given their :func:`~optax_dls._logs.summary.summarize` and what runs logged beside
+  them prove (:func:`zero_floor`)."""
   iv = C.intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come

@@ -1,12 +1,6 @@
-"""``optax-dls inspect RUN_DIR --follow``: the current state of every run, while the runs go on.
-
-Each refresh reads what the logs gained (:class:`optax_dls._logs.read.LogSet`) and builds
-the same summary and diagnosis as ``optax-dls inspect`` (:func:`optax_dls._logs.report.build`),
-of which it shows per run: the step, the loss scale, the skips and update ratio, overall
-and over the last :data:`RECENT` updates, the leaves of the last non-finite step, and the
-current diagnoses. On a terminal the status block is redrawn in place; to a file or a pipe
-each refresh writes one line per run whose status changed.
-"""
+"""``optax-dls inspect RUN_DIR --follow``: each run's step, scale, skips (overall and over
+the last :data:`RECENT` updates), last non-finite step and diagnoses, while the runs go on:
+redrawn in place on a terminal, a line per changed run to a file or a pipe."""
 
 from __future__ import annotations
 
@@ -27,21 +21,17 @@ RECENT = 100  # updates of the "recent" skips and update ratio
 _UP_AND_CLEAR = "\x1b[{}F\x1b[J"  # cursor up N lines to their start, clear to the end of screen
 
 
-def _ratio(value: float | None) -> str:
-  return "unknown" if value is None else f"{value:.4f}"
-
-
 def _run_status(name: str, entry: dict[str, Any], rows: _read.Rows, block: bool) -> list[str]:
   """One run: on a terminal (``block``) a head line and indented lines, else one line."""
   s = entry["summary"]
   scales = [r["loss_scale"] for r in rows if isinstance(r.get("loss_scale"), (int, float))]
   scale = _summary.scale_text(float(scales[-1])) if scales else "unknown"
   skips = f"skips {'unknown' if s['skips'] is None else s['skips']} "
-  skips += f"(update ratio {_ratio(s['update_ratio'])})"
+  skips += f"(update ratio {_report.or_unknown(s['update_ratio'], '{:.4f}')})"
   recent = _summary.recent(rows, RECENT)
   recent_text = "recent unknown" if recent is None else (
     f"last {recent['updates']} updates: {recent['skips']} skipped "
-    f"({_ratio(recent['update_ratio'])})"
+    f"({recent['update_ratio']:.4f})"
   )  # fmt: skip
   last = _report.last_nonfinite(s, shown=3)
   last_text = [f"last non-finite {last}"] if last else []
@@ -55,16 +45,14 @@ def _run_status(name: str, entry: dict[str, Any], rows: _read.Rows, block: bool)
 
 
 class Follower:
-  """The logs under a run folder (it need not exist yet) and the warnings already shown,
-  refreshed by :meth:`refresh`."""
+  """The logs under a run folder (it need not exist yet) and the warnings already shown."""
 
   def __init__(self, run_dir: str) -> None:
     self.logs = _read.LogSet(run_dir)
     self._missing: str | None = None
 
   def refresh(self, block: bool) -> tuple[list[str], list[str]]:
-    """Reads what the logs gained; returns ``(status lines, new warnings)``, the status as
-    the terminal shows it (``block``), else one line per run."""
+    """``(status lines, new warnings)``: the status as a terminal block, else a line per run."""
     warnings = [f"{path}: {what}" for path, what in self.logs.poll()]
     missing = self.logs.missing_warning()
     if missing and missing != self._missing:
@@ -117,16 +105,9 @@ def follow(
   out: TextIO | None = None,
   err: TextIO | None = None,
 ) -> int:
-  """Shows the state of every run under ``run_dir`` every ``interval`` seconds until Ctrl-C
-  (or after ``refreshes`` refreshes); returns 0.
-
-  ``out`` (default ``sys.stdout``) gets the status: a terminal (``isatty()``) the block
-  redrawn in place, anything else a line per run each time that run's status changes.
-  ``err`` (default ``sys.stderr``) gets the warnings.
-
-  Raises:
-    BrokenPipeError: the reader of the output went away.
-  """
+  """Shows every run under ``run_dir`` every ``interval`` seconds until Ctrl-C (or after
+  ``refreshes``); returns 0. Status to ``out`` (default stdout; a terminal redrawn in place),
+  warnings to ``err`` (default stderr). BrokenPipeError when the reader went away."""
   out = sys.stdout if out is None else out
   err = sys.stderr if err is None else err
   follower = Follower(run_dir)
@@ -146,10 +127,8 @@ def follow(
 
 @contextlib.contextmanager
 def _ctrl_c_interrupts() -> Iterator[None]:
-  """Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` inside the block, also in a process that
-  was started with SIGINT ignored (a background job of a shell script, which Python then
-  leaves ignored): otherwise nothing would end the live view. A handler of the program's
-  own is kept; the previous one is restored after. Off the main thread, nothing changes."""
+  """Ctrl-C raises ``KeyboardInterrupt`` inside the block, also where SIGINT was ignored (a
+  shell's background job), or nothing would end the view; a program's own handler is kept."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return

@@ -28,11 +28,8 @@ def _matplotlib(module: str) -> Any:
 
 
 def check_path(path: str) -> str | None:
-  """Why ``path`` cannot take the plot (a missing folder, an unknown image extension), or None.
-
-  Raises:
-    MissingExtraError: matplotlib is not installed.
-  """
+  """Why ``path`` cannot take the plot (a missing folder, an unknown extension), or None;
+  MissingExtraError without matplotlib."""
   canvas = _matplotlib("matplotlib.backend_bases").FigureCanvasBase
   folder = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(folder):
@@ -48,7 +45,7 @@ def check_path(path: str) -> str | None:
 
 
 def _values(rows: Rows, key: str) -> np.ndarray:
-  """The column drawn in the panel of ``key``: the skips counted as the summary counts them."""
+  """The column drawn in the panel of ``key`` (the skips as the summary counts them)."""
   x = C.skips(rows) if key == "skip_count" else C.column(rows, key)
   return np.where(np.isfinite(x), x, np.nan)  # a gap where a value is missing or not finite
 
@@ -59,26 +56,10 @@ def _rises(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[False], np.diff(x) > 0])
 
 
-def _skipped(rows: Rows) -> np.ndarray:
-  """Rows whose step was skipped (the ``skipped`` flag), or after a skip since the row before
-  (a rise of the skip count: logged every k steps)."""
-  return (C.flag(rows, "skipped") > 0) | _rises(C.skips(rows))
-
-
 def plot(runs: dict[str, Rows], out: str) -> None:
-  """Draws each logged quantity of ``runs`` in a panel of its own over a shared step axis: the
-  loss scale (log2 axis, as steps), the loss, the gradient norm (log axis), the cumulative
-  skips and recomputed steps, the share of zero gradient entries. Skipped steps are marked
-  with a cross on the scale, recomputed steps (a rise of ``recomputed_steps``) with a circle.
-
-  Args:
-    runs: ``{run name: rows sorted by step}``.
-    out: the image file to write (its extension picks the format).
-
-  Raises:
-    OSError: ``out`` cannot be written.
-    MissingExtraError: matplotlib is not installed.
-  """
+  """Draws each logged quantity of ``runs`` (``{name: rows}``) in a panel over a shared step
+  axis into the image ``out``; skipped steps (the flag, or a rise of the skip count) marked
+  with a cross on the scale, recomputed steps with a circle. OSError, MissingExtraError."""
   _matplotlib("matplotlib").use("Agg")
   plt = _matplotlib("matplotlib.pyplot")
   line2d = _matplotlib("matplotlib.lines").Line2D
@@ -98,7 +79,8 @@ def plot(runs: dict[str, Rows], out: str) -> None:
       ax.step(steps, _values(rows, key), where="post", color=color, label=name, lw=1.2)
     handles.append(axes[0].lines[-1])
     scale = _values(rows, "loss_scale")
-    skipped, recomputed = _skipped(rows), _rises(C.column(rows, "recomputed_steps"))
+    skipped = (C.flag(rows, "skipped") > 0) | _rises(C.skips(rows))
+    recomputed = _rises(C.column(rows, "recomputed_steps"))
     for marks, style, what in ((skipped, "x", "skipped"), (recomputed, "o", "recomputed")):
       axes[0].plot(
         steps[marks], scale[marks], style, color=color, mfc="none", ms=7, label=f"{name}: {what}"

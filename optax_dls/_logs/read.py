@@ -1,19 +1,10 @@
-"""Finding and reading a run folder's metrics logs, once or as they grow.
-
-The logs are ``*.jsonl`` files (as :class:`optax_dls.writers.MetricsWriter` writes them, or
-any JSON lines with a ``step``) and TensorBoard event files, read with TensorBoard's own
-loader (which checks each record's CRCs); a folder is read from its JSONL files, or, with
-none, its event files. A read takes only what was appended since the last one; a
-half-written last line or record waits, a file truncated or replaced starts over. Bad
-lines, malformed steps, undecodable records and unreadable files are skipped, each on its
-own, with a warning; a corrupt record stops the loader: the rest of that file is lost, and
-the warning says from which byte.
-"""
+"""Finding and reading a run folder's metrics logs (``*.jsonl``, else TensorBoard event files
+through TensorBoard's loader), once or as they grow: a half-written last line or record
+waits, a file truncated or replaced starts over, bad parts are skipped with a warning."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -21,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from optax_dls._logs.columns import whole
 from optax_dls._util import optional as _optional
 
 Rows = list[dict[str, Any]]
@@ -60,18 +52,8 @@ def canonical(key: str) -> str:
   return next((k for k in KEYS if key == k or key.endswith("/" + k)), key)
 
 
-def _step(value: Any) -> int | None:
-  """A row's step as an int, or None when it is not a whole finite number (a malformed row)."""
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    return None
-  if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-    return None
-  return int(value) if abs(value) < 2**63 else None
-
-
 def _parse_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
-  """``(row, None)`` for a JSON object with a ``step`` key, ``(None, why)`` for a bad line,
-  ``(None, None)`` for a blank one."""
+  """``(row, None)``, ``(None, why)`` for a bad line, ``(None, None)`` for a blank one."""
   line = text.decode("utf-8", errors="replace").strip()  # undecodable bytes: a malformed line
   if not line:
     return None, None
@@ -85,13 +67,8 @@ def _parse_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def _event_values(payload: bytes) -> tuple[int, dict[str, Any]] | None:
-  """``(step, {tag: value})`` of one serialised ``Event``, or None when it is not one.
-
-  Values are the scalars (``simple_value`` or a one-element numeric tensor) and the leaf
-  record: a text summary tagged ``nonfinite_leaves`` (or ``.../nonfinite_leaves``, with or
-  without tensorboardX's ``/text_summary``) holding a JSON object ``{leaf name: "inf" |
-  "nan"}``, read back as that dict. Other summaries are ignored.
-  """
+  """``(step, {tag: value})`` of a serialised ``Event`` (None when not one): its scalars and
+  the ``nonfinite_leaves`` text summary as a dict; other summaries are ignored."""
   from google.protobuf.message import DecodeError
   from tensorboard.compat.proto import event_pb2
   from tensorboard.util import tensor_util
@@ -105,16 +82,14 @@ def _event_values(payload: bytes) -> tuple[int, dict[str, Any]] | None:
     if v.HasField("simple_value"):
       values[v.tag] = float(v.simple_value)
       continue
-    if not v.HasField("tensor"):
-      continue
     try:
       arr = np.asarray(tensor_util.make_ndarray(v.tensor)).reshape(-1)
-    except (TypeError, ValueError):  # a dtype TensorBoard cannot turn into NumPy
+    except (TypeError, ValueError):  # no tensor, or a dtype TensorBoard cannot turn into NumPy
       continue
     if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
       values[v.tag] = float(arr[0])
     elif arr.size == 1 and arr.dtype == object:
-      tag = v.tag.removesuffix("/text_summary")
+      tag = v.tag.removesuffix("/text_summary")  # as tensorboardX tags text
       if (tag == LEAVES_TAG or tag.endswith("/" + LEAVES_TAG)) and (leaves := _leaves(arr[0])):
         values[tag] = leaves
   return int(event.step), values
@@ -131,12 +106,9 @@ def _leaves(text: Any) -> dict[str, str] | None:
 
 
 class LogFile:
-  """One log file, ``kind`` ``"jsonl"`` or ``"events"``, read as it grows; :attr:`rows` holds
-  its well-formed rows (canonical keys), kept up to date by :meth:`poll`.
-
-  A corrupt event record stops TensorBoard's loader: the bytes after it are reported
-  once (at once when read with ``final``, else once the file has stopped growing).
-  """
+  """One log file, ``kind`` ``"jsonl"`` or ``"events"``, read as it grows into :attr:`rows`
+  (canonical keys) by :meth:`poll`. The bytes after a corrupt event record are reported once
+  (at once with ``final``, else once the file stops growing)."""
 
   def __init__(self, path: str, kind: str) -> None:
     self.path, self.kind = path, kind
@@ -150,11 +122,8 @@ class LogFile:
     self._error: str | None = None
 
   def read(self, final: bool = False) -> tuple[Rows, Bad, bool]:
-    """``(new rows, bad parts, whether the file started over)`` since the last read.
-
-    Args:
-      final: bool, read to the very end: a last line without its newline is taken as it
-        is, the unread bytes of an event file reported at once.
+    """``(new rows, bad parts, whether the file started over)``; ``final`` takes a last line
+    without its newline and reports an event file's unread bytes at once.
 
     Raises:
       OSError: the file cannot be read.
@@ -172,10 +141,7 @@ class LogFile:
       if restarted:
         self._offset, self._mark, self._line, self._loader = 0, b"", 0, None
       self._identity, self._size = (st.st_dev, st.st_ino), st.st_size
-      if module is None:
-        rows, bad, end = self._jsonl(f, final)
-      else:
-        rows, bad, end = self._events(module)
+      rows, bad, end = self._jsonl(f, final) if module is None else self._events(module)
       self._offset = end
       f.seek(max(end - _MARK, 0))
       self._mark = f.read(end - max(end - _MARK, 0))
@@ -221,8 +187,7 @@ class LogFile:
     return [(offset, why + " are not read")]
 
   def poll(self, final: bool) -> list[str]:
-    """Reads what the file gained into :attr:`rows`; returns the warnings about it (an error
-    only once)."""
+    """Reads what the file gained into :attr:`rows`; returns its warnings (an error once)."""
     try:
       rows, bad, restarted = self.read(final)
     except _optional.MissingExtraError:
@@ -239,7 +204,7 @@ class LogFile:
       warnings.append(
         f"skipped {len(bad)} line(s) that are not JSON objects with a 'step' (line {lines})"
       )
-    steps = [_step(row.get("step")) for row in rows]
+    steps = [whole(row.get("step")) for row in rows]
     self.rows += [
       {**{canonical(k): v for k, v in row.items()}, "step": step}
       for row, step in zip(rows, steps, strict=True)
@@ -257,16 +222,16 @@ def _event_loader() -> Any:
 
 
 def read_jsonl(path: str | os.PathLike, on_bad: Callable[[int, str], Any] | None = None) -> Rows:
-  """The JSON objects with a ``step`` of one whole JSON-lines file, in file order; each other
-  line (blank ones aside) is skipped on its own and handed to ``on_bad(line number, why)``."""
+  """The JSON objects with a ``step`` of a JSON-lines file, in file order; each other line
+  (blank ones aside) is skipped and handed to ``on_bad(line number, why)``."""
   return _read_whole(path, "jsonl", on_bad)
 
 
 def read_tensorboard(
   path: str | os.PathLike, on_bad: Callable[[int, str], Any] | None = None
 ) -> Rows:
-  """The scalars and leaf records of one whole event file, a row per step, sorted by step;
-  each record skipped, and the bytes after a corrupt one, handed to ``on_bad(offset, why)``."""
+  """The scalars and leaf records of an event file, a row per step, sorted by step; each bad
+  record, and the bytes after a corrupt one, handed to ``on_bad(offset, why)``."""
   return _read_whole(path, "events", on_bad)
 
 
@@ -276,9 +241,6 @@ def _read_whole(path: Any, kind: str, on_bad: Callable[[int, str], Any] | None) 
     if on_bad is not None:
       on_bad(where, why)
   return rows
-
-
-# --- A folder of runs ----------------------------------------------------------------------------
 
 
 def find_logs(run_dir: str) -> list[tuple[str, str]]:
@@ -294,7 +256,7 @@ def find_logs(run_dir: str) -> list[tuple[str, str]]:
 
 def _merged(rows: Rows) -> Rows:
   """The rows with loss-scale metrics (not validation rows), or all if none has them; one row
-  per step, sorted by step, a step logged twice keeping the later values."""
+  per step, sorted, a step logged twice keeping the later values."""
   by_step: dict[int, dict[str, Any]] = {}
   for row in [r for r in rows if "loss_scale" in r or "skipped" in r] or rows:
     by_step.setdefault(row["step"], {}).update(row)
@@ -302,8 +264,7 @@ def _merged(rows: Rows) -> Rows:
 
 
 def _same(a: Any, b: Any) -> bool:
-  """Whether ``a`` and ``b`` are numbers equal in float32 (as TensorBoard keeps them), or the
-  same leaf record (a dict in both logs)."""
+  """Numbers equal in float32 (as TensorBoard keeps them), or the same leaf record."""
   if isinstance(a, dict) or isinstance(b, dict):
     return a == b
   if not all(isinstance(x, (int, float)) for x in (a, b)):
@@ -316,8 +277,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
-  """Whether every step of ``events_rows`` is in ``jsonl_rows`` with the same metrics (the same
-  run logged to both, the TensorBoard copy perhaps behind), at least one value compared."""
+  """Whether every step of ``events_rows`` is in ``jsonl_rows`` with the same metrics (the
+  run's TensorBoard copy, perhaps behind), at least one value compared."""
   by_step = {r["step"]: r for r in jsonl_rows}
   compared = 0
   for row in events_rows:
@@ -333,13 +294,9 @@ def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
 
 
 class LogSet:
-  """The logs under a run folder (it need not exist yet), read again at each :meth:`poll`.
-
-  Each poll looks for new files and folders, reads what every file gained, and starts over
-  a file that was truncated or replaced; a file that is gone takes its rows with it.
-  Without ``tensorboard`` the event files are left unread: ``missing`` holds the error
-  and ``unread`` their paths.
-  """
+  """The logs under a run folder (it need not exist yet), read again at each :meth:`poll`:
+  new files are found, a file gone takes its rows with it. Without ``tensorboard`` the event
+  files stay unread: ``missing`` holds the error, ``unread`` their paths."""
 
   def __init__(self, run_dir: str) -> None:
     self.run_dir = run_dir
@@ -348,8 +305,7 @@ class LogSet:
     self.unread: list[str] = []
 
   def poll(self, final: bool = False) -> list[tuple[str, str]]:
-    """Reads what the logs gained (to the very end with ``final``, see :meth:`LogFile.read`);
-    returns the new ``(path, warning)``."""
+    """Reads what the logs gained; returns the new ``(path, warning)``."""
     found = dict(find_logs(self.run_dir)) if os.path.isdir(self.run_dir) else {}
     self.files = {p: f for p, f in self.files.items() if found.get(p) == f.kind}
     warnings: list[tuple[str, str]] = []
@@ -376,10 +332,8 @@ class LogSet:
     return folder if folder != "." else os.path.basename(os.path.abspath(self.run_dir))
 
   def runs(self) -> dict[str, Rows]:
-    """``{run name: rows sorted by step}``: a run is named by its rows' ``run`` key (a str),
-    else by its folder. Validation rows are dropped where a run has others, rows of one step
-    merged (the later values winning), a run read from event files that is a copy of one
-    read from JSON lines left out."""
+    """``{run name: rows sorted by step}``, named by the rows' ``run`` (a str) else by folder;
+    rows merged per step (:func:`_merged`), a TensorBoard copy of a JSONL run left out."""
     runs: dict[str, Rows] = {}
     from_events = set()
     for path, log in self.files.items():
@@ -400,20 +354,17 @@ class LogSet:
 
 
 def warn(path: str, what: str) -> None:
-  """Prints ``what`` about ``path`` as a warning of ``optax-dls inspect`` on stderr."""
   print(f"optax-dls inspect: warning: {path}: {what}", file=sys.stderr)
 
 
 def load_runs(run_dir: str | os.PathLike) -> dict[str, Rows]:
   """``{run name: rows sorted by step}`` from the logs under ``run_dir``, read once (see
-  :meth:`LogSet.runs`). Bad lines, corrupt records, malformed rows and unreadable files are
-  skipped with a warning on stderr.
+  :meth:`LogSet.runs`); what is skipped gets a warning on stderr.
 
   Raises:
     NoLogsError: ``run_dir`` is missing, holds no logs, or only unreadable ones.
     TypeError: ``run_dir`` is not a str or ``os.PathLike``.
-    MissingExtraError: event files to read, no ``tensorboard``, and no run read from JSON
-      lines (with some, a warning names the files left unread).
+    MissingExtraError: event files, no ``tensorboard``, and no run read from JSON lines.
   """
   run_dir = check_path("run_dir", run_dir)
   if not os.path.isdir(run_dir):

@@ -4,7 +4,6 @@ the saved :func:`optax_dls.locate` reports of the run folder, and the plot."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 from typing import Any
@@ -17,16 +16,15 @@ from optax_dls._util import locate_report as _headroom
 
 Rows = list[dict[str, Any]]
 LOCATE_NAME = "locate.json"  # as optax_dls.writers.LOCATE_NAME
+_SHOWN = 5  # parameters listed
 
 
 def inspect(
   run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
 ) -> str:
-  """The report ``optax-dls inspect`` prints: the text of :func:`text`, then each saved
-  :func:`optax_dls.locate` report (a ``locate.json`` that
-  :meth:`~optax_dls.writers.MetricsWriter.write_locate` wrote) under ``run_dir``, then the
-  plot's path when one was drawn (into ``plot_path``); or, ``as_json``, the JSON of
-  :func:`to_json`.
+  """What ``optax-dls inspect`` prints: each run's summary and diagnosis, then the saved
+  ``locate.json`` reports under ``run_dir``, then the plot's path when one was drawn (into
+  ``plot_path``); or, ``as_json``, the summaries and diagnoses as JSON.
 
   Raises:
     NoLogsError: no readable logs under ``run_dir``.
@@ -38,22 +36,14 @@ def inspect(
   if plot_path is not None:
     _plot.plot(runs, os.fspath(plot_path))
   if as_json:
-    return to_json(report)
-  out = text(report)
-  saved = saved_locate_text(run_dir)
-  out = f"{out}\n\n{saved}" if saved else out
+    return json.dumps(report, indent=2)
+  out = "\n\n".join(part for part in (text(report), saved_locate_text(run_dir)) if part)
   return out + f"\nplot written to {os.fspath(plot_path)}" if plot_path is not None else out
 
 
 def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
-  """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` for ``runs``.
-
-  Runs logged beside each other are compared for the share of exactly-zero
-  gradients (see :func:`optax_dls._logs.diagnosis.zero_floor`).
-
-  Args:
-    runs: ``{run name: rows sorted by step}``, each with at least one row.
-  """
+  """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` of ``runs``
+  (``{name: rows sorted by step}``), compared for their shares of zero gradients."""
   floor = _diagnosis.zero_floor(runs)
   report = {}
   for name, rows in runs.items():
@@ -66,64 +56,57 @@ def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
   return report
 
 
-def to_json(report: dict[str, dict[str, Any]]) -> str:
-  """``report`` as indented JSON, NaN as ``null``."""
-  return json.dumps(
-    report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x
-  )
-
-
-def _or_unknown(value: Any, fmt: str = "{}") -> str:
+def or_unknown(value: Any, fmt: str = "{}") -> str:
   return "unknown" if value is None else fmt.format(value)
+
+
+def _count(n: int) -> str:
+  """``n`` as a count that cannot be read as a step number: ``"8 logged steps"``."""
+  return f"{n} logged step{'s' * (n != 1)}"
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
   """The summary of one run as indented text lines."""
-  streak = _or_unknown(summary["longest_skip_streak"])
-  if summary["longest_skip_streak"] is not None and not summary["every_update_logged"]:
+  s = summary
+  streak = or_unknown(s["longest_skip_streak"])
+  if s["longest_skip_streak"] is not None and not s["every_update_logged"]:
     streak = f"at least {streak}"  # a longer one may lie between two logged rows
-  updates = f"{_or_unknown(summary['updates'])} updates"
-  if summary["applied_updates"] is not None:
-    updates += f": {summary['applied_updates']} applied, {summary['skips']} skipped"
-  steps = (
-    f"  steps        {summary['first_step']}..{summary['last_step']} "
-    f"({summary['logged_steps']} logged steps, {updates})"
-  )
-  skips = (
-    f"  skips        {_or_unknown(summary['skips'])}  (update ratio "
-    f"{_or_unknown(summary['update_ratio'], '{:.4f}')}, longest streak {streak})"
-  )
-  lines = [steps, skips]
-  if "scale_min" in summary:
-    text = _summary.scale_text
+  updates = f"{or_unknown(s['updates'])} updates"
+  if s["applied_updates"] is not None:
+    updates += f": {s['applied_updates']} applied, {s['skips']} skipped"
+  ratio, span = or_unknown(s["update_ratio"], "{:.4f}"), f"{s['first_step']}..{s['last_step']}"
+  lines = [
+    f"  steps        {span} ({s['logged_steps']} logged steps, {updates})",
+    f"  skips        {or_unknown(s['skips'])}  (update ratio {ratio}, longest streak {streak})",
+  ]
+  if "scale_min" in s:
+    power = _summary.scale_text
     lines.append(
-      f"  loss scale   lowest {text(summary['scale_min'])} / median "
-      f"{text(summary['scale_median'])} / highest {text(summary['scale_max'])} (logged)"
+      f"  loss scale   lowest {power(s['scale_min'])} / median {power(s['scale_median'])} / "
+      f"highest {power(s['scale_max'])} (logged)"
     )
     lines.append(
-      f"  at the lowest scale {_count(summary['steps_at_min_scale'], 'logged step')}, at the "
-      f"highest {_count(summary['steps_at_max_scale'], 'logged step')}"
+      f"  at the lowest scale {_count(s['steps_at_min_scale'])}, at the highest "
+      f"{_count(s['steps_at_max_scale'])}"
     )
-  if summary["fp32_fallback_steps"]:
-    lines.append(f"  fp32 fallback on at {summary['fp32_fallback_steps']} logged steps")
-  if groups := summary.get("overflows_by_group"):
+  if s["fp32_fallback_steps"]:
+    lines.append(f"  fp32 fallback on at {s['fp32_fallback_steps']} logged steps")
+  if groups := s.get("overflows_by_group"):
     counts = ", ".join(f"{label} {n}" for label, n in groups.items())
     lines.append(f"  overflows    by parameter group: {counts}")
-  return lines + nonfinite_lines(summary)
-
-
-def _count(n: int, what: str) -> str:
-  """``n`` things as a count that cannot be read as a step number: ``"8 logged steps"``."""
-  return f"{n} {what}{'s' * (n != 1)}"
-
-
-_SHOWN = 5  # parameters listed
-
-
-def _kind(entry: dict[str, Any]) -> str:
-  if entry["nan"] and entry["inf"]:
-    return f"nan on {entry['nan']}, inf on {entry['inf']}"
-  return "nan" if entry["nan"] else "inf"
+  where = s.get("nonfinite")
+  if not where or not (n := where["steps_with_leaves"]):
+    return lines
+  of = f", of {s['skips']} skipped" if s["skips"] is not None and n < s["skips"] else ""
+  lines.append(f"  non-finite steps by parameter (the {n} the logs record{of}):")
+  for e in where["by_parameter"][:_SHOWN]:
+    kind = "nan" if e["nan"] else "inf"
+    if e["nan"] and e["inf"]:
+      kind = f"nan on {e['nan']}, inf on {e['inf']}"
+    lines.append(f"    {e['name']}  {e['steps']} of {n} ({kind})")
+  if len(where["by_parameter"]) > _SHOWN:
+    lines.append(f"    ... and {len(where['by_parameter']) - _SHOWN} more")
+  return lines + [f"  last non-finite {last_nonfinite(s)}"]
 
 
 def last_nonfinite(summary: dict[str, Any], shown: int = _SHOWN) -> str | None:
@@ -142,39 +125,21 @@ def last_nonfinite(summary: dict[str, Any], shown: int = _SHOWN) -> str | None:
   return f"{at}{loss}: {', '.join(leaves[:shown]) or 'no leaf'}{more}"
 
 
-def nonfinite_lines(summary: dict[str, Any]) -> list[str]:
-  """Which parameters the recorded non-finite steps came from, most often first."""
-  where = summary.get("nonfinite")
-  if not where or not where["steps_with_leaves"]:
-    return []
-  n, skips = where["steps_with_leaves"], summary["skips"]
-  of = f", of {skips} skipped" if skips is not None and n < skips else ""
-  lines = [f"  non-finite steps by parameter (the {n} the logs record{of}):"]
-  for entry in where["by_parameter"][:_SHOWN]:
-    lines.append(f"    {entry['name']}  {entry['steps']} of {n} ({_kind(entry)})")
-  if len(where["by_parameter"]) > _SHOWN:
-    lines.append(f"    ... and {len(where['by_parameter']) - _SHOWN} more")
-  lines.append(f"  last non-finite {last_nonfinite(summary)}")
-  return lines
-
-
 def text(report: dict[str, dict[str, Any]]) -> str:
   """``report`` as the text ``optax-dls inspect`` prints."""
   lines = []
   for name, r in report.items():
-    lines.append(f"run {name}")
-    lines.extend(summary_lines(r["summary"]))
+    lines += [f"run {name}", *summary_lines(r["summary"])]
     for d in r["diagnosis"]:
-      lines.append(f"  ! {d['symptom']}")
-      lines.append(f"    -> {d['advice']}")
+      lines += [f"  ! {d['symptom']}", f"    -> {d['advice']}"]
     if not r["diagnosis"]:
       lines.append("  no loss-scaling problems found")
   return "\n".join(lines)
 
 
 def saved_locate_text(run_dir: str | os.PathLike) -> str:
-  """The saved reports under ``run_dir`` (searched recursively), as text; ``""`` when none.
-  A file that is not a report is named with the reason instead."""
+  """The saved reports under ``run_dir`` (searched recursively) as text, ``""`` when none; a
+  file that is not a report is named with the reason."""
   parts = []
   for path in sorted(pathlib.Path(run_dir).rglob(LOCATE_NAME)):
     try:
