@@ -65,17 +65,12 @@ def varying_axes(x: Any) -> frozenset[str]:
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", None) or ())
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
 
 
 def tree_varying_axes(leaves: Sequence[Any]) -> frozenset[str]:
   """Union of :func:`varying_axes` over ``leaves``."""
-  axes: frozenset[str] = frozenset()
-  for x in leaves:
-    axes |= varying_axes(x)
-  return axes
+  return frozenset().union(*(varying_axes(x) for x in leaves))
 
 
 def vary_like(x: jax.Array, like: Any) -> jax.Array:

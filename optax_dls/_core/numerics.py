@@ -139,7 +139,8 @@ def _reads(x: jax.Array, tiny: jax.Array, fused: bool) -> tuple[jax.Array, ...]:
   zero, dims = jnp.zeros([], real), tuple(range(x.ndim))
   operands, combines = (abs2(x), abs2(small), top), (lax.add, lax.add, lax.max)
   if not fused:
-    return tuple(lax.reduce(o, zero, f, dims) for o, f in zip(operands, combines, strict=True))
+    pairs = zip(operands, combines, strict=True)
+    return tuple(lax.reduce(o, zero, f, dims) for o, f in pairs)
   combine = lambda a, b: tuple(f(u, v) for f, u, v in zip(combines, a, b, strict=True))
   return tuple(lax.reduce(operands, (zero,) * 3, combine, dims))
 
@@ -170,7 +171,8 @@ def check(
     return Check(valid, zero, jnp.zeros([len(every)], jnp.uint8), zero if want_amax else None)
   reals = [jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype) for x in leaves]
   # The factor hidden from XLA, which would square it (inf * 0 = NaN).
-  tinies = {r: lax.optimization_barrier(jnp.asarray(_TINY[r], r)) for r in dict.fromkeys(reals)}
+  hidden = lambda r: lax.optimization_barrier(jnp.asarray(_TINY[r], r))
+  tinies = {r: hidden(r) for r in dict.fromkeys(reals)}
   reads = lambda: [_reads(x, tinies[r], fused) for x, r in zip(leaves, reals, strict=True)]
   sq, tq, tops = (list(v) for v in zip(*reads()))
   if not fused:  # the CPU: the sums of squares decide, the rest only where they cannot
@@ -186,7 +188,7 @@ def check(
   sq_v, tq_v = vectors.reshape(2, len(leaves))
   k = jnp.where(inv > 1, inv, 1.0)  # a scale below 1: the unscaled values are checked
   big = jnp.zeros([len(leaves)], jnp.bool_)
-  for dtype in dict.fromkeys(jnp.real(x).dtype for x in leaves):  # each leaf told in its own dtype
+  for dtype in dict.fromkeys(jnp.real(x).dtype for x in leaves):  # each leaf in its own dtype
     at = np.asarray([i for i, x in enumerate(leaves) if jnp.real(x).dtype == dtype])
     top = jnp.stack([tops[i] for i in at])
     big = big.at[at].set(~jnp.isfinite(_as(top * _as(k, top.dtype), dtype)))

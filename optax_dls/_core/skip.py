@@ -84,11 +84,8 @@ def by_where(
 def select(pred: jax.Array, new: Any, old: Any) -> Any:
   """``jnp.where(pred, new, old)`` for a bool ``()`` ``pred``: one ``lax.select_n`` where
   ``new`` and ``old`` are arrays of one type."""
-  if (
-    isinstance(new, jax.Array)
-    and isinstance(old, jax.Array)
-    and (new.shape, new.dtype, weak(new)) == (old.shape, old.dtype, weak(old))
-  ):
+  arrays = isinstance(new, jax.Array) and isinstance(old, jax.Array)
+  if arrays and (new.shape, new.dtype, weak(new)) == (old.shape, old.dtype, weak(old)):
     return lax.select_n(pred, old, new)
   return jnp.where(pred, new, old)
 
@@ -105,9 +102,7 @@ def weak(x: Any) -> bool:
   weakly typed; a Python number is (a Python bool is not)."""
   if isinstance(x, (int, float, complex)):
     return not isinstance(x, bool)
-  if isinstance(x, jax.Array):
-    return bool(jax.typeof(x).weak_type)
-  return bool(getattr(x, "weak_type", False))
+  return bool(getattr(jax.typeof(x) if isinstance(x, jax.Array) else x, "weak_type", False))
 
 
 def like(x: Any, target: Any) -> Any:
