@@ -48,12 +48,13 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
   Example:
     >>> import numpy as np, jax.numpy as jnp, optax, optax_dls
     >>> params = {'w': jnp.ones(2)}
-    >>> raw = {'params': {'w': np.ones(2)}, 'opt_state': [  # optax.adam's state, as Orbax stores it
-    ...   {'count': np.int32(3), 'mu': {'w': np.zeros(2)}, 'nu': {'w': np.zeros(2)}}, None]}
+    >>> adam = {'count': np.int32(3), 'mu': {'w': np.zeros(2)}, 'nu': {'w': np.zeros(2)}}
+    >>> raw = {'params': {'w': np.ones(2)}, 'opt_state': [adam, None]}  # as Orbax stores it
     >>> tx = optax_dls.dynamic_loss_scale(optax.adam(0.1))
     >>> target = {'params': params, 'opt_state': tx.init(params)}
     >>> state = optax_dls.checkpoint.into_loss_scaled(raw, target)
-    >>> int(state['opt_state'].inner_state[0].count), float(optax_dls.find_state(state).loss_scale)
+    >>> lss = optax_dls.find_state(state)
+    >>> int(lss.inner_state[0].count), float(lss.loss_scale)
     (3, 32768.0)
   """
   states = target_states(target)

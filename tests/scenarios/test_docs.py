@@ -141,6 +141,18 @@ def test_code_lines_fit_88_characters():
   assert not long, "code lines over 88 characters:\n" + "\n".join(long)
 
 
+def test_docstring_examples_fit_88_characters():
+  """The API page renders the docstrings' examples: each ``>>>`` and ``...`` line of a
+  docstring in the package fits in 88 characters too."""
+  long = [
+    f"{path.relative_to(ROOT)}:{number}: {len(line.strip())} characters"
+    for path in sorted((ROOT / "optax_dls").rglob("*.py"))
+    for number, line in enumerate(path.read_text().splitlines(), 1)
+    if line.strip().startswith((">>>", "...")) and len(line.strip()) > CODE_LINE_LIMIT
+  ]
+  assert not long, "docstring example lines over 88 characters:\n" + "\n".join(long)
+
+
 def test_design_table_lists_every_module():
   """docs/design.md's layout table has a row for every module of optax_dls, and for no other."""
   package = ROOT / "optax_dls"
