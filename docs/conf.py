@@ -77,4 +77,4 @@ html_theme_options = {
 }
 html_show_sourcelink = False
 html_static_path = ["_static"]
-html_css_files = ["custom.css"]  # code blocks wide enough for 88-character lines
+html_css_files = ["custom.css"]  # room for 88-character code lines at a 1200px window
