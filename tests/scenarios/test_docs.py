@@ -27,9 +27,12 @@ import optax_dls
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # Pages whose ```python blocks form one runnable program each (run in order, one namespace).
-RUNNABLE_PAGES = ["index.md", "troubleshooting.md"] + sorted(
-  str(p.relative_to(DOCS)) for p in (DOCS / "guide").glob("*.md")
-)
+RUNNABLE_PAGES = [
+  "index.md",
+  "troubleshooting.md",
+  "design.md",
+  "example.md",
+] + sorted(str(p.relative_to(DOCS)) for p in (DOCS / "guide").glob("*.md"))
 # A page that imports one of these is skipped without it.
 OPTIONAL = {"flax", "orbax", "jmp", "torch"}
 DOCS_BUILD = ("sphinx", "myst_parser", "sphinx_book_theme")
