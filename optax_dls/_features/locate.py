@@ -26,18 +26,8 @@ from optax_dls._util import model as _model
 from optax_dls._util import validation as _validation
 
 # Call-like primitives whose body is a jaxpr with the equation's inputs and outputs.
-_ENTERED = {
-  "pjit",
-  "jit",
-  "closed_call",
-  "core_call",
-  "remat",
-  "checkpoint",
-  "custom_jvp_call",
-  "custom_vjp_call",
-  "custom_vjp_call_jaxpr",
-  "custom_lin",
-}
+_ENTERED = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin"}
+_ENTERED |= {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -378,16 +368,9 @@ def _record(
     return
   bad = next(o for o in outputs if not _finite(o))
   notes = _notes(eqn, bad, pairs, overflowed if from_made_constant else [], overflowed, carried)
-  op = _headroom.Operation(
-    phase=phase,
-    primitive=eqn.primitive.name,
-    source=source,
-    scope=scope,
-    kind="nan" if bool(np.isnan(bad).any()) else "inf",
-    dtype=str(bad.dtype),
-    input_max=_largest_finite(inputs),
-    note="; ".join(notes),
-  )
+  kind = "nan" if bool(np.isnan(bad).any()) else "inf"
+  where = (phase, eqn.primitive.name, source, scope, kind, str(bad.dtype))
+  op = _headroom.Operation(*where, _largest_finite(inputs), "; ".join(notes))
   if made:
     acc.first = op
   else:

@@ -258,12 +258,7 @@ def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
   swapped = _calls.first_index(args, _holds_state)
   raise ValueError(
     _calls.order_error(
-      "opt_state",
-      "the optimizer state",
-      "holds no LossScaleState",
-      "holds one",
-      opt_state,
-      swapped,
+      "opt_state", "the optimizer state", "holds no LossScaleState", "holds one", opt_state, swapped
     )
   )
 
@@ -379,9 +374,7 @@ def _again(plan: Plan, last: Try) -> jax.Array:
 def _retries(plan: Plan, fp16: Pass, first: Try) -> Try:
   """Float16 passes while :func:`_again` says so."""
   return lax.while_loop(
-    functools.partial(_again, plan),
-    lambda t: _try(plan, fp16, t.next, t.tries + 1),
-    first,
+    functools.partial(_again, plan), lambda t: _try(plan, fp16, t.next, t.tries + 1), first
   )
 
 

@@ -81,8 +81,7 @@ def record(inner_state: Any, tries: jax.Array) -> Any:
     if not is_node(node):
       return node
     return RecomputeState(
-      _add(node.recomputed_steps, (tries > 0).astype(jnp.int32)),
-      _add(node.recompute_tries, tries),
+      _add(node.recomputed_steps, (tries > 0).astype(jnp.int32)), _add(node.recompute_tries, tries)
     )
 
   return jax.tree.map(count, inner_state, is_leaf=is_node)

@@ -63,9 +63,7 @@ def _all_fractions(labels: Any, tree: Any, axis_name: Any) -> dict[str, Any]:
 
 
 def underflow_stats(
-  labels: Any = None,
-  *,
-  axis_name: str | tuple[str, ...] | None = None,
+  labels: Any = None, *, axis_name: str | tuple[str, ...] | None = None
 ) -> optax.GradientTransformation:
   """Records the fractions of zero and of float16-subnormal gradient entries.
 

@@ -112,18 +112,8 @@ def amax_policy(
     kind = ValueError if isinstance(statistic, str) else TypeError
     raise kind(f"statistic must be 'amax' or 'grad_norm', got statistic={statistic!r}.")
   headroom = max_value * 2.0**-margin
-  rule = _AmaxRule(
-    init_scale,
-    history_len,
-    statistic,
-    max_value,
-    headroom,
-    min_scale,
-    max_scale,
-    growth_interval,
-    growth_factor,
-    backoff_factor,
-  )
+  scales = (init_scale, history_len, statistic, max_value, headroom, min_scale, max_scale)
+  rule = _AmaxRule(*scales, growth_interval, growth_factor, backoff_factor)
   return LossScalePolicy(
     functools.partial(_amax_init, rule),
     functools.partial(_amax_update, rule),

@@ -30,11 +30,7 @@ class FallbackState(NamedTuple):
 
 
 def fp32_fallback(
-  policy: LossScalePolicy,
-  *,
-  after: int = 10,
-  steps: int = 100,
-  scale: float | None = None,
+  policy: LossScalePolicy, *, after: int = 10, steps: int = 100, scale: float | None = None
 ) -> LossScalePolicy:
   """Wraps ``policy`` with a float32 fallback for when float16 keeps failing.
 
