@@ -195,16 +195,8 @@ def _is_optimizer(state: Any, args: tuple[Any, ...]) -> bool:
   if _is_train_state(state):
     return False
   is_state = lambda a: isinstance(a, nnx.Optimizer) or _is_train_state(a)
-  raise TypeError(
-    _calls.order_error(
-      "state",
-      "the flax TrainState or nnx.Optimizer",
-      "is neither",
-      "is one",
-      state,
-      _calls.first_index(args, is_state),
-    )
-  )
+  words = ("state", "the flax TrainState or nnx.Optimizer", "is neither", "is one")
+  raise TypeError(_calls.order_error(*words, state, _calls.first_index(args, is_state)))
 
 
 class _Modules(NamedTuple):

@@ -35,16 +35,13 @@ def _mask(mask: Any) -> Any:
   """``mask`` if callable or a pytree of bools; TypeError otherwise."""
   if callable(mask):
     return mask
-  if mask is None:
+  leaf = lambda p, x: f"the leaf {x!r} of type {type(x).__name__} at mask{jax.tree_util.keystr(p)}"
+  bad = [leaf(p, x) for p, x in jax.tree_util.tree_leaves_with_path(mask) if not _is_bool(x)]
+  if mask is None or bad:
+    got = bad[0] if bad else "None"
     raise TypeError(
-      "mask must be a pytree of bools or a callable params -> such a pytree, got None."
+      f"mask must be a pytree of bools or a callable params -> such a pytree, got {got}."
     )
-  for path, leaf in jax.tree_util.tree_leaves_with_path(mask):
-    if not _is_bool(leaf):
-      raise TypeError(
-        f"mask must be a pytree of bools or a callable params -> such a pytree, got the "
-        f"leaf {leaf!r} of type {type(leaf).__name__} at mask{jax.tree_util.keystr(path)}."
-      )
   return mask
 
 
@@ -105,11 +102,7 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
 def _floats_scaled(tree: Any, factor: float) -> Any:
   """``tree`` with its floating arrays' cotangents multiplied by ``factor``."""
   arrays, rebuild = _calls.split_arrays(tree)
-  floats = [i for i, x in enumerate(arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  scaled = _scale_gradient([arrays[i] for i in floats], factor)
-  for i, x in zip(floats, scaled, strict=True):
-    arrays[i] = x
-  return rebuild(arrays)
+  return rebuild(_scale_gradient(arrays, factor))  # other dtypes' cotangents pass as they are
 
 
 def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:

@@ -227,7 +227,9 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
   last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop
   if plan.max_tries:  # the loop only after an overflow: on XLA's CPU a loop slows what is around it
-    last = lax.cond(_again(plan, last), functools.partial(_retries, plan, fp16), lambda t: t, last)
+    retry = lambda t: _try(plan, fp16, t.next, t.tries + 1)
+    retries = lambda t: lax.while_loop(functools.partial(_again, plan), retry, t)
+    last = lax.cond(_again(plan, last), retries, lambda t: t, last)
   if fp32 is not None:  # the last resort, at the state the last float16 pass left
     last = lax.cond(last.finite, lambda t: t, lambda t: _try(plan, fp32, t.next, t.tries + 1), last)
   at = last.at._replace(
@@ -255,12 +257,8 @@ def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
   """:func:`find_state` of the first argument; else an error giving the calling order."""
   if _holds_state(opt_state):
     return _find.find_state(opt_state)
-  swapped = _calls.first_index(args, _holds_state)
-  raise ValueError(
-    _calls.order_error(
-      "opt_state", "the optimizer state", "holds no LossScaleState", "holds one", opt_state, swapped
-    )
-  )
+  words = ("opt_state", "the optimizer state", "holds no LossScaleState", "holds one")
+  raise ValueError(_calls.order_error(*words, opt_state, _calls.first_index(args, _holds_state)))
 
 
 def _holds_state(tree: Any) -> bool:
@@ -369,13 +367,6 @@ def _check(
 def _again(plan: Plan, last: Try) -> jax.Array:
   """Whether to run another float16 pass after ``last``."""
   return ~last.finite & ~last.stuck & (last.tries < plan.max_tries)
-
-
-def _retries(plan: Plan, fp16: Pass, first: Try) -> Try:
-  """Float16 passes while :func:`_again` says so."""
-  return lax.while_loop(
-    functools.partial(_again, plan), lambda t: _try(plan, fp16, t.next, t.tries + 1), first
-  )
 
 
 def _row_major(grads: Any) -> Any:

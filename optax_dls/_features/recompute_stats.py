@@ -61,11 +61,7 @@ def recompute_stats() -> optax.GradientTransformation:
   """
 
   init = lambda _: RecomputeState(*[jnp.zeros([], jnp.int32)] * 2)
-  return optax.GradientTransformation(init, _update)
-
-
-def _update(updates: Any, state: RecomputeState, params: Any = None) -> tuple[Any, Any]:
-  return updates, state
+  return optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
 
 
 def record(inner_state: Any, tries: jax.Array) -> Any:
@@ -77,14 +73,9 @@ def record(inner_state: Any, tries: jax.Array) -> Any:
       "optax_dls.recompute_stats() once inside the loss-scaled transformation."
     )
 
-  def count(node: Any) -> Any:
-    if not is_node(node):
-      return node
-    return RecomputeState(
-      _add(node.recomputed_steps, (tries > 0).astype(jnp.int32)), _add(node.recompute_tries, tries)
-    )
-
-  return jax.tree.map(count, inner_state, is_leaf=is_node)
+  steps = (tries > 0).astype(jnp.int32)
+  count = lambda n: RecomputeState(_add(n.recomputed_steps, steps), _add(n.recompute_tries, tries))
+  return jax.tree.map(lambda n: count(n) if is_node(n) else n, inner_state, is_leaf=is_node)
 
 
 def _add(count: jax.Array, n: jax.Array) -> jax.Array:
