@@ -93,39 +93,33 @@ def value_and_grad(
   ``jax.value_and_grad`` step to rounding.
 
   Args:
-    fun: the loss function; its arguments are those of ``grad_fn`` after
-      ``state``.
-    *bound: must be empty: the state is passed to ``grad_fn`` when called,
-      no longer here.
-    argnums: int or tuple of ints, the positional arguments of ``fun`` to
-      differentiate, counted in ``args`` (after ``state``). Default 0.
+    fun: the loss function; its arguments are those of ``grad_fn`` after ``state``.
+    *bound: must be empty: the state is passed to ``grad_fn`` when called, no longer here.
+    argnums: int or tuple of ints, the positional arguments of ``fun`` to differentiate, counted in
+      ``args`` (after ``state``). Default 0.
     has_aux: whether ``fun`` returns ``(loss, aux)``. Default False.
-    max_tries: None (default: no recomputation) or an int in [0, 64], the
-      float16 recomputations after the first pass.
-    fp32_fun: optional, ``fun`` computed in float32, the last resort when
-      every float16 try overflowed (same signature and outputs); needs
-      ``max_tries``. Default None.
-    axis_name: None (default), a mapped axis name or a tuple of names: the
-      gradients are averaged over it.
+    max_tries: None (default: no recomputation) or an int in [0, 64], the float16 recomputations
+      after the first pass.
+    fp32_fun: optional, ``fun`` computed in float32, the last resort when every float16 try
+      overflowed (same signature and outputs); needs ``max_tries``. Default None.
+    axis_name: None (default), a mapped axis name or a tuple of names: the gradients are averaged
+      over it.
 
   Returns:
-    ``grad_fn(state, *args, **kwargs) -> ((value, grads), state)``, ``value``
-    the loss (``(loss, aux)`` with ``has_aux``) and ``grads`` multiplied by S.
+    ``grad_fn(state, *args, **kwargs) -> ((value, grads), state)``, ``value`` the loss
+    (``(loss, aux)`` with ``has_aux``) and ``grads`` multiplied by S.
 
   Raises:
-    TypeError: a second positional argument (the state now goes to
-      ``grad_fn``); ``fun`` or ``fp32_fun`` not callable, ``has_aux`` not a
-      bool, ``argnums`` not an int or tuple of ints, ``max_tries`` not an int,
-      ``axis_name`` not a string or tuple of strings; when called, a first
-      argument that is no ``TrainState`` or ``nnx.Optimizer`` (the message
-      says when the arguments look swapped), a ``state.tx`` that is not the
-      loss-scaled transformation itself, a non-floating loss, a ``fun`` that
-      returns no ``(loss, aux)`` pair with ``has_aux=True``, fewer positional
-      arguments than ``argnums`` asks for.
-    ValueError: ``max_tries`` out of range, a negative or repeated
-      ``argnums``, ``fp32_fun`` without ``max_tries``; when called, an
-      optimizer state with no or several loss-scale states, or a ``fun``
-      that added variables to its ``nnx.Module`` arguments.
+    TypeError: a second positional argument (the state now goes to ``grad_fn``); ``fun`` or
+      ``fp32_fun`` not callable, ``has_aux`` not a bool, ``argnums`` not an int or tuple of ints,
+      ``max_tries`` not an int, ``axis_name`` not a string or tuple of strings; when called, a first
+      argument that is no ``TrainState`` or ``nnx.Optimizer`` (the message says when the arguments
+      look swapped), a ``state.tx`` that is not the loss-scaled transformation itself, a
+      non-floating loss, a ``fun`` that returns no ``(loss, aux)`` pair with ``has_aux=True``, fewer
+      positional arguments than ``argnums`` asks for.
+    ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``fp32_fun`` without
+      ``max_tries``; when called, an optimizer state with no or several loss-scale states, or a
+      ``fun`` that added variables to its ``nnx.Module`` arguments.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax

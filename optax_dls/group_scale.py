@@ -76,9 +76,8 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
 
   Args:
     fn: callable ``fn(params, *inputs, **kwargs) -> outputs`` (pytrees).
-    factor: float in [2**-126, 2**126], static. A power of two keeps the
-      products exact; other values are applied in float32 and rounded once to
-      each cotangent's dtype.
+    factor: float in [2**-126, 2**126], static. A power of two keeps the products exact; other
+      values are applied in float32 and rounded once to each cotangent's dtype.
 
   Returns:
     The wrapped callable, same signature.
@@ -116,17 +115,15 @@ def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
 
   Args:
     factor: float in [2**-126, 2**126], the factor given to :func:`group_scaled`.
-    mask: a pytree of bools with the structure of the gradients (or a prefix
-      of it), or a callable ``params -> such a pytree``; True marks the
-      group. As in ``optax.masked``.
+    mask: a pytree of bools with the structure of the gradients (or a prefix of it), or a callable
+      ``params -> such a pytree``; True marks the group. As in ``optax.masked``.
 
   Returns:
     An ``optax.GradientTransformation``.
 
   Raises:
-    TypeError: ``factor`` is not a static number, or ``mask`` is neither
-      callable nor a pytree of bools (Python or NumPy bools, or 0-d bool
-      arrays).
+    TypeError: ``factor`` is not a static number, or ``mask`` is neither callable nor a pytree of
+      bools (Python or NumPy bools, or 0-d bool arrays).
     ValueError: ``factor`` out of range.
   """
   # NumPy, not JAX: built inside a trace, a JAX value would be a tracer kept by update_fn.

@@ -50,13 +50,12 @@ def find_state(opt_state: Any) -> LossScaleState:
     opt_state: any pytree holding the state of one loss-scaled transformation.
 
   Returns:
-    That :class:`LossScaleState` (a new one, of arrays, where its leaves were
-    ``nnx.Variable``); reading it does not change ``opt_state``.
+    That :class:`LossScaleState` (a new one, of arrays, where its leaves were ``nnx.Variable``);
+    reading it does not change ``opt_state``.
 
   Raises:
-    ValueError: there is no loss-scale state in ``opt_state``, or more than
-      one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
-      message says what to do instead).
+    ValueError: there is no loss-scale state in ``opt_state``, or more than one, or it sits inside
+      ``optax.MultiSteps`` (unsupported order; the message says what to do instead).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

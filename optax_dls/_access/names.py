@@ -26,21 +26,21 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its leaf index.
 
   Args:
-    opt_state: an optimizer state holding one :class:`LossScaleState`, or the
-      dict :func:`metrics` returns (device or host values).
-    params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only the tree
-      and the dtypes are read), or the list of leaf names.
+    opt_state: an optimizer state holding one :class:`LossScaleState`, or the dict :func:`metrics`
+      returns (device or host values).
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only the tree and the dtypes are
+      read), or the list of leaf names.
 
   Returns:
-    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"``
-    where it held only infinities; empty before any non-finite step.
+    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"`` where it held only
+    infinities; empty before any non-finite step.
 
   Raises:
     TypeError: ``params`` is neither a pytree of arrays nor a list of names.
-    ValueError: ``opt_state`` holds none or several loss-scale states; ``params`` has
-      another number of floating leaves than the state was built for (for a dict of
-      :func:`metrics`, as far as its bits tell: as many 32-bit words, a leaf per bit
-      set); or the state is stacked (``jax.vmap(tx.init)``): name one member's leaves,
+    ValueError: ``opt_state`` holds none or several loss-scale states; ``params`` has another number
+      of floating leaves than the state was built for (for a dict of :func:`metrics`, as far as its
+      bits tell: as many 32-bit words, a leaf per bit set); or the state is stacked
+      (``jax.vmap(tx.init)``): name one member's leaves,
       ``jax.tree.map(lambda x: x[i], opt_state)``.
 
   Example:

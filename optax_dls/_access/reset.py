@@ -23,21 +23,17 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
-    value: the new loss scale: a real number, or a float array (traced or not)
-      of shape ``()`` or of the state's ``loss_scale`` shape, in
-      ``[2**-126, 2**126]``.
+    value: the new loss scale: a real number, or a float array (traced or not) of shape ``()`` or of
+      the state's ``loss_scale`` shape, in ``[2**-126, 2**126]``.
 
   Raises:
-    ValueError: a static ``value`` that is NaN, not finite, not > 0, outside
-      ``[2**-126, 2**126]``;
-      a ``value`` of another shape; none or more than one loss-scale state in
-      ``opt_state``.
+    ValueError: a static ``value`` that is NaN, not finite, not > 0, outside ``[2**-126, 2**126]``;
+      a ``value`` of another shape; none or more than one loss-scale state in ``opt_state``.
     TypeError: ``value`` not a real number.
 
   Returns:
-    A new ``opt_state`` of the same structure and dtypes (each leaf in the
-    wrapper it had, e.g. an ``nnx.Variable``); ``opt_state`` itself is not
-    changed.
+    A new ``opt_state`` of the same structure and dtypes (each leaf in the wrapper it had, e.g. an
+    ``nnx.Variable``); ``opt_state`` itself is not changed.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

@@ -29,8 +29,7 @@ class SkipAlerts:
   ``loss_scale``) to name the operation that overflowed.
 
   Args:
-    alert_after: int in [1, 2**31 - 1], consecutive skips that raise the
-      first alert. Default 3.
+    alert_after: int in [1, 2**31 - 1], consecutive skips that raise the first alert. Default 3.
 
   Raises:
     TypeError: ``alert_after`` is not an integer (a bool or a float is not one).
@@ -60,8 +59,8 @@ class SkipAlerts:
 
     Args:
       step: int, the training step the metrics belong to (shown in the message).
-      metrics: :func:`optax_dls.metrics` of the optimizer state after that step
-        (device arrays are moved to the host here).
+      metrics: :func:`optax_dls.metrics` of the optimizer state after that step (device arrays are
+        moved to the host here).
 
     Returns:
       The messages logged by this call (also appended to ``self.fired``).

@@ -74,10 +74,8 @@ class CastPolicy:
   static argument of ``jax.jit``). What :func:`~optax_dls.cast_policy` returns.
 
   Args:
-    param_dtype: the dtype the parameters (master weights) are kept in.
-      Default float32.
-    compute_dtype: the dtype the forward and backward passes run in. Default
-      ``param_dtype``.
+    param_dtype: the dtype the parameters (master weights) are kept in. Default float32.
+    compute_dtype: the dtype the forward and backward passes run in. Default ``param_dtype``.
     output_dtype: the dtype of the model's outputs. Default ``compute_dtype``.
 
   Raises:
@@ -149,16 +147,16 @@ def cast_policy(policy_name: str) -> CastPolicy:
   ``f64``/``float64``, and ``half`` (bfloat16 on TPU, float16 elsewhere).
 
   Args:
-    policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"``
-      or ``"p=f32,c=f16,o=f32"``.
+    policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"`` or
+      ``"p=f32,c=f16,o=f32"``.
 
   Returns:
     The policy; ``str`` of it gives jmp's form back.
 
   Raises:
     TypeError: ``policy_name`` is not a string.
-    ValueError: an unknown key or dtype name, or a part that is not ``key=dtype``;
-      the message names the string and the accepted forms.
+    ValueError: an unknown key or dtype name, or a part that is not ``key=dtype``; the message names
+      the string and the accepted forms.
 
   Example:
     >>> import optax_dls
@@ -199,8 +197,8 @@ def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = 
 
   Args:
     fn: the function; any pytrees in and out. Omitted, a decorator is returned.
-    output_dtype: the dtype of the output's floating arrays. Default ``None``:
-      the arguments' promoted floating dtype, as above.
+    output_dtype: the dtype of the output's floating arrays. Default ``None``: the arguments'
+      promoted floating dtype, as above.
 
   Returns:
     The wrapped function (``functools.wraps`` of ``fn``), or a decorator.

@@ -10,6 +10,7 @@ constants is followed, so an inf made from a literal beyond the range
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -54,28 +55,28 @@ def locate(
   meant: reported only where nothing else is.
 
   Args:
-    fun: the loss function, as given to ``jax.grad``, not yet multiplied by the
-      scale; returns a scalar (and an auxiliary value with ``has_aux=True``).
+    fun: the loss function, as given to ``jax.grad``, not yet multiplied by the scale; returns a
+      scalar (and an auxiliary value with ``has_aux=True``).
     *args: its arguments, e.g. ``params, batch``; float16 leaves stay float16.
-    scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)``
-      as :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.find_state(state).loss_scale)``);
-      in ``[2**-126, 2**126]``. Default ``2.0**15``.
+    scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)`` as
+      :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.find_state(state).loss_scale)``); in
+      ``[2**-126, 2**126]``. Default ``2.0**15``.
     argnums: which argument the gradient is taken with respect to. Default 0.
     has_aux: ``fun`` returns ``(loss, aux)``. Default False.
 
   Returns:
     A :class:`~optax_dls._util.locate_report.LocateReport`: ``first`` (phase, primitive, source,
-    scope, kind, dtype, input_max, note) or None when every value is finite, and
-    ``headroom``, one row per scope (per block instance), closest to overflow first.
-    ``print(report)`` shows a table; ``report.to_dict()`` is JSON-ready.
+    scope, kind, dtype, input_max, note) or None when every value is finite, and ``headroom``, one
+    row per scope (per block instance), closest to overflow first. ``print(report)`` shows a table;
+    ``report.to_dict()`` is JSON-ready.
 
   Raises:
-    TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not
-      a number, an int, a bool; the loss ``fun`` returns is not a real floating
-      scalar (a tuple without ``has_aux=True``, an integer or complex loss), or,
-      with ``has_aux=True``, ``fun`` returns no ``(loss, aux)`` pair.
-    ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the
-      index of one of ``args``.
+    TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not a number, an
+      int, a bool; the loss ``fun`` returns is not a real floating scalar (a tuple without
+      ``has_aux=True``, an integer or complex loss), or, with ``has_aux=True``, ``fun`` returns no
+      ``(loss, aux)`` pair.
+    ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the index of one
+      of ``args``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_dls
@@ -183,18 +184,11 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
-Record = Callable[[Any, list[Any], list[Any], list[bool], tuple[str, ...]], None]
-
-
 def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _Seen) -> list[Any]:
   """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a
   ``cond`` needs its concrete index."""
 
-  def now(
-    eqn: Any, invals: list[Any], outvals: list[Any], constant: list[bool], outer: tuple[str, ...]
-  ) -> None:
-    _record(eqn, invals, outvals, constant, outer, phase, acc, seen)
-
+  now = functools.partial(_record, phase=phase, acc=acc, seen=seen)
   if _has_cond(closed.jaxpr):
     return _eval(closed.jaxpr, closed.consts, args, None, now)[0]
   eqns: list[Any] = []
@@ -251,7 +245,7 @@ def _eval(
   consts: list[Any],
   args: list[Any],
   constant_args: list[bool] | None,
-  record: Record,
+  record: Callable[..., None],
   outer: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[bool]]:
   """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every

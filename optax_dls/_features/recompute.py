@@ -168,32 +168,30 @@ def value_and_grad(
   micro-batch is recomputed on its own.
 
   Args:
-    fun: the loss function, returning the unscaled floating scalar loss (float16 is
-      promoted to float32 before scaling), or ``(loss, aux)`` with ``has_aux=True``; any
-      positional and keyword arguments.
+    fun: the loss function, returning the unscaled floating scalar loss (float16 is promoted to
+      float32 before scaling), or ``(loss, aux)`` with ``has_aux=True``; any positional and keyword
+      arguments.
     tx: the loss-scaled transformation itself (from :func:`loss_scaled` or
       :func:`dynamic_loss_scale`), not a chain around it.
-    fp32_fun: optional, ``fun`` in float32, the last resort when every float16 try
-      overflowed; same signature, output structure and shapes (both cast to their
-      promoted dtypes). Default None.
+    fp32_fun: optional, ``fun`` in float32, the last resort when every float16 try overflowed; same
+      signature, output structure and shapes (both cast to their promoted dtypes). Default None.
     max_tries: int in [0, 64], float16 recomputations after the first pass. Default 3.
-    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in ``args``
-      (after ``opt_state``). Default 0.
+    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in ``args`` (after
+      ``opt_state``). Default 0.
     has_aux: bool, as in ``jax.value_and_grad``. Default False.
 
   Returns:
-    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``: ``value`` the
-    loss (``(loss, aux)`` with ``has_aux``), ``grads`` scaled by the new loss scale.
+    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``: ``value`` the loss
+    (``(loss, aux)`` with ``has_aux``), ``grads`` scaled by the new loss scale.
 
   Raises:
     TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not loss-scaled, ``max_tries``,
       ``argnums`` or ``has_aux`` of the wrong type; when called, a non-floating loss, no
       ``(loss, aux)`` pair with ``has_aux``, fewer positional arguments than ``argnums``.
     ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``tx`` an
-      ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first
-      argument holding no loss-scale state (the message gives the order) or several,
-      ``fun`` and ``fp32_fun`` outputs differing in structure or shape, or more than one
-      :func:`recompute_stats` in ``tx``.
+      ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first argument
+      holding no loss-scale state (the message gives the order) or several, ``fun`` and ``fp32_fun``
+      outputs differing in structure or shape, or more than one :func:`recompute_stats` in ``tx``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

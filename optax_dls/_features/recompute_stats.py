@@ -15,11 +15,10 @@ class RecomputeState(NamedTuple):
   """State of :func:`recompute_stats`.
 
   Attributes:
-    recomputed_steps: int32 ``()``. Steps whose gradients
-      :func:`optax_dls.value_and_grad` recomputed after an overflow. Saturates
-      at ``2**31 - 1``.
-    recompute_tries: int32 ``()``. The extra forward and backward passes those
-      steps took, the float32 last resort included. Saturating.
+    recomputed_steps: int32 ``()``. Steps whose gradients :func:`optax_dls.value_and_grad`
+      recomputed after an overflow. Saturates at ``2**31 - 1``.
+    recompute_tries: int32 ``()``. The extra forward and backward passes those steps took, the
+      float32 last resort included. Saturating.
   """
 
   recomputed_steps: jax.Array
@@ -44,9 +43,9 @@ def recompute_stats() -> optax.GradientTransformation:
   Without it nothing is counted. A skipped step keeps the counts of its recomputation.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of
-    two int32 ``()`` counters, ``recomputed_steps`` and ``recompute_tries``,
-    both 0 at ``init`` and saturating at ``2**31 - 1``.
+    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of two int32 ``()``
+    counters, ``recomputed_steps`` and ``recompute_tries``, both 0 at ``init`` and saturating at
+    ``2**31 - 1``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

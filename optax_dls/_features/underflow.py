@@ -21,9 +21,8 @@ class UnderflowState(NamedTuple):
   """State of :func:`underflow_stats`.
 
   Attributes:
-    fractions: dict of float32 ``()``: ``{'zero_frac', 'subnormal_frac'}``
-      over every floating entry, plus one such dict per label. NaN before the
-      first applied step.
+    fractions: dict of float32 ``()``: ``{'zero_frac', 'subnormal_frac'}`` over every floating
+      entry, plus one such dict per label. NaN before the first applied step.
   """
 
   fractions: dict[str, Any]
@@ -82,23 +81,21 @@ def underflow_stats(
   ``benchmarks/gpu_program.py``): chain it in to look, not in every run.
 
   Args:
-    labels: None (default: overall fractions only), a pytree of string labels
-      matching the gradients (or a prefix of them), or a callable
-      ``params -> labels``, as in ``optax.multi_transform``. Labels are
-      non-empty, without ``/``, and not ``zero_frac`` / ``subnormal_frac``.
-    axis_name: as in :func:`loss_scaled`: under ``pmap`` / ``shard_map`` the
-      counts are summed over these axes, so every device holds the same
-      fractions. Default None.
+    labels: None (default: overall fractions only), a pytree of string labels matching the gradients
+      (or a prefix of them), or a callable ``params -> labels``, as in ``optax.multi_transform``.
+      Labels are non-empty, without ``/``, and not ``zero_frac`` / ``subnormal_frac``.
+    axis_name: as in :func:`loss_scaled`: under ``pmap`` / ``shard_map`` the counts are summed over
+      these axes, so every device holds the same fractions. Default None.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is an ``UnderflowState``:
-    ``fractions``, a dict of float32 ``()`` (``zero_frac``, ``subnormal_frac``,
-    and one such dict per label; NaN before the first applied step).
+    An ``optax.GradientTransformation`` whose state is an ``UnderflowState``: ``fractions``, a dict
+    of float32 ``()`` (``zero_frac``, ``subnormal_frac``, and one such dict per label; NaN before
+    the first applied step).
 
   Raises:
     TypeError: a label that is not a string, or a bad ``axis_name``.
-    ValueError: an empty label tree, a reserved or malformed label, or (at
-      ``init``) labels that do not match the parameters' structure.
+    ValueError: an empty label tree, a reserved or malformed label, or (at ``init``) labels that do
+      not match the parameters' structure.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

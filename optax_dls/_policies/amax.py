@@ -19,8 +19,8 @@ class AmaxScaleState(NamedTuple):
   """Policy state of :func:`amax_policy`.
 
   Attributes:
-    amax_history: float32 ``[history_len]``. The unscaled statistic of the last steps,
-      newest first, 0 for an empty slot; a non-finite step at S records ``max_value / S``.
+    amax_history: float32 ``[history_len]``. The unscaled statistic of the last steps, newest first,
+      0 for an empty slot; a non-finite step at S records ``max_value / S``.
     growth_tracker: int32 ``()``. Consecutive finite steps since the scale last moved."""
 
   amax_history: jax.Array
@@ -66,28 +66,22 @@ def amax_policy(
   larger, which ``margin`` absorbs.
 
   Args:
-    init_scale: float, the first scale, in ``[min_scale, max_scale]``.
-      Default ``2**15``.
-    margin: float in [0, 64], octaves of headroom below ``max_value``.
-      Default 2.
+    init_scale: float, the first scale, in ``[min_scale, max_scale]``. Default ``2**15``.
+    margin: float in [0, 64], octaves of headroom below ``max_value``. Default 2.
     history_len: int in [1, 4096], steps in the history. Default 16.
-    growth_interval: int in [1, 2**31 - 1], consecutive finite steps between
-      two growths. Default 16.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps between two growths. Default
+      16.
     growth_factor: float > 1, the largest growth per step. Default 2.
     backoff_factor: float in (0, 1), backoff on a non-finite step. Default 0.5.
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
-    max_scale: float in [min_scale, 2**126], ceiling of the scale. Default
-      ``2**24``.
+    max_scale: float in [min_scale, 2**126], ceiling of the scale. Default ``2**24``.
     max_value: float, the largest finite value of the compute dtype; it and
-      ``max_value * 2**-margin`` must be normal finite float32 numbers.
-      Default 65504 (float16).
-    statistic: ``"amax"`` (default; asks the wrapper for the amax) or
-      ``"grad_norm"``.
+      ``max_value * 2**-margin`` must be normal finite float32 numbers. Default 65504 (float16).
+    statistic: ``"amax"`` (default; asks the wrapper for the amax) or ``"grad_norm"``.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: ``amax_history``
-    (float32 ``[history_len]``, newest first, 0 for an empty slot) and ``growth_tracker``
-    (int32 ``()``).
+    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: ``amax_history`` (float32
+    ``[history_len]``, newest first, 0 for an empty slot) and ``growth_tracker`` (int32 ``()``).
 
   Raises:
     ValueError: a value outside its range; the message names it.

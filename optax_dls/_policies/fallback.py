@@ -49,26 +49,23 @@ def fp32_fallback(
   step and when the fallback ends); :class:`SkipAlerts` warns on the first.
 
   Args:
-    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`;
-      its ``min_scale`` is the floor the count compares with.
-    after: int in [1, 2**31 - 1], consecutive skipped steps that start the
-      fallback. Default 10.
+    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`; its ``min_scale`` is
+      the floor the count compares with.
+    after: int in [1, 2**31 - 1], consecutive skipped steps that start the fallback. Default 10.
     steps: int in [1, 2**31 - 1], updates the fallback lasts. Default 100.
-    scale: float in the policy's ``[min_scale, max_scale]``, or None (the
-      default: the policy's initial scale), the scale to restart at.
+    scale: float in the policy's ``[min_scale, max_scale]``, or None (the default: the policy's
+      initial scale), the scale to restart at.
 
   Returns:
     A :class:`LossScalePolicy` whose state is a ``FallbackState``: ``policy_state`` (a
-    ``SkipsAtMinScaleState`` of the wrapped state and ``skips_at_min_scale``, int32
-    ``()``), ``fp32_fallback`` (bool ``()``), ``steps_left`` and ``consecutive_skips``
-    (int32 ``()``).
+    ``SkipsAtMinScaleState`` of the wrapped state and ``skips_at_min_scale``, int32 ``()``),
+    ``fp32_fallback`` (bool ``()``), ``steps_left`` and ``consecutive_skips`` (int32 ``()``).
 
   Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields
-      has the wrong type (see :class:`LossScalePolicy`), or a wrong or traced
-      value.
-    ValueError: a value out of range, ``scale`` included (the message names
-      it), or ``policy``'s ``stats``, scale range or initial scale is not valid.
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields has the wrong type
+      (see :class:`LossScalePolicy`), or a wrong or traced value.
+    ValueError: a value out of range, ``scale`` included (the message names it), or ``policy``'s
+      ``stats``, scale range or initial scale is not valid.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

@@ -18,8 +18,8 @@ class Operation:
     phase: ``"forward"`` (computing ``S * fun(*args)``) or ``"backward"`` (its gradient).
     primitive: the JAX primitive, e.g. ``"dot_general"``.
     source: ``"file:line"`` of the user's code that wrote it (``"?"`` when unknown).
-    scope: its named scope, the block instance's path (``"blocks/2"``), or else the
-      qualified name of the user's function that wrote it.
+    scope: its named scope, the block instance's path (``"blocks/2"``), or else the qualified name
+      of the user's function that wrote it.
     kind: ``"inf"`` or ``"nan"`` (``"nan"`` when its output holds any NaN).
     dtype: its output's dtype, e.g. ``"float16"``.
     input_max: the largest finite ``|value|`` among its inputs (0.0 when none).
@@ -41,11 +41,11 @@ class ScopeHeadroom:
 
   Attributes:
     scope: the scope's name (``"(top level)"`` outside any).
-    forward_fraction / backward_fraction: the largest finite ``|activation|`` /
-      ``|cotangent|`` as a fraction of the dtype's largest finite value, entries at exactly
-      that value (a mask's ``finfo.min``) left out; 0.0 when none.
-    forward_overflow / backward_overflow: an operation of the scope made an inf or NaN
-      from finite inputs in that pass.
+    forward_fraction / backward_fraction: the largest finite ``|activation|`` / ``|cotangent|`` as a
+      fraction of the dtype's largest finite value, entries at exactly that value (a mask's
+      ``finfo.min``) left out; 0.0 when none.
+    forward_overflow / backward_overflow: an operation of the scope made an inf or NaN from finite
+      inputs in that pass.
     underflow_share: the share of its floating output entries, both passes, nonzero and
       below the dtype's smallest normal."""
 
@@ -147,10 +147,7 @@ class Accumulator:
         measured = np.isfinite(values) & (values != float(info.max))
         largest = float(values[measured].max()) if measured.any() else 0.0
         fraction = largest / float(info.max)
-        if phase == "forward":
-          h.forward_fraction = max(h.forward_fraction, fraction)
-        else:
-          h.backward_fraction = max(h.backward_fraction, fraction)
+        setattr(h, f"{phase}_fraction", max(getattr(h, f"{phase}_fraction"), fraction))
         h._entries += values.size
         h._below_normal += int(np.count_nonzero((values > 0) & (values < float(info.tiny))))
         h.underflow_share = h._below_normal / max(h._entries, 1)
