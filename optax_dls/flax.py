@@ -2,9 +2,9 @@
 ``nnx.Optimizer``, and the port from flax's ``DynamicScale``.
 
 Importing it imports flax (the ``flax`` extra). The optimizer needs nothing flax-specific:
-``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` unscale, check, skip and adapt.
-Their ``step`` counts skipped steps too; the applied ones are ``metrics(...)['num_steps'] -
-metrics(...)['skip_count']``.
+``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` unscale, check, skip and adapt. Their
+``step`` counts skipped steps too; the applied ones are
+``metrics(...)['num_steps'] - metrics(...)['skip_count']``.
 """
 
 from __future__ import annotations
@@ -44,53 +44,51 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad`` / ``nnx.value_and_grad``, with the loss scaled by S.
 
-  ``grad_fn(state, *args, **kwargs)`` takes the linen ``TrainState`` or the
-  ``nnx.Optimizer`` first, reads its loss scale S when called, and differentiates
-  ``S * fun(*args, **kwargs)`` (Micikevicius et al. 2018, *Mixed Precision Training*). It
-  returns the *unscaled* loss, the *scaled* gradients (the optimizer unscales them) and the
-  state to apply them to::
+  ``grad_fn(state, *args, **kwargs)`` takes the linen ``TrainState`` or the ``nnx.Optimizer`` first,
+  reads its loss scale S when called, and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius
+  et al. 2018, *Mixed Precision Training*). It returns the *unscaled* loss, the *scaled* gradients
+  (the optimizer unscales them) and the state to apply them to::
 
       grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)
 
-      ((loss, aux), grads), state = grad_fn(state, state.params, batch)  # linen
-      state = state.apply_gradients(grads=grads)
+      ((loss, aux), grads), state = grad_fn(state, state.params, batch) # linen state =
+      state.apply_gradients(grads=grads)
 
-      (loss, grads), optimizer = grad_fn(optimizer, model, batch)        # nnx
-      optimizer.update(model, grads)
+      (loss, grads), optimizer = grad_fn(optimizer, model, batch) # nnx optimizer.update(model,
+      grads)
 
-  ``fun`` returns a floating scalar loss (float16 is promoted to float32 before scaling)
-  or ``(loss, aux)`` with ``has_aux=True``, and may take any keyword. A differentiated
-  ``nnx.Module`` is differentiated with respect to the optimizer's ``wrt`` variables
-  (``nnx.Param`` by default); any other argument as ``jax.value_and_grad`` does. Module
-  arguments are split with ``nnx.split`` and merged back: ``fun`` must not change their
-  structure (``sow``, a new ``Variable`` or attribute); a ``ValueError`` names what changed.
+  ``fun`` returns a floating scalar loss (float16 is promoted to float32 before scaling) or
+  ``(loss, aux)`` with ``has_aux=True``, and may take any keyword. A differentiated ``nnx.Module``
+  is differentiated with respect to the optimizer's ``wrt`` variables (``nnx.Param`` by default);
+  any other argument as ``jax.value_and_grad`` does. Module arguments are split with ``nnx.split``
+  and merged back: ``fun`` must not change their structure (``sow``, a new ``Variable`` or
+  attribute); a ``ValueError`` names what changed.
 
-  **A skipped step leaves the model as it was.** The modules' variables the optimizer does
-  not update (``BatchStat`` and other non-``wrt`` variables; the RNG state advances) take
-  ``fun``'s values only when the gradients are finite (a select per element; without
-  ``max_tries``, one more read of the gradients). For linen, keep ``batch_stats`` so::
+  **A skipped step leaves the model as it was.** The modules' variables the optimizer does not
+  update (``BatchStat`` and other non-``wrt`` variables; the RNG state advances) take ``fun``'s
+  values only when the gradients are finite (a select per element; without ``max_tries``, one more
+  read of the gradients). For linen, keep ``batch_stats`` so::
 
-      new = state.apply_gradients(grads=grads)
-      skipped = optax_dls.metrics(new.opt_state)["skipped"]
-      keep = lambda n, o: jnp.where(skipped, o, n)
-      new = new.replace(batch_stats=jax.tree.map(keep, batch_stats, state.batch_stats))
+      new = state.apply_gradients(grads=grads) skipped = optax_dls.metrics(new.opt_state)["skipped"]
+      keep = lambda n, o: jnp.where(skipped, o, n) new = new.replace(batch_stats=jax.tree.map(keep,
+      batch_stats, state.batch_stats))
 
-  **Recomputing** (``max_tries`` given): an overflowing step backs S off and is computed
-  again for the same arguments inside the compiled step, as :func:`optax_dls.value_and_grad`
-  does (then once with ``fp32_fun`` if given). The gradients come scaled by the new S, which
-  the returned state carries (a new ``TrainState``; the ``nnx.Optimizer`` updated in place).
-  Every try starts from the arguments as given (the same RNG state); the module state left
-  is that of the returned try. Without ``max_tries`` the returned state equals ``state``
-  except that a non-finite loss is recorded, so that the update skips and backs off once.
+  **Recomputing** (``max_tries`` given): an overflowing step backs S off and is computed again for
+  the same arguments inside the compiled step, as :func:`optax_dls.value_and_grad` does (then once
+  with ``fp32_fun`` if given). The gradients come scaled by the new S, which the returned state
+  carries (a new ``TrainState``; the ``nnx.Optimizer`` updated in place). Every try starts from the
+  arguments as given (the same RNG state); the module state left is that of the returned try.
+  Without ``max_tries`` the returned state equals ``state`` except that a non-finite loss is
+  recorded, so that the update skips and backs off once.
 
-  **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` every pass's gradients
-  are averaged with ``lax.pmean`` (the loss is not), as flax's ``DynamicScale`` does; build
-  the transformation with the same ``axis_name``. Not needed under ``jit`` with
-  ``NamedSharding``. Under ``shard_map`` with ``check_vma=True`` a replicated parameter's
-  gradient is already summed by JAX's transpose: average the loss in ``fun`` there.
+  **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` every pass's gradients are
+  averaged with ``lax.pmean`` (the loss is not), as flax's ``DynamicScale`` does; build the
+  transformation with the same ``axis_name``. Not needed under ``jit`` with ``NamedSharding``. Under
+  ``shard_map`` with ``check_vma=True`` a replicated parameter's gradient is already summed by JAX's
+  transpose: average the loss in ``fun`` there.
 
-  With :func:`optax_dls.no_loss_scale` (S = 1) nothing is retried: a plain
-  ``jax.value_and_grad`` step to rounding.
+  With :func:`optax_dls.no_loss_scale` (S = 1) nothing is retried: a plain ``jax.value_and_grad``
+  step to rounding.
 
   Args:
     fun: the loss function; its arguments are those of ``grad_fn`` after ``state``.
@@ -194,8 +192,8 @@ def _is_optimizer(state: Any, args: tuple[Any, ...]) -> bool:
 
 
 class _Modules(NamedTuple):
-  """The ``nnx.Module`` arguments of one call as pure states: the differentiated ones, the
-  RNG state, and the other variables (kept as they were on a skipped step)."""
+  """The ``nnx.Module`` arguments of one call as pure states: the differentiated ones, the RNG
+  state, and the other variables (kept as they were on a skipped step)."""
 
   modules: tuple[Any, ...]
   where: tuple[int, ...]  # their positions among the arguments
@@ -225,8 +223,8 @@ class _Modules(NamedTuple):
     return tuple(out)
 
   def pure(self, f: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-    """``f`` on the pure arguments, returning ``(loss, (aux, after))``, ``after`` the RNG and
-    other states the call leaves in the modules."""
+    """``f`` on the pure arguments, returning ``(loss, (aux, after))``, ``after`` the RNG and other
+    states the call leaves in the modules."""
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
       merged = self._merged(args)
@@ -259,8 +257,8 @@ class _Modules(NamedTuple):
     return nnx.merge(self.graphdef, self.rng, self.other, *parts, **_MERGE_COPY)
 
   def update(self, after: Any, finite: jax.Array) -> None:
-    """Writes ``after`` into the modules: the RNG state, and the other variables where the
-    gradients are ``finite``."""
+    """Writes ``after`` into the modules: the RNG state, and the other variables where the gradients
+    are ``finite``."""
     if not self.where:
       return
     rng, other = after
@@ -282,8 +280,8 @@ _MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameter
 
 
 def _write_in_place(opt_state: Any, new: Any) -> None:
-  """Writes ``new``'s leaves into the ``nnx.Variable`` leaves of ``opt_state``'s
-  LossScaleState, each in its own dtype."""
+  """Writes ``new``'s leaves into the ``nnx.Variable`` leaves of ``opt_state``'s LossScaleState,
+  each in its own dtype."""
   (node,) = _find.find_all(opt_state)
   for var, value in zip(
     jax.tree.leaves(node, is_leaf=_find.is_variable), jax.tree.leaves(new), strict=True

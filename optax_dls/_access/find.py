@@ -42,9 +42,9 @@ def _unwrap(tree: Any) -> Any:
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
-  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or
-  loss-scaled ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an
-  ``nnx.Optimizer`` or its ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
+  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or loss-scaled
+  ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an ``nnx.Optimizer`` or its
+  ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
 
   Args:
     opt_state: any pytree holding the state of one loss-scaled transformation.
@@ -81,8 +81,8 @@ def find_state(opt_state: Any) -> LossScaleState:
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in
-  the dtype and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in the dtype
+  and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
 
   def put(node: Any) -> Any:
     if not isinstance(node, LossScaleState):

@@ -16,14 +16,14 @@ from optax_dls._util import model as _model
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
-  Host side: reads the record's two bit sets from the device. A name is the key path
-  joined by ``/`` (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order, as the
-  metrics writer writes it; every floating or complex leaf has one. An nnx ``Variable``
-  and a linen axis-metadata box are named without ``/value`` (``"linear/kernel"``); an
-  Equinox module's leaves by attribute path (``"layers/0/weight"``), its functions and
-  other non-arrays (``Dropout.p``) unnamed, so the whole model and its arrays name the
-  same leaves. Names are unique: a ``/`` inside a key is written ``\\/`` (a ``\\`` as
-  ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its leaf index.
+  Host side: reads the record's two bit sets from the device. A name is the key path joined by ``/``
+  (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order, as the metrics writer writes it;
+  every floating or complex leaf has one. An nnx ``Variable`` and a linen axis-metadata box are
+  named without ``/value`` (``"linear/kernel"``); an Equinox module's leaves by attribute path
+  (``"layers/0/weight"``), its functions and other non-arrays (``Dropout.p``) unnamed, so the whole
+  model and its arrays name the same leaves. Names are unique: a ``/`` inside a key is written
+  ``\\/`` (a ``\\`` as ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its
+  leaf index.
 
   Args:
     opt_state: an optimizer state holding one :class:`LossScaleState`, or the dict :func:`metrics`
@@ -121,6 +121,6 @@ def _is_names(params: Any) -> bool:
 
 
 def leaf_names(params: Any) -> list[str]:
-  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``,
-  in the record's bit order (the rules are in its docstring)."""
+  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``, in the
+  record's bit order (the rules are in its docstring)."""
   return _labels.leaf_names(_model.arrays_of_modules(params))

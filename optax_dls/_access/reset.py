@@ -15,11 +15,11 @@ from optax_dls._util import validation as _validation
 def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
-  Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every
-  other field is kept. ``value`` is only checked to be a valid scale: the next update keeps
-  the scale within the transformation's range (that step's loss is scaled and unscaled by
-  ``value``). A traced NaN makes the next step skip and restart from the initial scale. A
-  state stacked by ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
+  Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every other
+  field is kept. ``value`` is only checked to be a valid scale: the next update keeps the scale
+  within the transformation's range (that step's loss is scaled and unscaled by ``value``). A traced
+  NaN makes the next step skip and restart from the initial scale. A state stacked by
+  ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.

@@ -1,8 +1,8 @@
-"""Where a jaxpr equation came from: the user's ``file:line``, function and named scope,
-and, while :func:`watching`, which call made it and where a constant overflowed.
+"""Where a jaxpr equation came from: the user's ``file:line``, function and named scope, and, while
+:func:`watching`, which call made it and where a constant overflowed.
 
-The only reader of JAX's private ``source_info_util``: without it, source is ``"?"`` and
-no call is told apart; named scopes still work.
+The only reader of JAX's private ``source_info_util``: without it, source is ``"?"`` and no call is
+told apart; named scopes still work.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _user_frame(traceback: Any) -> tuple[str, int, str] | None:
-  """The user's innermost frame: (file name, line, qualified function name); None when
-  unknown."""
+  """The user's innermost frame: (file name, line, qualified function name); None when unknown."""
   if _siu is None or traceback is None:
     return None
   try:
@@ -72,8 +71,8 @@ _TYPE_SCOPES = ("eqx.",)
 
 
 def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
-  """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (those of the call
-  whose body holds it), without transforms."""
+  """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (those of the call whose body
+  holds it), without transforms."""
   stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
   return [*outer, *(s.name for s in stack if type(s).__name__ == "Scope")]
 
@@ -81,8 +80,8 @@ def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
 def scope_of(
   eqn: Any, outer: Sequence[str] = (), instances: Mapping[str, str] | None = None
 ) -> str:
-  """The named scope ``eqn`` ran in, from the innermost block instance ``instances`` names
-  (by its path) inwards; ``""`` at the top level."""
+  """The named scope ``eqn`` ran in, from the innermost block instance ``instances`` names (by its
+  path) inwards; ``""`` at the top level."""
   parts: list[str] = []
   inside = False
   for name in scopes(eqn, outer):
@@ -98,8 +97,8 @@ def scope_of(
 @dataclasses.dataclass
 class Watch:
   """What :func:`watching` saw: the scope each user call opened, in order (``calls``), what
-  ``describe`` said of each call's arguments (``given``), and ``(file, function, line)``
-  where NumPy overflowed making a constant (``overflows``)."""
+  ``describe`` said of each call's arguments (``given``), and ``(file, function, line)`` where NumPy
+  overflowed making a constant (``overflows``)."""
 
   calls: list[str] = dataclasses.field(default_factory=list)
   given: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -121,10 +120,9 @@ _SITE = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "
 
 @contextlib.contextmanager
 def watching(describe: Callable[[list[Any]], Any] | None = None) -> Iterator[Watch]:
-  """While tracing, every user call (not a linen method: linen names its modules) opens a
-  scope of its own and ``describe`` gets its positional arguments; a NumPy overflow making
-  a constant is noted with the user's line. Under another profiler, calls are not told
-  apart."""
+  """While tracing, every user call (not a linen method: linen names its modules) opens a scope of
+  its own and ``describe`` gets its positional arguments; a NumPy overflow making a constant is
+  noted with the user's line. Under another profiler, calls are not told apart."""
   watch = Watch()
   if _siu is None:
     yield watch
@@ -197,9 +195,9 @@ def _positional(frame: Any) -> list[Any]:
 
 
 def _eligible(code: Any) -> bool:
-  """A user function whose call opens a scope: not a generator (left at each ``yield``),
-  an ``__enter__``/``__exit__``, a module body, a comprehension, nor the import system's
-  or the standard library's."""
+  """A user function whose call opens a scope: not a generator (left at each ``yield``), an
+  ``__enter__``/``__exit__``, a module body, a comprehension, nor the import system's or the
+  standard library's."""
   name, function = code.co_filename, code.co_name
   skipped = bool(code.co_flags & _SKIPPED) or function in ("__enter__", "__exit__")
   skipped |= function.startswith("<") and function != "<lambda>"

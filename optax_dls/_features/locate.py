@@ -1,11 +1,10 @@
 """``locate``: the operation that made an inf or NaN, and every scope's headroom.
 
-``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the
-pullback of 1), each evaluated equation by equation on the CPU under one ``jax.jit`` that
-returns every value (eagerly when it holds a ``cond``). Call-like equations and a
-``cond``'s taken branch are entered; a ``scan`` or ``while`` is run whole. Which values are
-constants is followed, so an inf made from a literal beyond the range
-(:func:`jax_source.watching`) is told from an explicit one.
+``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the pullback of
+1), each evaluated equation by equation on the CPU under one ``jax.jit`` that returns every value
+(eagerly when it holds a ``cond``). Call-like equations and a ``cond``'s taken branch are entered; a
+``scan`` or ``while`` is run whole. Which values are constants is followed, so an inf made from a
+literal beyond the range (:func:`jax_source.watching`) is told from an explicit one.
 """
 
 from __future__ import annotations
@@ -41,18 +40,18 @@ def locate(
 ) -> _headroom.LocateReport:
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
-  Runs outside the training step, on the CPU, holding every intermediate value in host
-  memory: call it once, on a micro-batch of a skipped step.
+  Runs outside the training step, on the CPU, holding every intermediate value in host memory: call
+  it once, on a micro-batch of a skipped step.
 
-  An operation is named by its scope (flax linen's module path or a ``jax.named_scope``);
-  in a block called once per instance (an Equinox or nnx module's method, a function given
-  the block's parameters), by the block's path in the differentiated argument, as
-  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``), so each instance has a
-  headroom row; otherwise by the user's function that wrote it. A float16 constant beyond
-  65504 (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``) is inf before anything
-  runs: the operation that makes or first reads it is the place, its note saying so. An
-  inf constant not seen made while tracing (an explicit ``-jnp.inf`` mask) is taken as
-  meant: reported only where nothing else is.
+  An operation is named by its scope (flax linen's module path or a ``jax.named_scope``); in a block
+  called once per instance (an Equinox or nnx module's method, a function given the block's
+  parameters), by the block's path in the differentiated argument, as
+  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``), so each instance has a headroom
+  row; otherwise by the user's function that wrote it. A float16 constant beyond 65504
+  (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``) is inf before anything runs: the
+  operation that makes or first reads it is the place, its note saying so. An inf constant not seen
+  made while tracing (an explicit ``-jnp.inf`` mask) is taken as meant: reported only where nothing
+  else is.
 
   Args:
     fun: the loss function, as given to ``jax.grad``, not yet multiplied by the scale; returns a
@@ -185,8 +184,8 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
 
 
 def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _Seen) -> list[Any]:
-  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a
-  ``cond`` needs its concrete index."""
+  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a ``cond``
+  needs its concrete index."""
 
   now = functools.partial(_record, phase=phase, acc=acc, seen=seen)
   if _has_cond(closed.jaxpr):
@@ -248,8 +247,8 @@ def _eval(
   record: Callable[..., None],
   outer: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[bool]]:
-  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every
-  operation with its inputs, outputs, constant flags and the scopes of the calls around."""
+  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every operation with
+  its inputs, outputs, constant flags and the scopes of the calls around."""
   env: dict[Any, Any] = {}
   constant: set[Any] = set(jaxpr.constvars)
 

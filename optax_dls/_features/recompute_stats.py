@@ -32,13 +32,12 @@ class RecomputeState(NamedTuple):
 def recompute_stats() -> optax.GradientTransformation:
   """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
 
-  An identity transformation whose ``RecomputeState`` counts the steps
-  :func:`value_and_grad` recomputed after an overflow and the extra passes they took.
-  Chain it inside the loss-scaled transformation; :func:`metrics` reports
-  ``recomputed_steps`` and ``recompute_tries``::
+  An identity transformation whose ``RecomputeState`` counts the steps :func:`value_and_grad`
+  recomputed after an overflow and the extra passes they took. Chain it inside the loss-scaled
+  transformation; :func:`metrics` reports ``recomputed_steps`` and ``recompute_tries``::
 
-      inner = optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3))
-      tx = optax_dls.dynamic_loss_scale(inner)
+      inner = optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3)) tx =
+      optax_dls.dynamic_loss_scale(inner)
 
   Without it nothing is counted. A skipped step keeps the counts of its recomputation.
 

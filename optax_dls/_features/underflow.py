@@ -1,5 +1,5 @@
-"""Gradient-underflow statistics: an identity transformation chained inside the loss
-scaler, recording the fractions of zero and float16-subnormal unscaled gradient entries."""
+"""Gradient-underflow statistics: an identity transformation chained inside the loss scaler,
+recording the fractions of zero and float16-subnormal unscaled gradient entries."""
 
 from __future__ import annotations
 
@@ -66,18 +66,18 @@ def underflow_stats(
 ) -> optax.GradientTransformation:
   """Records the fractions of zero and of float16-subnormal gradient entries.
 
-  An identity transformation whose state holds, for the last step it saw, the fraction of
-  floating entries exactly 0 (``zero_frac``) and float16-subnormal, ``0 < |x| < 2**-14``
-  (``subnormal_frac``), overall and per label. Chain it first inside the loss-scaled
-  transformation, where it sees the unscaled gradients of every applied step (skipped
-  steps leave it untouched); :func:`metrics` reports ``underflow/zero_frac``,
-  ``underflow/subnormal_frac`` and ``underflow/<label>/...``::
+  An identity transformation whose state holds, for the last step it saw, the fraction of floating
+  entries exactly 0 (``zero_frac``) and float16-subnormal, ``0 < |x| < 2**-14``
+  (``subnormal_frac``), overall and per label. Chain it first inside the loss-scaled transformation,
+  where it sees the unscaled gradients of every applied step (skipped steps leave it untouched);
+  :func:`metrics` reports ``underflow/zero_frac``, ``underflow/subnormal_frac`` and
+  ``underflow/<label>/...``::
 
-      inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3))
-      tx = optax_dls.dynamic_loss_scale(inner)
+      inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)) tx =
+      optax_dls.dynamic_loss_scale(inner)
 
-  Cost: one extra read of the gradients per step (at 1B float32 parameters on an H100
-  target, 1.215x bare Adam's bytes against the default's 1.143x, and twice the kernels;
+  Cost: one extra read of the gradients per step (at 1B float32 parameters on an H100 target, 1.215x
+  bare Adam's bytes against the default's 1.143x, and twice the kernels;
   ``benchmarks/gpu_program.py``): chain it in to look, not in every run.
 
   Args:

@@ -1,7 +1,7 @@
-"""Loss-scale policies: pure ``init`` / ``update`` pairs over a small state (:mod:`.base`).
-The dynamic rule (:mod:`.dynamic`) backs the dynamic, static and no-op policies and the
-framework presets (:mod:`.presets`); :mod:`.amax` follows the gradients' magnitude;
-:mod:`.fallback` wraps a policy with a float32 fallback and a count of skips at ``min_scale``.
+"""Loss-scale policies: pure ``init`` / ``update`` pairs over a small state (:mod:`.base`). The
+dynamic rule (:mod:`.dynamic`) backs the dynamic, static and no-op policies and the framework
+presets (:mod:`.presets`); :mod:`.amax` follows the gradients' magnitude; :mod:`.fallback` wraps a
+policy with a float32 fallback and a count of skips at ``min_scale``.
 
 May import: ``_util`` only."""
 

@@ -52,9 +52,9 @@ def amax_policy(
   """Gradient-aware loss scaling: keep the scaled amax ``margin`` octaves below fp16 max.
 
   Delayed scaling, as for FP8 (Micikevicius et al. 2022, *FP8 Formats for Deep Learning*;
-  Transformer Engine ``DelayedScaling``): each step records the unscaled statistic (the
-  scaled amax over S, or the global norm) and targets ``T = pow2_floor(max_value /
-  2**margin / max(history))``, clipped to ``[min_scale, max_scale]``.
+  Transformer Engine ``DelayedScaling``): each step records the unscaled statistic (the scaled amax
+  over S, or the global norm) and targets ``T = pow2_floor(max_value / 2**margin / max(history))``,
+  clipped to ``[min_scale, max_scale]``.
 
   * Finite step, ``T < S``: back off to ``T`` at once, before any overflow.
   * Finite step, ``T > S`` and ``growth_interval`` consecutive finite steps
@@ -62,8 +62,8 @@ def amax_policy(
   * Non-finite step (skipped): ``S = max(S * backoff_factor, min_scale)``, and
     ``max_value / S`` enters the history, holding the scale down for ``history_len`` steps.
 
-  The amax is over the gradients the optimizer receives; activation cotangents can be
-  larger, which ``margin`` absorbs.
+  The amax is over the gradients the optimizer receives; activation cotangents can be larger, which
+  ``margin`` absorbs.
 
   Args:
     init_scale: float, the first scale, in ``[min_scale, max_scale]``. Default ``2**15``.

@@ -1,6 +1,5 @@
-"""Float32 fallback: a policy wrapper whose flag asks for the loss in float32 for a while
-after a run of skipped steps, and the count of skips at the minimum scale, which backing off
-cannot cure."""
+"""Float32 fallback: a policy wrapper whose flag asks for the loss in float32 for a while after a
+run of skipped steps, and the count of skips at the minimum scale, which backing off cannot cure."""
 
 from __future__ import annotations
 
@@ -16,9 +15,9 @@ from optax_dls._util import validation as _validation
 
 
 class FallbackState(NamedTuple):
-  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState``
-  (``policy_state``), the flag (``fp32_fallback``, bool ``()``), the updates it has left
-  (``steps_left``) and the skips in a row (``consecutive_skips``), int32 ``()``."""
+  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState`` (``policy_state``),
+  the flag (``fp32_fallback``, bool ``()``), the updates it has left (``steps_left``) and the skips
+  in a row (``consecutive_skips``), int32 ``()``."""
 
   policy_state: Any
   fp32_fallback: jax.Array
@@ -34,19 +33,19 @@ def fp32_fallback(
 ) -> LossScalePolicy:
   """Wraps ``policy`` with a float32 fallback for when float16 keeps failing.
 
-  After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on
-  for the next ``steps`` updates, while the wrapped policy keeps moving the scale; the
-  update that ends it restarts the scale at ``scale`` and the wrapped policy's state. The
-  step picks the computation with the flag (both branches traced once, so switching never
-  recompiles; they must return the same structure, shapes and dtypes)::
+  After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on for the
+  next ``steps`` updates, while the wrapped policy keeps moving the scale; the update that ends it
+  restarts the scale at ``scale`` and the wrapped policy's state. The step picks the computation
+  with the flag (both branches traced once, so switching never recompiles; they must return the same
+  structure, shapes and dtypes)::
 
       loss = jax.lax.cond(
         optax_dls.metrics(opt_state)["fp32_fallback"], fp32_loss, fp16_loss, params, batch
       )
 
-  It also counts the consecutive skips taken at the policy's ``min_scale``, which backing
-  off cannot cure: :func:`metrics` reports ``skips_at_min_scale`` (reset by an applied
-  step and when the fallback ends); :class:`SkipAlerts` warns on the first.
+  It also counts the consecutive skips taken at the policy's ``min_scale``, which backing off cannot
+  cure: :func:`metrics` reports ``skips_at_min_scale`` (reset by an applied step and when the
+  fallback ends); :class:`SkipAlerts` warns on the first.
 
   Args:
     policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`; its ``min_scale`` is
@@ -134,8 +133,8 @@ class SkipsAtMinScaleState(NamedTuple):
 
 
 def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
-  """Wraps ``policy`` to count consecutive skips at its ``min_scale``; the scale is the
-  wrapped policy's. TypeError / ValueError as ``check_policy`` raises them."""
+  """Wraps ``policy`` to count consecutive skips at its ``min_scale``; the scale is the wrapped
+  policy's. TypeError / ValueError as ``check_policy`` raises them."""
   policy = check_policy(policy)
   init = functools.partial(_min_scale_init, policy)
   return policy._replace(init=init, update=functools.partial(_min_scale_update, policy))

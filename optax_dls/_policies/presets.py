@@ -1,14 +1,13 @@
 """The presets reproducing other frameworks' scale trajectories, public as
 ``optax_dls.config.preset("torch")``, ``"keras"``, ``"jmp"``, ``"flax"``, ``"megatron"`` and
-``"deepspeed"`` (their arguments, defaults and limits: ``config.preset`` and
-``docs/policies.md``).
+``"deepspeed"`` (their arguments, defaults and limits: ``config.preset`` and ``docs/policies.md``).
 
-Given the same finite / non-finite steps, each scale equals the reference's bit for bit while
-the reference stays inside ``[2**-126, 2**126]``. References: PyTorch
-``torch/amp/grad_scaler.py``, Megatron-LM ``megatron/core/optimizer/grad_scaler.py``,
-DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py``, Keras 3
-``keras/src/optimizers/loss_scale_optimizer.py``, jmp ``jmp/_src/loss_scale.py``, flax
-``flax/training/dynamic_scale.py``; the rule is Micikevicius et al. (2018), Sec. 3.2.
+Given the same finite / non-finite steps, each scale equals the reference's bit for bit while the
+reference stays inside ``[2**-126, 2**126]``. References: PyTorch ``torch/amp/grad_scaler.py``,
+Megatron-LM ``megatron/core/optimizer/grad_scaler.py``, DeepSpeed
+``deepspeed/runtime/fp16/loss_scaler.py``, Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``,
+jmp ``jmp/_src/loss_scale.py``, flax ``flax/training/dynamic_scale.py``; the rule is Micikevicius et
+al. (2018), Sec. 3.2.
 """
 
 from __future__ import annotations
@@ -86,8 +85,8 @@ _PRESETS: dict[str, tuple[dict[str, Any], tuple[tuple[str, Any, Any], ...]]] = {
 
 
 def _option(role: Any, name: str, value: Any) -> dict[str, Any]:
-  """The :class:`DynamicRule` options (or ``init`` / ``low`` for the scale range) of one
-  argument, checked; ValueError / TypeError naming it."""
+  """The :class:`DynamicRule` options (or ``init`` / ``low`` for the scale range) of one argument,
+  checked; ValueError / TypeError naming it."""
   if role in ("init", "low"):
     return {role: (name, value)}
   if role == "floor":

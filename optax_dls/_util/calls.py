@@ -1,5 +1,5 @@
-"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair,
-``argnums``' reach, the calling order, shared dtypes, and the array arguments."""
+"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair, ``argnums``'
+reach, the calling order, shared dtypes, and the array arguments."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def first_index(args: tuple[Any, ...], test: Callable[[Any], bool]) -> int | Non
 
 
 def promoted(out_a: Any, out_b: Any, names: tuple[str, str]) -> Any:
-  """``out_a``'s shapes with dtypes promoted with ``out_b``'s (of the same structure: the
-  caller checks it); ValueError where they differ in shape."""
+  """``out_a``'s shapes with dtypes promoted with ``out_b``'s (of the same structure: the caller
+  checks it); ValueError where they differ in shape."""
   leaves_a, leaves_b = jax.tree_util.tree_leaves_with_path(out_a), jax.tree.leaves(out_b)
   for (path, a), b in zip(leaves_a, leaves_b):
     if a.shape != b.shape:

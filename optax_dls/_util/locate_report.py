@@ -67,9 +67,9 @@ class ScopeHeadroom:
 
 @dataclasses.dataclass
 class LocateReport:
-  """What :func:`optax_dls.locate` found: the ``scale`` ``S``, the ``first``
-  :class:`Operation` that made an inf or NaN (or ``None``), and one :class:`ScopeHeadroom`
-  per scope in ``headroom``, closest to overflow first (those that overflowed in order)."""
+  """What :func:`optax_dls.locate` found: the ``scale`` ``S``, the ``first`` :class:`Operation` that
+  made an inf or NaN (or ``None``), and one :class:`ScopeHeadroom` per scope in ``headroom``,
+  closest to overflow first (those that overflowed in order)."""
 
   scale: float
   first: Operation | None
@@ -135,8 +135,8 @@ class Accumulator:
   def add(
     self, phase: str, scope: str, outputs: list[np.ndarray], ranged: bool, made: bool
   ) -> None:
-    """Records one operation's float outputs: their range where ``ranged`` (nothing
-    non-finite carried in), and the scope's overflow where ``made``."""
+    """Records one operation's float outputs: their range where ``ranged`` (nothing non-finite
+    carried in), and the scope's overflow where ``made``."""
     h = self.scopes.setdefault(scope or "(top level)", ScopeHeadroom(scope or "(top level)"))
     if ranged:
       for out in outputs:
@@ -163,8 +163,8 @@ class Accumulator:
 
 
 def power_text(x: float) -> str:
-  """A loss scale as ``2^k`` when a power of two (1 as ``1``), else ``2^x.xx``;
-  ``%g`` when not finite and > 0.
+  """A loss scale as ``2^k`` when a power of two (1 as ``1``), else ``2^x.xx``; ``%g`` when not
+  finite and > 0.
 
   >>> from optax_dls._util.locate_report import power_text
   >>> power_text(2.0**21), power_text(2.0**-126), power_text(1.0), power_text(1500.0)

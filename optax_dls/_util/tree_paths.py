@@ -30,9 +30,9 @@ def _key(key: Any) -> str:
 
 
 def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
-  """The leaves by path of a tree as Orbax or flax's serialisation stores it (NamedTuples
-  and dataclasses as dicts, tuples as lists or dicts of ``'0'``..., empty nodes as None), or
-  as it is in memory."""
+  """The leaves by path of a tree as Orbax or flax's serialisation stores it (NamedTuples and
+  dataclasses as dicts, tuples as lists or dicts of ``'0'``..., empty nodes as None), or as it is in
+  memory."""
   items = None if tree is None else children(tree)
   if items is None:
     return {} if tree is None else {path: tree}
@@ -114,8 +114,8 @@ def _dtype(leaf: Any) -> Any:
 
 
 def is_variable(x: Any) -> bool:
-  """Whether ``x`` is a flax nnx ``Variable`` or a linen axis-metadata box, told without
-  importing flax."""
+  """Whether ``x`` is a flax nnx ``Variable`` or a linen axis-metadata box, told without importing
+  flax."""
   return any(
     (c.__name__ == "Variable" and c.__module__.startswith("flax.nnx"))
     or (c.__name__ == "AxisMetadata" and c.__module__.startswith("flax.core"))
