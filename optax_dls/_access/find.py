@@ -31,12 +31,8 @@ def find_all(tree: Any) -> list[LossScaleState]:
 
 def _unwrap(tree: Any) -> Any:
   """``tree`` with nnx ``Variable`` leaves replaced by their arrays (flax never imported)."""
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None:
-    return tree
-  is_var = lambda x: isinstance(x, nnx.Variable)
   value = lambda x: x.get_value() if hasattr(x, "get_value") else x.value
-  return jax.tree.map(lambda x: value(x) if is_var(x) else x, tree, is_leaf=is_var)
+  return jax.tree.map(lambda x: value(x) if is_variable(x) else x, tree, is_leaf=is_variable)
 
 
 def find_state(opt_state: Any) -> LossScaleState:

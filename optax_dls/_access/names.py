@@ -75,9 +75,10 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     _check_stacked(record.shape[:-1])
     codes = record[:-2]
     if codes.shape[0] != len(names):
+      more = f", ... {len(names) - 4} more" if len(names) > 4 else ""
       raise ValueError(
         f"params is not the tree the state was built for: it has {len(names)} floating "
-        f"leaves ({_some(names)}) and the state records {codes.shape[0]}: pass the "
+        f"leaves ({', '.join(names[:4])}{more}) and the state records {codes.shape[0]}: pass the "
         "parameters given to tx.init, or their leaf names."
       )
   return {n: ("nan" if c == 2 else "inf") for n, c in zip(names, codes) if c}
@@ -93,31 +94,17 @@ def _check_stacked(batch: tuple[int, ...]) -> None:
     )
 
 
-def _some(names: list[str], shown: int = 4) -> str:
-  more = f", ... {len(names) - shown} more" if len(names) > shown else ""
-  return ", ".join(names[:shown]) + more
-
-
 def _names_of(params: Any) -> list[str]:
   """The leaf names of ``params`` (a pytree of arrays, or the list of names)."""
-  if _is_names(params):
+  strings = isinstance(params, (list, tuple)) and [isinstance(n, str) for n in params]
+  if strings and all(strings):
     return list(params)
-  if (
-    params is None
-    or isinstance(params, (str, bytes))
-    or (isinstance(params, (list, tuple)) and any(isinstance(n, str) for n in params))
-  ):
+  if params is None or isinstance(params, (str, bytes)) or (strings and any(strings)):
     raise TypeError(
       f"params must be the parameters (a pytree of arrays) or the list of their leaf names "
       f"(strings), got {params!r} of type {type(params).__name__}."
     )
   return leaf_names(params)
-
-
-def _is_names(params: Any) -> bool:
-  return (
-    isinstance(params, (list, tuple)) and bool(params) and all(isinstance(n, str) for n in params)
-  )
 
 
 def leaf_names(params: Any) -> list[str]:

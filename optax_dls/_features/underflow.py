@@ -28,13 +28,8 @@ class UnderflowState(NamedTuple):
   fractions: dict[str, Any]
 
   def loss_scale_metrics(self) -> dict[str, jax.Array]:
-    out = {}
-    for key, value in self.fractions.items():
-      if isinstance(value, dict):
-        out.update({f"underflow/{key}/{k}": x for k, x in value.items()})
-      else:
-        out[f"underflow/{key}"] = value
-    return out
+    flat = jax.tree_util.tree_flatten_with_path(self.fractions)[0]
+    return {"underflow/" + "/".join(k.key for k in path): x for path, x in flat}
 
 
 def _fractions(leaves: list[jax.Array], axis_name: Any) -> dict[str, jax.Array]:
