@@ -94,7 +94,8 @@ def underflow_stats(
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> tx = optax_dls.no_loss_scale(optax.chain(optax_dls.underflow_stats(), optax.sgd(0.1)))
+    >>> inner = optax.chain(optax_dls.underflow_stats(), optax.sgd(0.1))
+    >>> tx = optax_dls.no_loss_scale(inner)
     >>> state = tx.init({'w': jnp.ones(4)})
     >>> _, state = tx.update({'w': jnp.array([0.0, 1e-6, 1.0, 2.0])}, state)
     >>> float(optax_dls.metrics(state)['underflow/subnormal_frac'])

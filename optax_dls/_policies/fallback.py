@@ -68,7 +68,8 @@ def fp32_fallback(
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(min_scale=2.0**15), after=2)
+    >>> dynamic = optax_dls.dynamic_policy(min_scale=2.0**15)
+    >>> policy = optax_dls.fp32_fallback(dynamic, after=2)
     >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
     >>> state = tx.init({'w': jnp.ones(1)})
     >>> for _ in range(2):
