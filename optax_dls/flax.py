@@ -2,9 +2,9 @@
 ``nnx.Optimizer``, and the port from flax's ``DynamicScale``.
 
 Importing it imports flax (the ``flax`` extra). The optimizer needs nothing flax-specific:
-``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` unscale, check, skip and adapt.
-Their ``step`` counts skipped steps too; the applied ones are ``metrics(...)['num_steps'] -
-metrics(...)['skip_count']``.
+``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` unscale, check, skip and adapt. Their
+``step`` counts skipped steps too; the applied ones are
+``metrics(...)['num_steps'] - metrics(...)['skip_count']``.
 """
 
 from __future__ import annotations
@@ -44,88 +44,80 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad`` / ``nnx.value_and_grad``, with the loss scaled by S.
 
-  ``grad_fn(state, *args, **kwargs)`` takes the linen ``TrainState`` or the
-  ``nnx.Optimizer`` first, reads its loss scale S when called, and differentiates
-  ``S * fun(*args, **kwargs)`` (Micikevicius et al. 2018, *Mixed Precision Training*). It
-  returns the *unscaled* loss, the *scaled* gradients (the optimizer unscales them) and the
-  state to apply them to::
+  ``grad_fn(state, *args, **kwargs)`` takes the linen ``TrainState`` or the ``nnx.Optimizer`` first,
+  reads its loss scale S when called, and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius
+  et al. 2018, *Mixed Precision Training*). It returns the *unscaled* loss, the *scaled* gradients
+  (the optimizer unscales them) and the state to apply them to::
 
       grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)
 
-      ((loss, aux), grads), state = grad_fn(state, state.params, batch)  # linen
-      state = state.apply_gradients(grads=grads)
+      ((loss, aux), grads), state = grad_fn(state, state.params, batch) # linen state =
+      state.apply_gradients(grads=grads)
 
-      (loss, grads), optimizer = grad_fn(optimizer, model, batch)        # nnx
-      optimizer.update(model, grads)
+      (loss, grads), optimizer = grad_fn(optimizer, model, batch) # nnx optimizer.update(model,
+      grads)
 
-  ``fun`` returns a floating scalar loss (float16 is promoted to float32 before scaling)
-  or ``(loss, aux)`` with ``has_aux=True``, and may take any keyword. A differentiated
-  ``nnx.Module`` is differentiated with respect to the optimizer's ``wrt`` variables
-  (``nnx.Param`` by default); any other argument as ``jax.value_and_grad`` does. Module
-  arguments are split with ``nnx.split`` and merged back: ``fun`` must not change their
-  structure (``sow``, a new ``Variable`` or attribute); a ``ValueError`` names what changed.
+  ``fun`` returns a floating scalar loss (float16 is promoted to float32 before scaling) or
+  ``(loss, aux)`` with ``has_aux=True``, and may take any keyword. A differentiated ``nnx.Module``
+  is differentiated with respect to the optimizer's ``wrt`` variables (``nnx.Param`` by default);
+  any other argument as ``jax.value_and_grad`` does. Module arguments are split with ``nnx.split``
+  and merged back: ``fun`` must not change their structure (``sow``, a new ``Variable`` or
+  attribute); a ``ValueError`` names what changed.
 
-  **A skipped step leaves the model as it was.** The modules' variables the optimizer does
-  not update (``BatchStat`` and other non-``wrt`` variables; the RNG state advances) take
-  ``fun``'s values only when the gradients are finite (a select per element; without
-  ``max_tries``, one more read of the gradients). For linen, keep ``batch_stats`` so::
+  **A skipped step leaves the model as it was.** The modules' variables the optimizer does not
+  update (``BatchStat`` and other non-``wrt`` variables; the RNG state advances) take ``fun``'s
+  values only when the gradients are finite (a select per element; without ``max_tries``, one more
+  read of the gradients). For linen, keep ``batch_stats`` so::
 
-      new = state.apply_gradients(grads=grads)
-      skipped = optax_dls.metrics(new.opt_state)["skipped"]
-      keep = lambda n, o: jnp.where(skipped, o, n)
-      new = new.replace(batch_stats=jax.tree.map(keep, batch_stats, state.batch_stats))
+      new = state.apply_gradients(grads=grads) skipped = optax_dls.metrics(new.opt_state)["skipped"]
+      keep = lambda n, o: jnp.where(skipped, o, n) new = new.replace(batch_stats=jax.tree.map(keep,
+      batch_stats, state.batch_stats))
 
-  **Recomputing** (``max_tries`` given): an overflowing step backs S off and is computed
-  again for the same arguments inside the compiled step, as :func:`optax_dls.value_and_grad`
-  does (then once with ``fp32_fun`` if given). The gradients come scaled by the new S, which
-  the returned state carries (a new ``TrainState``; the ``nnx.Optimizer`` updated in place).
-  Every try starts from the arguments as given (the same RNG state); the module state left
-  is that of the returned try. Without ``max_tries`` the returned state equals ``state``
-  except that a non-finite loss is recorded, so that the update skips and backs off once.
+  **Recomputing** (``max_tries`` given): an overflowing step backs S off and is computed again for
+  the same arguments inside the compiled step, as :func:`optax_dls.value_and_grad` does (then once
+  with ``fp32_fun`` if given). The gradients come scaled by the new S, which the returned state
+  carries (a new ``TrainState``; the ``nnx.Optimizer`` updated in place). Every try starts from the
+  arguments as given (the same RNG state); the module state left is that of the returned try.
+  Without ``max_tries`` the returned state equals ``state`` except that a non-finite loss is
+  recorded, so that the update skips and backs off once.
 
-  **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` every pass's gradients
-  are averaged with ``lax.pmean`` (the loss is not), as flax's ``DynamicScale`` does; build
-  the transformation with the same ``axis_name``. Not needed under ``jit`` with
-  ``NamedSharding``. Under ``shard_map`` with ``check_vma=True`` a replicated parameter's
-  gradient is already summed by JAX's transpose: average the loss in ``fun`` there.
+  **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` every pass's gradients are
+  averaged with ``lax.pmean`` (the loss is not), as flax's ``DynamicScale`` does; build the
+  transformation with the same ``axis_name``. Not needed under ``jit`` with ``NamedSharding``. Under
+  ``shard_map`` with ``check_vma=True`` a replicated parameter's gradient is already summed by JAX's
+  transpose: average the loss in ``fun`` there.
 
-  With :func:`optax_dls.no_loss_scale` (S = 1) nothing is retried: a plain
-  ``jax.value_and_grad`` step to rounding.
+  With :func:`optax_dls.no_loss_scale` (S = 1) nothing is retried: a plain ``jax.value_and_grad``
+  step to rounding.
 
   Args:
-    fun: the loss function; its arguments are those of ``grad_fn`` after
-      ``state``.
-    *bound: must be empty: the state is passed to ``grad_fn`` when called,
-      no longer here.
-    argnums: int or tuple of ints, the positional arguments of ``fun`` to
-      differentiate, counted in ``args`` (after ``state``). Default 0.
+    fun: the loss function; its arguments are those of ``grad_fn`` after ``state``.
+    *bound: must be empty: the state is passed to ``grad_fn`` when called, no longer here.
+    argnums: int or tuple of ints, the positional arguments of ``fun`` to differentiate, counted in
+      ``args`` (after ``state``). Default 0.
     has_aux: whether ``fun`` returns ``(loss, aux)``. Default False.
-    max_tries: None (default: no recomputation) or an int in [0, 64], the
-      float16 recomputations after the first pass.
-    fp32_fun: optional, ``fun`` computed in float32, the last resort when
-      every float16 try overflowed (same signature and outputs); needs
-      ``max_tries``. Default None.
-    axis_name: None (default), a mapped axis name or a tuple of names: the
-      gradients are averaged over it.
+    max_tries: None (default: no recomputation) or an int in [0, 64], the float16 recomputations
+      after the first pass.
+    fp32_fun: optional, ``fun`` computed in float32, the last resort when every float16 try
+      overflowed (same signature and outputs); needs ``max_tries``. Default None.
+    axis_name: None (default), a mapped axis name or a tuple of names: the gradients are averaged
+      over it.
 
   Returns:
-    ``grad_fn(state, *args, **kwargs) -> ((value, grads), state)``, ``value``
-    the loss (``(loss, aux)`` with ``has_aux``) and ``grads`` multiplied by S.
+    ``grad_fn(state, *args, **kwargs) -> ((value, grads), state)``, ``value`` the loss
+    (``(loss, aux)`` with ``has_aux``) and ``grads`` multiplied by S.
 
   Raises:
-    TypeError: a second positional argument (the state now goes to
-      ``grad_fn``); ``fun`` or ``fp32_fun`` not callable, ``has_aux`` not a
-      bool, ``argnums`` not an int or tuple of ints, ``max_tries`` not an int,
-      ``axis_name`` not a string or tuple of strings; when called, a first
-      argument that is no ``TrainState`` or ``nnx.Optimizer`` (the message
-      says when the arguments look swapped), a ``state.tx`` that is not the
-      loss-scaled transformation itself, a non-floating loss, a ``fun`` that
-      returns no ``(loss, aux)`` pair with ``has_aux=True``, fewer positional
-      arguments than ``argnums`` asks for.
-    ValueError: ``max_tries`` out of range, a negative or repeated
-      ``argnums``, ``fp32_fun`` without ``max_tries``; when called, an
-      optimizer state with no or several loss-scale states, or a ``fun``
-      that added variables to its ``nnx.Module`` arguments.
+    TypeError: a second positional argument (the state now goes to ``grad_fn``); ``fun`` or
+      ``fp32_fun`` not callable, ``has_aux`` not a bool, ``argnums`` not an int or tuple of ints,
+      ``max_tries`` not an int, ``axis_name`` not a string or tuple of strings; when called, a first
+      argument that is no ``TrainState`` or ``nnx.Optimizer`` (the message says when the arguments
+      look swapped), a ``state.tx`` that is not the loss-scaled transformation itself, a
+      non-floating loss, a ``fun`` that returns no ``(loss, aux)`` pair with ``has_aux=True``, fewer
+      positional arguments than ``argnums`` asks for.
+    ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``fp32_fun`` without
+      ``max_tries``; when called, an optimizer state with no or several loss-scale states, or a
+      ``fun`` that added variables to its ``nnx.Module`` arguments.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
@@ -195,21 +187,13 @@ def _is_optimizer(state: Any, args: tuple[Any, ...]) -> bool:
   if _is_train_state(state):
     return False
   is_state = lambda a: isinstance(a, nnx.Optimizer) or _is_train_state(a)
-  raise TypeError(
-    _calls.order_error(
-      "state",
-      "the flax TrainState or nnx.Optimizer",
-      "is neither",
-      "is one",
-      state,
-      _calls.first_index(args, is_state),
-    )
-  )
+  words = ("state", "the flax TrainState or nnx.Optimizer", "is neither", "is one")
+  raise TypeError(_calls.order_error(*words, state, _calls.first_index(args, is_state)))
 
 
 class _Modules(NamedTuple):
-  """The ``nnx.Module`` arguments of one call as pure states: the differentiated ones, the
-  RNG state, and the other variables (kept as they were on a skipped step)."""
+  """The ``nnx.Module`` arguments of one call as pure states: the differentiated ones, the RNG
+  state, and the other variables (kept as they were on a skipped step)."""
 
   modules: tuple[Any, ...]
   where: tuple[int, ...]  # their positions among the arguments
@@ -239,8 +223,8 @@ class _Modules(NamedTuple):
     return tuple(out)
 
   def pure(self, f: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-    """``f`` on the pure arguments, returning ``(loss, (aux, after))``, ``after`` the RNG and
-    other states the call leaves in the modules."""
+    """``f`` on the pure arguments, returning ``(loss, (aux, after))``, ``after`` the RNG and other
+    states the call leaves in the modules."""
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
       merged = self._merged(args)
@@ -273,8 +257,8 @@ class _Modules(NamedTuple):
     return nnx.merge(self.graphdef, self.rng, self.other, *parts, **_MERGE_COPY)
 
   def update(self, after: Any, finite: jax.Array) -> None:
-    """Writes ``after`` into the modules: the RNG state, and the other variables where the
-    gradients are ``finite``."""
+    """Writes ``after`` into the modules: the RNG state, and the other variables where the gradients
+    are ``finite``."""
     if not self.where:
       return
     rng, other = after
@@ -296,8 +280,8 @@ _MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameter
 
 
 def _write_in_place(opt_state: Any, new: Any) -> None:
-  """Writes ``new``'s leaves into the ``nnx.Variable`` leaves of ``opt_state``'s
-  LossScaleState, each in its own dtype."""
+  """Writes ``new``'s leaves into the ``nnx.Variable`` leaves of ``opt_state``'s LossScaleState,
+  each in its own dtype."""
   (node,) = _find.find_all(opt_state)
   for var, value in zip(
     jax.tree.leaves(node, is_leaf=_find.is_variable), jax.tree.leaves(new), strict=True

@@ -1,10 +1,9 @@
 """Per-group gradient scaling: a second, fixed scale for one sub-network's gradients.
 
-One loss scale S is bounded by the largest gradients, which can leave a small
-sub-network's (a LoRA adapter's) below float16's underflow threshold. Multiplying the
-cotangent into it by k at its output and by 1/k at its input scales only its gradients;
-:func:`group_unscale` divides them again before the optimizer: loss scaling
-(Micikevicius et al. 2018) applied to part of the backward pass.
+One loss scale S is bounded by the largest gradients, which can leave a small sub-network's (a LoRA
+adapter's) below float16's underflow threshold. Multiplying the cotangent into it by k at its output
+and by 1/k at its input scales only its gradients; :func:`group_unscale` divides them again before
+the optimizer: loss scaling (Micikevicius et al. 2018) applied to part of the backward pass.
 """
 
 from __future__ import annotations
@@ -35,16 +34,13 @@ def _mask(mask: Any) -> Any:
   """``mask`` if callable or a pytree of bools; TypeError otherwise."""
   if callable(mask):
     return mask
-  if mask is None:
+  leaf = lambda p, x: f"the leaf {x!r} of type {type(x).__name__} at mask{jax.tree_util.keystr(p)}"
+  bad = [leaf(p, x) for p, x in jax.tree_util.tree_leaves_with_path(mask) if not _is_bool(x)]
+  if mask is None or bad:
+    got = bad[0] if bad else "None"
     raise TypeError(
-      "mask must be a pytree of bools or a callable params -> such a pytree, got None."
+      f"mask must be a pytree of bools or a callable params -> such a pytree, got {got}."
     )
-  for path, leaf in jax.tree_util.tree_leaves_with_path(mask):
-    if not _is_bool(leaf):
-      raise TypeError(
-        f"mask must be a pytree of bools or a callable params -> such a pytree, got the "
-        f"leaf {leaf!r} of type {type(leaf).__name__} at mask{jax.tree_util.keystr(path)}."
-      )
   return mask
 
 
@@ -69,19 +65,18 @@ _scale_gradient.defvjp(
 def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   """Wraps a sub-network ``fn(params, *inputs)``: its gradients come out ``factor`` times larger.
 
-  The output's cotangent is multiplied by ``factor`` (scaling every gradient inside) and
-  the cotangents of ``inputs`` by ``1 / factor`` on the way out, so the rest of the network
-  gets what it would without the wrapper (up to float16 rounding). ``params``' gradients
-  stay scaled: divide them with :func:`group_unscale` inside the loss-scaled optimizer, so
-  that an overflow in the group skips the step. Only floating array leaves of the inputs
-  and outputs are touched; every other leaf passes as it is. For one cotangent alone,
-  ``optax.scale_gradient(x, factor)`` does the same in the cotangent's dtype.
+  The output's cotangent is multiplied by ``factor`` (scaling every gradient inside) and the
+  cotangents of ``inputs`` by ``1 / factor`` on the way out, so the rest of the network gets what it
+  would without the wrapper (up to float16 rounding). ``params``' gradients stay scaled: divide them
+  with :func:`group_unscale` inside the loss-scaled optimizer, so that an overflow in the group
+  skips the step. Only floating array leaves of the inputs and outputs are touched; every other leaf
+  passes as it is. For one cotangent alone, ``optax.scale_gradient(x, factor)`` does the same in the
+  cotangent's dtype.
 
   Args:
     fn: callable ``fn(params, *inputs, **kwargs) -> outputs`` (pytrees).
-    factor: float in [2**-126, 2**126], static. A power of two keeps the
-      products exact; other values are applied in float32 and rounded once to
-      each cotangent's dtype.
+    factor: float in [2**-126, 2**126], static. A power of two keeps the products exact; other
+      values are applied in float32 and rounded once to each cotangent's dtype.
 
   Returns:
     The wrapped callable, same signature.
@@ -105,35 +100,29 @@ def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
 def _floats_scaled(tree: Any, factor: float) -> Any:
   """``tree`` with its floating arrays' cotangents multiplied by ``factor``."""
   arrays, rebuild = _calls.split_arrays(tree)
-  floats = [i for i, x in enumerate(arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  scaled = _scale_gradient([arrays[i] for i in floats], factor)
-  for i, x in zip(floats, scaled, strict=True):
-    arrays[i] = x
-  return rebuild(arrays)
+  return rebuild(_scale_gradient(arrays, factor))  # other dtypes' cotangents pass as they are
 
 
 def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
   """Divides the gradients selected by ``mask`` by ``factor`` (the inverse of :func:`group_scaled`).
 
   Use it first inside the loss-scaled optimizer,
-  ``dynamic_loss_scale(optax.chain(group_unscale(2.0**12, is_adapter), optax.adam(1e-3)))``,
-  so both unscales run before the inner optimizer and a non-finite group gradient skips
-  the step. The product is formed in float32 (or wider) and cast back; non-floating
-  leaves pass through. Stateless.
+  ``dynamic_loss_scale(optax.chain(group_unscale(2.0**12, is_adapter), optax.adam(1e-3)))``, so both
+  unscales run before the inner optimizer and a non-finite group gradient skips the step. The
+  product is formed in float32 (or wider) and cast back; non-floating leaves pass through.
+  Stateless.
 
   Args:
     factor: float in [2**-126, 2**126], the factor given to :func:`group_scaled`.
-    mask: a pytree of bools with the structure of the gradients (or a prefix
-      of it), or a callable ``params -> such a pytree``; True marks the
-      group. As in ``optax.masked``.
+    mask: a pytree of bools with the structure of the gradients (or a prefix of it), or a callable
+      ``params -> such a pytree``; True marks the group. As in ``optax.masked``.
 
   Returns:
     An ``optax.GradientTransformation``.
 
   Raises:
-    TypeError: ``factor`` is not a static number, or ``mask`` is neither
-      callable nor a pytree of bools (Python or NumPy bools, or 0-d bool
-      arrays).
+    TypeError: ``factor`` is not a static number, or ``mask`` is neither callable nor a pytree of
+      bools (Python or NumPy bools, or 0-d bool arrays).
     ValueError: ``factor`` out of range.
   """
   # NumPy, not JAX: built inside a trace, a JAX value would be a tracer kept by update_fn.

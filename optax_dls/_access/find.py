@@ -31,32 +31,27 @@ def find_all(tree: Any) -> list[LossScaleState]:
 
 def _unwrap(tree: Any) -> Any:
   """``tree`` with nnx ``Variable`` leaves replaced by their arrays (flax never imported)."""
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None:
-    return tree
-  is_var = lambda x: isinstance(x, nnx.Variable)
   value = lambda x: x.get_value() if hasattr(x, "get_value") else x.value
-  return jax.tree.map(lambda x: value(x) if is_var(x) else x, tree, is_leaf=is_var)
+  return jax.tree.map(lambda x: value(x) if is_variable(x) else x, tree, is_leaf=is_variable)
 
 
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
-  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or
-  loss-scaled ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an
-  ``nnx.Optimizer`` or its ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
+  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or loss-scaled
+  ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an ``nnx.Optimizer`` or its
+  ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
 
   Args:
     opt_state: any pytree holding the state of one loss-scaled transformation.
 
   Returns:
-    That :class:`LossScaleState` (a new one, of arrays, where its leaves were
-    ``nnx.Variable``); reading it does not change ``opt_state``.
+    That :class:`LossScaleState` (a new one, of arrays, where its leaves were ``nnx.Variable``);
+    reading it does not change ``opt_state``.
 
   Raises:
-    ValueError: there is no loss-scale state in ``opt_state``, or more than
-      one, or it sits inside ``optax.MultiSteps`` (unsupported order; the
-      message says what to do instead).
+    ValueError: there is no loss-scale state in ``opt_state``, or more than one, or it sits inside
+      ``optax.MultiSteps`` (unsupported order; the message says what to do instead).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -82,8 +77,8 @@ def find_state(opt_state: Any) -> LossScaleState:
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in
-  the dtype and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in the dtype
+  and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
 
   def put(node: Any) -> Any:
     if not isinstance(node, LossScaleState):

@@ -15,13 +15,13 @@ from optax_dls._util import frames as _frames
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   """Multiplies ``loss`` by the current loss scale S, before differentiation.
 
-  Micikevicius et al. (2018), *Mixed Precision Training*: every gradient is scaled by S,
-  out of float16's underflow range; the loss-scaled optimizer divides them by S.
+  Micikevicius et al. (2018), *Mixed Precision Training*: every gradient is scaled by S, out of
+  float16's underflow range; the loss-scaled optimizer divides them by S.
 
   Args:
-    loss: a floating array of any shape (usually the scalar loss, float32); bfloat16
-      and float16 are promoted to float32. A float16 loss warns: its backward pass
-      starts at S in float16, inf from S = 2**16; reduce in float32 instead.
+    loss: a floating array of any shape (usually the scalar loss, float32); bfloat16 and float16 are
+      promoted to float32. A float16 loss warns: its backward pass starts at S in float16, inf from
+      S = 2**16; reduce in float32 instead.
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
 
   Returns:

@@ -16,31 +16,31 @@ from optax_dls._util import model as _model
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
-  Host side: reads the record's two bit sets from the device. A name is the key path
-  joined by ``/`` (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order, as the
-  metrics writer writes it; every floating or complex leaf has one. An nnx ``Variable``
-  and a linen axis-metadata box are named without ``/value`` (``"linear/kernel"``); an
-  Equinox module's leaves by attribute path (``"layers/0/weight"``), its functions and
-  other non-arrays (``Dropout.p``) unnamed, so the whole model and its arrays name the
-  same leaves. Names are unique: a ``/`` inside a key is written ``\\/`` (a ``\\`` as
-  ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its leaf index.
+  Host side: reads the record's two bit sets from the device. A name is the key path joined by ``/``
+  (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order, as the metrics writer writes it;
+  every floating or complex leaf has one. An nnx ``Variable`` and a linen axis-metadata box are
+  named without ``/value`` (``"linear/kernel"``); an Equinox module's leaves by attribute path
+  (``"layers/0/weight"``), its functions and other non-arrays (``Dropout.p``) unnamed, so the whole
+  model and its arrays name the same leaves. Names are unique: a ``/`` inside a key is written
+  ``\\/`` (a ``\\`` as ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its
+  leaf index.
 
   Args:
-    opt_state: an optimizer state holding one :class:`LossScaleState`, or the
-      dict :func:`metrics` returns (device or host values).
-    params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only the tree
-      and the dtypes are read), or the list of leaf names.
+    opt_state: an optimizer state holding one :class:`LossScaleState`, or the dict :func:`metrics`
+      returns (device or host values).
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only the tree and the dtypes are
+      read), or the list of leaf names.
 
   Returns:
-    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"``
-    where it held only infinities; empty before any non-finite step.
+    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"`` where it held only
+    infinities; empty before any non-finite step.
 
   Raises:
     TypeError: ``params`` is neither a pytree of arrays nor a list of names.
-    ValueError: ``opt_state`` holds none or several loss-scale states; ``params`` has
-      another number of floating leaves than the state was built for (for a dict of
-      :func:`metrics`, as far as its bits tell: as many 32-bit words, a leaf per bit
-      set); or the state is stacked (``jax.vmap(tx.init)``): name one member's leaves,
+    ValueError: ``opt_state`` holds none or several loss-scale states; ``params`` has another number
+      of floating leaves than the state was built for (for a dict of :func:`metrics`, as far as its
+      bits tell: as many 32-bit words, a leaf per bit set); or the state is stacked
+      (``jax.vmap(tx.init)``): name one member's leaves,
       ``jax.tree.map(lambda x: x[i], opt_state)``.
 
   Example:
@@ -75,9 +75,10 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
     _check_stacked(record.shape[:-1])
     codes = record[:-2]
     if codes.shape[0] != len(names):
+      more = f", ... {len(names) - 4} more" if len(names) > 4 else ""
       raise ValueError(
         f"params is not the tree the state was built for: it has {len(names)} floating "
-        f"leaves ({_some(names)}) and the state records {codes.shape[0]}: pass the "
+        f"leaves ({', '.join(names[:4])}{more}) and the state records {codes.shape[0]}: pass the "
         "parameters given to tx.init, or their leaf names."
       )
   return {n: ("nan" if c == 2 else "inf") for n, c in zip(names, codes) if c}
@@ -93,20 +94,12 @@ def _check_stacked(batch: tuple[int, ...]) -> None:
     )
 
 
-def _some(names: list[str], shown: int = 4) -> str:
-  more = f", ... {len(names) - shown} more" if len(names) > shown else ""
-  return ", ".join(names[:shown]) + more
-
-
 def _names_of(params: Any) -> list[str]:
   """The leaf names of ``params`` (a pytree of arrays, or the list of names)."""
-  if _is_names(params):
+  strings = isinstance(params, (list, tuple)) and [isinstance(n, str) for n in params]
+  if strings and all(strings):
     return list(params)
-  if (
-    params is None
-    or isinstance(params, (str, bytes))
-    or (isinstance(params, (list, tuple)) and any(isinstance(n, str) for n in params))
-  ):
+  if params is None or isinstance(params, (str, bytes)) or (strings and any(strings)):
     raise TypeError(
       f"params must be the parameters (a pytree of arrays) or the list of their leaf names "
       f"(strings), got {params!r} of type {type(params).__name__}."
@@ -114,13 +107,7 @@ def _names_of(params: Any) -> list[str]:
   return leaf_names(params)
 
 
-def _is_names(params: Any) -> bool:
-  return (
-    isinstance(params, (list, tuple)) and bool(params) and all(isinstance(n, str) for n in params)
-  )
-
-
 def leaf_names(params: Any) -> list[str]:
-  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``,
-  in the record's bit order (the rules are in its docstring)."""
+  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``, in the
+  record's bit order (the rules are in its docstring)."""
   return _labels.leaf_names(_model.arrays_of_modules(params))

@@ -15,29 +15,25 @@ from optax_dls._util import validation as _validation
 def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
-  Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every
-  other field is kept. ``value`` is only checked to be a valid scale: the next update keeps
-  the scale within the transformation's range (that step's loss is scaled and unscaled by
-  ``value``). A traced NaN makes the next step skip and restart from the initial scale. A
-  state stacked by ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
+  Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every other
+  field is kept. ``value`` is only checked to be a valid scale: the next update keeps the scale
+  within the transformation's range (that step's loss is scaled and unscaled by ``value``). A traced
+  NaN makes the next step skip and restart from the initial scale. A state stacked by
+  ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
-    value: the new loss scale: a real number, or a float array (traced or not)
-      of shape ``()`` or of the state's ``loss_scale`` shape, in
-      ``[2**-126, 2**126]``.
+    value: the new loss scale: a real number, or a float array (traced or not) of shape ``()`` or of
+      the state's ``loss_scale`` shape, in ``[2**-126, 2**126]``.
 
   Raises:
-    ValueError: a static ``value`` that is NaN, not finite, not > 0, outside
-      ``[2**-126, 2**126]``;
-      a ``value`` of another shape; none or more than one loss-scale state in
-      ``opt_state``.
+    ValueError: a static ``value`` that is NaN, not finite, not > 0, outside ``[2**-126, 2**126]``;
+      a ``value`` of another shape; none or more than one loss-scale state in ``opt_state``.
     TypeError: ``value`` not a real number.
 
   Returns:
-    A new ``opt_state`` of the same structure and dtypes (each leaf in the
-    wrapper it had, e.g. an ``nnx.Variable``); ``opt_state`` itself is not
-    changed.
+    A new ``opt_state`` of the same structure and dtypes (each leaf in the wrapper it had, e.g. an
+    ``nnx.Variable``); ``opt_state`` itself is not changed.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

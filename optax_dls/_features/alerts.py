@@ -17,20 +17,19 @@ logger = logging.getLogger("optax_dls")
 class SkipAlerts:
   """Logs a warning when skipped steps pile up, read from :func:`optax_dls.metrics`.
 
-  Two alerts, each once per run of consecutive skips (an *episode*), on the ``optax_dls``
-  logger at WARNING, on process 0 only:
+  Two alerts, each once per run of consecutive skips (an *episode*), on the ``optax_dls`` logger at
+  WARNING, on process 0 only:
 
   * ``alert_after`` consecutive skipped steps: float16 keeps overflowing;
   * a skip at the policy's minimum scale (needs the :func:`fp32_fallback` wrapper, whose
     ``skips_at_min_scale`` :func:`metrics` reports): backing off cannot help.
 
-  With sparse calls an episode shorter than the gap between two calls can go unseen. When
-  it warns, replay that step's batch with :func:`optax_dls.locate` (``scale=`` the state's
-  ``loss_scale``) to name the operation that overflowed.
+  With sparse calls an episode shorter than the gap between two calls can go unseen. When it warns,
+  replay that step's batch with :func:`optax_dls.locate` (``scale=`` the state's ``loss_scale``) to
+  name the operation that overflowed.
 
   Args:
-    alert_after: int in [1, 2**31 - 1], consecutive skips that raise the
-      first alert. Default 3.
+    alert_after: int in [1, 2**31 - 1], consecutive skips that raise the first alert. Default 3.
 
   Raises:
     TypeError: ``alert_after`` is not an integer (a bool or a float is not one).
@@ -60,8 +59,8 @@ class SkipAlerts:
 
     Args:
       step: int, the training step the metrics belong to (shown in the message).
-      metrics: :func:`optax_dls.metrics` of the optimizer state after that step
-        (device arrays are moved to the host here).
+      metrics: :func:`optax_dls.metrics` of the optimizer state after that step (device arrays are
+        moved to the host here).
 
     Returns:
       The messages logged by this call (also appended to ``self.fired``).

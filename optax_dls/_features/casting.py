@@ -1,5 +1,5 @@
-"""Casting policies in jmp's classes and string forms, and :func:`full_precision`, which
-runs one function in float32 inside a half-precision model."""
+"""Casting policies in jmp's classes and string forms, and :func:`full_precision`, which runs one
+function in float32 inside a half-precision model."""
 
 from __future__ import annotations
 
@@ -69,15 +69,13 @@ class CastPolicy:
   """The parameter, compute and output dtypes of a mixed-precision model.
 
   jmp's ``Policy`` methods (``cast_to_param``, ``cast_to_compute``, ``cast_to_output``,
-  ``with_output_dtype``, ``str`` in jmp's form). Each cast changes only the floating JAX
-  and NumPy arrays of a pytree; every other leaf is left alone. Frozen and hashable (a
-  static argument of ``jax.jit``). What :func:`~optax_dls.cast_policy` returns.
+  ``with_output_dtype``, ``str`` in jmp's form). Each cast changes only the floating JAX and NumPy
+  arrays of a pytree; every other leaf is left alone. Frozen and hashable (a static argument of
+  ``jax.jit``). What :func:`~optax_dls.cast_policy` returns.
 
   Args:
-    param_dtype: the dtype the parameters (master weights) are kept in.
-      Default float32.
-    compute_dtype: the dtype the forward and backward passes run in. Default
-      ``param_dtype``.
+    param_dtype: the dtype the parameters (master weights) are kept in. Default float32.
+    compute_dtype: the dtype the forward and backward passes run in. Default ``param_dtype``.
     output_dtype: the dtype of the model's outputs. Default ``compute_dtype``.
 
   Raises:
@@ -141,24 +139,24 @@ def _parse_dtype(policy_name: str, value: str) -> Any:
 def cast_policy(policy_name: str) -> CastPolicy:
   """A :class:`~optax_dls._features.casting.CastPolicy` from jmp's string form.
 
-  One dtype name for all three (``"f16"``, ``"half"``), or comma-separated ``key=dtype``
-  pairs, keys ``params``/``p``, ``compute``/``c``, ``output``/``o``, no spaces. As in jmp,
-  params default to float32, compute to params, output to compute (``"c=f16"`` is
-  ``p=f32,c=f16,o=f16``); a repeated key takes its last value. Dtype names:
-  ``bf16``/``bfloat16``, ``f16``/``float16``, ``full``/``f32``/``float32``,
-  ``f64``/``float64``, and ``half`` (bfloat16 on TPU, float16 elsewhere).
+  One dtype name for all three (``"f16"``, ``"half"``), or comma-separated ``key=dtype`` pairs, keys
+  ``params``/``p``, ``compute``/``c``, ``output``/``o``, no spaces. As in jmp, params default to
+  float32, compute to params, output to compute (``"c=f16"`` is ``p=f32,c=f16,o=f16``); a repeated
+  key takes its last value. Dtype names: ``bf16``/``bfloat16``, ``f16``/``float16``,
+  ``full``/``f32``/``float32``, ``f64``/``float64``, and ``half`` (bfloat16 on TPU, float16
+  elsewhere).
 
   Args:
-    policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"``
-      or ``"p=f32,c=f16,o=f32"``.
+    policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"`` or
+      ``"p=f32,c=f16,o=f32"``.
 
   Returns:
     The policy; ``str`` of it gives jmp's form back.
 
   Raises:
     TypeError: ``policy_name`` is not a string.
-    ValueError: an unknown key or dtype name, or a part that is not ``key=dtype``;
-      the message names the string and the accepted forms.
+    ValueError: an unknown key or dtype name, or a part that is not ``key=dtype``; the message names
+      the string and the accepted forms.
 
   Example:
     >>> import optax_dls
@@ -188,19 +186,18 @@ def cast_policy(policy_name: str) -> CastPolicy:
 def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = None) -> Any:
   """Runs ``fn`` in float32 inside a half-precision model: softmax, normalisation, the loss.
 
-  The wrapper casts the floating arrays among the arguments to float32 (others pass as
-  they are), calls ``fn``, and casts the output's floating arrays to ``output_dtype`` if
-  given, else to the promoted dtype of the floating array arguments, else leaves them
-  float32. Around the loss's reduction pass ``output_dtype=jnp.float32`` (a float16 loss
-  starts the backward pass at S in float16; :func:`scale_loss` warns). The casts are JAX
-  operations: ``jax.grad`` goes through them (a float16 argument gets a float16 gradient).
-  Use it as ``@full_precision``, ``@full_precision(output_dtype=...)`` or
-  ``full_precision(fn)``.
+  The wrapper casts the floating arrays among the arguments to float32 (others pass as they are),
+  calls ``fn``, and casts the output's floating arrays to ``output_dtype`` if given, else to the
+  promoted dtype of the floating array arguments, else leaves them float32. Around the loss's
+  reduction pass ``output_dtype=jnp.float32`` (a float16 loss starts the backward pass at S in
+  float16; :func:`scale_loss` warns). The casts are JAX operations: ``jax.grad`` goes through them
+  (a float16 argument gets a float16 gradient). Use it as ``@full_precision``,
+  ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
 
   Args:
     fn: the function; any pytrees in and out. Omitted, a decorator is returned.
-    output_dtype: the dtype of the output's floating arrays. Default ``None``:
-      the arguments' promoted floating dtype, as above.
+    output_dtype: the dtype of the output's floating arrays. Default ``None``: the arguments'
+      promoted floating dtype, as above.
 
   Returns:
     The wrapped function (``functools.wraps`` of ``fn``), or a decorator.

@@ -1,13 +1,16 @@
-"""Where a jaxpr equation came from: the user's ``file:line``, function and named scope,
-and, while :func:`watching`, which call made it and where a constant overflowed.
+"""Where a jaxpr equation came from: the user's ``file:line``, function and named scope, and, while
+:func:`watching`, which call made it and where a constant overflowed.
 
-The only reader of JAX's private ``source_info_util``: without it, source is ``"?"`` and
-no call is told apart; named scopes still work.
+The only reader of JAX's private ``source_info_util``: without it, source is ``"?"`` and no call is
+told apart; named scopes still work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import importlib.util
 import inspect
 import itertools
 import os
@@ -29,53 +32,37 @@ _LIBRARIES: tuple[str, ...] = ("flax", "equinox", "optax_dls", "optax", "jmp", "
 _LIBRARIES += ("ml_dtypes", "opt_einsum")
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
-  import importlib.util
-
-  dirs: list[str] = []
-  for name in _LIBRARIES:
-    spec = importlib.util.find_spec(name)
-    if spec is not None and spec.submodule_search_locations:
-      dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-  return tuple(dirs)
+  specs = [importlib.util.find_spec(name) for name in _LIBRARIES]
+  locations = [p for spec in specs if spec for p in spec.submodule_search_locations or ()]
+  return tuple(os.path.join(p, "") for p in locations)
 
 
-_DIRS: tuple[str, ...] | None = None
-
-
-def _user_frames(traceback: Any) -> list[tuple[str, int, str]]:
-  """The user's frames, innermost first: (file name, line, qualified function name)."""
+def _user_frame(traceback: Any) -> tuple[str, int, str] | None:
+  """The user's innermost frame: (file name, line, qualified function name); None when unknown."""
   if _siu is None or traceback is None:
-    return []
+    return None
   try:
     codes, lastis = traceback.raw_frames()
   except Exception:  # noqa: BLE001 - an unknown traceback type: no source
-    return []
-  frames = []
+    return None
   for code, lasti in zip(codes, lastis):
-    if not _is_user_code(code):
-      continue
-    frame = _siu.raw_frame_to_frame(code, lasti)
-    qualname = getattr(code, "co_qualname", code.co_name)
-    frames.append((code.co_filename, int(frame.start_line), str(qualname)))
-  return frames
+    if _is_user_code(code):
+      line = int(_siu.raw_frame_to_frame(code, lasti).start_line)
+      return code.co_filename, line, str(getattr(code, "co_qualname", code.co_name))
+  return None
 
 
 def _is_user_code(code: Any) -> bool:
-  global _DIRS
-  if _DIRS is None:
-    _DIRS = _library_dirs()
   name = code.co_filename
-  return _siu is not None and _siu.is_user_filename(name) and not name.startswith(_DIRS)
+  return _siu is not None and _siu.is_user_filename(name) and not name.startswith(_library_dirs())
 
 
 def source_of(eqn: Any) -> tuple[str, str]:
   """``("file:line", "qualified.function")`` of the user's code that wrote ``eqn``, or ``?``s."""
-  frames = _user_frames(getattr(eqn.source_info, "traceback", None))
-  if not frames:
-    return "?", "?"
-  file_name, line, qualname = frames[0]
-  return f"{file_name}:{line}", qualname
+  frame = _user_frame(getattr(eqn.source_info, "traceback", None))
+  return ("?", "?") if frame is None else (f"{frame[0]}:{frame[1]}", frame[2])
 
 
 CALL = "optax_dls_locate_call:"  # the scope a user's call opens while locate traces
@@ -84,8 +71,8 @@ _TYPE_SCOPES = ("eqx.",)
 
 
 def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
-  """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (those of the call
-  whose body holds it), without transforms."""
+  """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (those of the call whose body
+  holds it), without transforms."""
   stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
   return [*outer, *(s.name for s in stack if type(s).__name__ == "Scope")]
 
@@ -93,8 +80,8 @@ def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
 def scope_of(
   eqn: Any, outer: Sequence[str] = (), instances: Mapping[str, str] | None = None
 ) -> str:
-  """The named scope ``eqn`` ran in, from the innermost block instance ``instances`` names
-  (by its path) inwards; ``""`` at the top level."""
+  """The named scope ``eqn`` ran in, from the innermost block instance ``instances`` names (by its
+  path) inwards; ``""`` at the top level."""
   parts: list[str] = []
   inside = False
   for name in scopes(eqn, outer):
@@ -107,23 +94,22 @@ def scope_of(
   return "/".join(parts)
 
 
+@dataclasses.dataclass
 class Watch:
   """What :func:`watching` saw: the scope each user call opened, in order (``calls``), what
-  ``describe`` said of each call's arguments (``given``), and ``(file, function, line)``
-  where NumPy overflowed making a constant (``overflows``)."""
+  ``describe`` said of each call's arguments (``given``), and ``(file, function, line)`` where NumPy
+  overflowed making a constant (``overflows``)."""
 
-  def __init__(self) -> None:
-    self.calls: list[str] = []
-    self.given: dict[str, Any] = {}
-    self.overflows: list[tuple[str, str, int]] = []
+  calls: list[str] = dataclasses.field(default_factory=list)
+  given: dict[str, Any] = dataclasses.field(default_factory=dict)
+  overflows: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
 
   def made_here(self, eqn: Any) -> bool:
     """Whether a constant overflowed in the function that wrote ``eqn``, at or before its line."""
-    frames = _user_frames(getattr(eqn.source_info, "traceback", None))
-    if not frames:
-      return False
-    file_name, line, function = frames[0]
-    return any(f == file_name and q == function and n <= line for f, q, n in self.overflows)
+    frame = _user_frame(getattr(eqn.source_info, "traceback", None))
+    return frame is not None and any(
+      (f, q) == (frame[0], frame[2]) and n <= frame[1] for f, q, n in self.overflows
+    )
 
 
 _NUMBERS = itertools.count()
@@ -134,10 +120,9 @@ _SITE = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "
 
 @contextlib.contextmanager
 def watching(describe: Callable[[list[Any]], Any] | None = None) -> Iterator[Watch]:
-  """While tracing, every user call (not a linen method: linen names its modules) opens a
-  scope of its own and ``describe`` gets its positional arguments; a NumPy overflow making
-  a constant is noted with the user's line. Under another profiler, calls are not told
-  apart."""
+  """While tracing, every user call (not a linen method: linen names its modules) opens a scope of
+  its own and ``describe`` gets its positional arguments; a NumPy overflow making a constant is
+  noted with the user's line. Under another profiler, calls are not told apart."""
   watch = Watch()
   if _siu is None:
     yield watch
@@ -191,10 +176,9 @@ class _Hook:
 
   def overflow(self, kind: str, flag: int) -> None:
     del kind, flag
-    frames = _user_frames(_siu.current().traceback)
-    if frames:
-      file_name, line, function = frames[0]
-      self.watch.overflows.append((file_name, function, line))
+    frame = _user_frame(_siu.current().traceback)
+    if frame is not None:
+      self.watch.overflows.append((frame[0], frame[2], frame[1]))
 
   def close(self) -> None:
     while self.opened:  # an exception left the trace: close what is still open
@@ -211,15 +195,13 @@ def _positional(frame: Any) -> list[Any]:
 
 
 def _eligible(code: Any) -> bool:
-  """A user function whose call opens a scope: not a generator (left at each ``yield``),
-  an ``__enter__``/``__exit__``, a module body or a comprehension."""
-  if code.co_flags & _SKIPPED or code.co_name in ("__enter__", "__exit__"):
-    return False
-  if code.co_name.startswith("<") and code.co_name != "<lambda>":
-    return False
-  name = code.co_filename
-  if name.startswith("<frozen "):  # the import system
-    return False
-  if name.startswith(_STDLIB) and not name.startswith(_SITE):
-    return False
-  return _is_user_code(code)
+  """A user function whose call opens a scope: not a generator (left at each ``yield``), an
+  ``__enter__``/``__exit__``, a module body, a comprehension, nor the import system's or the
+  standard library's."""
+  name, function = code.co_filename, code.co_name
+  skipped = bool(code.co_flags & _SKIPPED) or function in ("__enter__", "__exit__")
+  skipped |= function.startswith("<") and function != "<lambda>"
+  skipped |= name.startswith("<frozen ") or (
+    name.startswith(_STDLIB) and not name.startswith(_SITE)
+  )
+  return not skipped and _is_user_code(code)

@@ -1,15 +1,15 @@
 """``locate``: the operation that made an inf or NaN, and every scope's headroom.
 
-``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the
-pullback of 1), each evaluated equation by equation on the CPU under one ``jax.jit`` that
-returns every value (eagerly when it holds a ``cond``). Call-like equations and a
-``cond``'s taken branch are entered; a ``scan`` or ``while`` is run whole. Which values are
-constants is followed, so an inf made from a literal beyond the range
-(:func:`jax_source.watching`) is told from an explicit one.
+``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the pullback of
+1), each evaluated equation by equation on the CPU under one ``jax.jit`` that returns every value
+(eagerly when it holds a ``cond``). Call-like equations and a ``cond``'s taken branch are entered; a
+``scan`` or ``while`` is run whole. Which values are constants is followed, so an inf made from a
+literal beyond the range (:func:`jax_source.watching`) is told from an explicit one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,18 +26,8 @@ from optax_dls._util import model as _model
 from optax_dls._util import validation as _validation
 
 # Call-like primitives whose body is a jaxpr with the equation's inputs and outputs.
-_ENTERED = {
-  "pjit",
-  "jit",
-  "closed_call",
-  "core_call",
-  "remat",
-  "checkpoint",
-  "custom_jvp_call",
-  "custom_vjp_call",
-  "custom_vjp_call_jaxpr",
-  "custom_lin",
-}
+_ENTERED = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin"}
+_ENTERED |= {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -50,42 +40,42 @@ def locate(
 ) -> _headroom.LocateReport:
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
-  Runs outside the training step, on the CPU, holding every intermediate value in host
-  memory: call it once, on a micro-batch of a skipped step.
+  Runs outside the training step, on the CPU, holding every intermediate value in host memory: call
+  it once, on a micro-batch of a skipped step.
 
-  An operation is named by its scope (flax linen's module path or a ``jax.named_scope``);
-  in a block called once per instance (an Equinox or nnx module's method, a function given
-  the block's parameters), by the block's path in the differentiated argument, as
-  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``), so each instance has a
-  headroom row; otherwise by the user's function that wrote it. A float16 constant beyond
-  65504 (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``) is inf before anything
-  runs: the operation that makes or first reads it is the place, its note saying so. An
-  inf constant not seen made while tracing (an explicit ``-jnp.inf`` mask) is taken as
-  meant: reported only where nothing else is.
+  An operation is named by its scope (flax linen's module path or a ``jax.named_scope``); in a block
+  called once per instance (an Equinox or nnx module's method, a function given the block's
+  parameters), by the block's path in the differentiated argument, as
+  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``), so each instance has a headroom
+  row; otherwise by the user's function that wrote it. A float16 constant beyond 65504
+  (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``) is inf before anything runs: the
+  operation that makes or first reads it is the place, its note saying so. An inf constant not seen
+  made while tracing (an explicit ``-jnp.inf`` mask) is taken as meant: reported only where nothing
+  else is.
 
   Args:
-    fun: the loss function, as given to ``jax.grad``, not yet multiplied by the
-      scale; returns a scalar (and an auxiliary value with ``has_aux=True``).
+    fun: the loss function, as given to ``jax.grad``, not yet multiplied by the scale; returns a
+      scalar (and an auxiliary value with ``has_aux=True``).
     *args: its arguments, e.g. ``params, batch``; float16 leaves stay float16.
-    scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)``
-      as :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.find_state(state).loss_scale)``);
-      in ``[2**-126, 2**126]``. Default ``2.0**15``.
+    scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)`` as
+      :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.find_state(state).loss_scale)``); in
+      ``[2**-126, 2**126]``. Default ``2.0**15``.
     argnums: which argument the gradient is taken with respect to. Default 0.
     has_aux: ``fun`` returns ``(loss, aux)``. Default False.
 
   Returns:
     A :class:`~optax_dls._util.locate_report.LocateReport`: ``first`` (phase, primitive, source,
-    scope, kind, dtype, input_max, note) or None when every value is finite, and
-    ``headroom``, one row per scope (per block instance), closest to overflow first.
-    ``print(report)`` shows a table; ``report.to_dict()`` is JSON-ready.
+    scope, kind, dtype, input_max, note) or None when every value is finite, and ``headroom``, one
+    row per scope (per block instance), closest to overflow first. ``print(report)`` shows a table;
+    ``report.to_dict()`` is JSON-ready.
 
   Raises:
-    TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not
-      a number, an int, a bool; the loss ``fun`` returns is not a real floating
-      scalar (a tuple without ``has_aux=True``, an integer or complex loss), or,
-      with ``has_aux=True``, ``fun`` returns no ``(loss, aux)`` pair.
-    ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the
-      index of one of ``args``.
+    TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not a number, an
+      int, a bool; the loss ``fun`` returns is not a real floating scalar (a tuple without
+      ``has_aux=True``, an integer or complex loss), or, with ``has_aux=True``, ``fun`` returns no
+      ``(loss, aux)`` pair.
+    ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the index of one
+      of ``args``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_dls
@@ -193,18 +183,11 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
-Record = Callable[[Any, list[Any], list[Any], list[bool], tuple[str, ...]], None]
-
-
 def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _Seen) -> list[Any]:
-  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a
-  ``cond`` needs its concrete index."""
+  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a ``cond``
+  needs its concrete index."""
 
-  def now(
-    eqn: Any, invals: list[Any], outvals: list[Any], constant: list[bool], outer: tuple[str, ...]
-  ) -> None:
-    _record(eqn, invals, outvals, constant, outer, phase, acc, seen)
-
+  now = functools.partial(_record, phase=phase, acc=acc, seen=seen)
   if _has_cond(closed.jaxpr):
     return _eval(closed.jaxpr, closed.consts, args, None, now)[0]
   eqns: list[Any] = []
@@ -261,11 +244,11 @@ def _eval(
   consts: list[Any],
   args: list[Any],
   constant_args: list[bool] | None,
-  record: Record,
+  record: Callable[..., None],
   outer: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[bool]]:
-  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every
-  operation with its inputs, outputs, constant flags and the scopes of the calls around."""
+  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every operation with
+  its inputs, outputs, constant flags and the scopes of the calls around."""
   env: dict[Any, Any] = {}
   constant: set[Any] = set(jaxpr.constvars)
 
@@ -378,16 +361,9 @@ def _record(
     return
   bad = next(o for o in outputs if not _finite(o))
   notes = _notes(eqn, bad, pairs, overflowed if from_made_constant else [], overflowed, carried)
-  op = _headroom.Operation(
-    phase=phase,
-    primitive=eqn.primitive.name,
-    source=source,
-    scope=scope,
-    kind="nan" if bool(np.isnan(bad).any()) else "inf",
-    dtype=str(bad.dtype),
-    input_max=_largest_finite(inputs),
-    note="; ".join(notes),
-  )
+  kind = "nan" if bool(np.isnan(bad).any()) else "inf"
+  where = (phase, eqn.primitive.name, source, scope, kind, str(bad.dtype))
+  op = _headroom.Operation(*where, _largest_finite(inputs), "; ".join(notes))
   if made:
     acc.first = op
   else:

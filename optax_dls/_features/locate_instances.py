@@ -1,10 +1,10 @@
 """Which instance of a repeated block each operation of :func:`optax_dls.locate` ran in.
 
-Each user call opens a scope while ``locate`` traces. A parameter's path follows its value
-through operations reading nothing else but constants, and each call collects the
-parameters its operations apply to data; it is named by the path they share (``blocks/2``).
-A call applying every parameter, whose parameters share no path, or that JAX traced once
-and runs at several places (``jax.jit(block)``) is not named.
+Each user call opens a scope while ``locate`` traces. A parameter's path follows its value through
+operations reading nothing else but constants, and each call collects the parameters its operations
+apply to data; it is named by the path they share (``blocks/2``). A call applying every parameter,
+whose parameters share no path, or that JAX traced once and runs at several places
+(``jax.jit(block)``) is not named.
 """
 
 from __future__ import annotations
@@ -27,23 +27,20 @@ Kind = Path | str | None  # a parameter's path, _CONSTANT, or None: data
 
 def leaf_paths(tree: Any) -> list[Path]:
   """The path of each leaf of ``tree``, keys written as ``nonfinite_leaves`` writes them."""
-  out: list[Path] = []
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree_paths.is_variable)
-  for path, leaf in flat:
-    keys = tuple(_record.path_name([k]) for k in path)
-    out.extend([keys] * len(jax.tree.leaves(leaf)))
-  return out
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree_paths.is_variable)[0]
+  return [_named(path) for path, leaf in flat for _ in jax.tree.leaves(leaf)]
+
+
+def _named(path: Any) -> Path:
+  return tuple(_record.path_name([k]) for k in path)
 
 
 def given_paths(args: Sequence[Any]) -> frozenset[Path]:
-  """The paths of the arrays inside a call's arguments (``linear1/weight`` in a block's
-  ``self``): ``blocks/2/linear1/weight`` applied there makes the call ``blocks/2``."""
-  out: set[Path] = set()
-  for value in args:
-    for path, leaf in _flat(value):
-      if path and (_tree_paths.is_variable(leaf) or isinstance(leaf, jax.Array)):
-        out.add(tuple(_record.path_name([k]) for k in path))
-  return frozenset(out)
+  """The paths of the arrays inside a call's arguments (``linear1/weight`` in a block's ``self``):
+  ``blocks/2/linear1/weight`` applied there makes the call ``blocks/2``."""
+  flat = [(path, leaf) for value in args for path, leaf in _flat(value) if path]
+  is_array = lambda x: _tree_paths.is_variable(x) or isinstance(x, jax.Array)
+  return frozenset(_named(path) for path, leaf in flat if is_array(leaf))
 
 
 def _flat(value: Any) -> list[tuple[Any, Any]]:
@@ -60,9 +57,9 @@ def names(
   given: Mapping[str, frozenset[Path]],
   body: Callable[[Any], tuple[Any, list[Any]] | None],
 ) -> dict[str, str]:
-  """``{call scope: path}`` for the ``calls`` that are a block instance; ``kinds`` per input
-  of ``closed``: a parameter's path or None (data); ``given`` per call: :func:`given_paths`;
-  ``body``: the jaxpr an equation enters."""
+  """``{call scope: path}`` for the ``calls`` that are a block instance; ``kinds`` per input of
+  ``closed``: a parameter's path or None (data); ``given`` per call: :func:`given_paths`; ``body``:
+  the jaxpr an equation enters."""
   applied: dict[str, set[Path]] = {}
   every: set[Path] = set()
   # Per call, the bodies whose equations it opened: a body run at several places shows one

@@ -1,6 +1,6 @@
-"""Recomputing an overflowing step inside the same jitted step, so that no batch is lost:
-back off and compute the gradients again for the same batch, up to a bounded number of
-tries, then in float32 if a float32 loss is given; only then is the step skipped."""
+"""Recomputing an overflowing step inside the same jitted step, so that no batch is lost: back off
+and compute the gradients again for the same batch, up to a bounded number of tries, then in float32
+if a float32 loss is given; only then is the step skipped."""
 
 from __future__ import annotations
 
@@ -122,17 +122,17 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` of a loss-scaled loss that recomputes an overflowing step.
 
-  ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S * fun(*args, **kwargs)``, S the
-  loss scale in ``opt_state`` (Micikevicius et al. 2018, *Mixed Precision Training*). When
-  the gradients are not finite it hands them to the policy as an overflow (which backs S
-  off, as a skipped step would) and differentiates again at the new scale, for the same
-  arguments, up to ``max_tries`` times; then once with ``fp32_fun``, if given. It returns
-  the loss, the scaled gradients of the last try and ``opt_state`` with the scale they were
-  computed at, so that ``tx.update`` unscales them correctly::
+  ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S * fun(*args, **kwargs)``, S the loss
+  scale in ``opt_state`` (Micikevicius et al. 2018, *Mixed Precision Training*). When the gradients
+  are not finite it hands them to the policy as an overflow (which backs S off, as a skipped step
+  would) and differentiates again at the new scale, for the same arguments, up to ``max_tries``
+  times; then once with ``fp32_fun``, if given. It returns the loss, the scaled gradients of the
+  last try and ``opt_state`` with the scale they were computed at, so that ``tx.update`` unscales
+  them correctly::
 
-      grad_fn = optax_dls.value_and_grad(loss_fn, tx, fp32_fun=loss_fn_fp32)
-      (loss, grads), opt_state = grad_fn(opt_state, params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
+      grad_fn = optax_dls.value_and_grad(loss_fn, tx, fp32_fun=loss_fn_fp32) (loss, grads),
+      opt_state = grad_fn(opt_state, params, batch) updates, opt_state = tx.update(grads, opt_state,
+      params)
 
   **When it stops early.** No further float16 pass runs when it cannot help:
 
@@ -143,57 +143,52 @@ def value_and_grad(
   * the back-off left the scale where it was (a static policy, the floor ``min_scale``,
     hysteresis left). ``fp32_fun``, if given, still runs, at the state after it.
 
-  **Cost.** The first pass runs as plain ``jax.grad`` would; the retries run in a
-  ``lax.while_loop`` entered through a ``lax.cond`` only after an overflow, carrying the
-  scale, the policy state and the last try's outputs. The common case is one forward and
-  backward pass plus one read of the gradients; the step compiles once (``fun`` traced
-  three times; twice when no retry can run). Each failed try counts for growth and
-  hysteresis as a skipped step would; ``tx.update`` then sees the final gradients (when
-  every try overflowed, the step is skipped). The result equals a step run directly at the
-  final scale, up to the rounding of the scaled loss and gradients (none for powers of
-  two; XLA may still contract the optimizer's arithmetic differently, in the last bit).
-  With a passthrough ``tx`` (:func:`no_loss_scale`) nothing is retried or compiled for it.
+  **Cost.** The first pass runs as plain ``jax.grad`` would; the retries run in a ``lax.while_loop``
+  entered through a ``lax.cond`` only after an overflow, carrying the scale, the policy state and
+  the last try's outputs. The common case is one forward and backward pass plus one read of the
+  gradients; the step compiles once (``fun`` traced three times; twice when no retry can run). Each
+  failed try counts for growth and hysteresis as a skipped step would; ``tx.update`` then sees the
+  final gradients (when every try overflowed, the step is skipped). The result equals a step run
+  directly at the final scale, up to the rounding of the scaled loss and gradients (none for powers
+  of two; XLA may still contract the optimizer's arithmetic differently, in the last bit). With a
+  passthrough ``tx`` (:func:`no_loss_scale`) nothing is retried or compiled for it.
 
   **Counts.** Chain :func:`recompute_stats` inside ``tx`` for ``recomputed_steps`` and
   ``recompute_tries`` in ``metrics``; without it nothing is counted.
 
-  On the CPU, when a retry can run, every pass's gradients are pinned to the row-major
-  layout (a ``LayoutConstraint`` custom call, which ``jax.export`` refuses by default:
-  export with
+  On the CPU, when a retry can run, every pass's gradients are pinned to the row-major layout (a
+  ``LayoutConstraint`` custom call, which ``jax.export`` refuses by default: export with
   ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")]``).
 
-  Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's
-  ``axis_name``, so every device takes the same number of tries; under ``jit`` with
-  ``NamedSharding`` it is global. With ``optax.MultiSteps`` inside the transformation each
-  micro-batch is recomputed on its own.
+  Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's ``axis_name``, so
+  every device takes the same number of tries; under ``jit`` with ``NamedSharding`` it is global.
+  With ``optax.MultiSteps`` inside the transformation each micro-batch is recomputed on its own.
 
   Args:
-    fun: the loss function, returning the unscaled floating scalar loss (float16 is
-      promoted to float32 before scaling), or ``(loss, aux)`` with ``has_aux=True``; any
-      positional and keyword arguments.
+    fun: the loss function, returning the unscaled floating scalar loss (float16 is promoted to
+      float32 before scaling), or ``(loss, aux)`` with ``has_aux=True``; any positional and keyword
+      arguments.
     tx: the loss-scaled transformation itself (from :func:`loss_scaled` or
       :func:`dynamic_loss_scale`), not a chain around it.
-    fp32_fun: optional, ``fun`` in float32, the last resort when every float16 try
-      overflowed; same signature, output structure and shapes (both cast to their
-      promoted dtypes). Default None.
+    fp32_fun: optional, ``fun`` in float32, the last resort when every float16 try overflowed; same
+      signature, output structure and shapes (both cast to their promoted dtypes). Default None.
     max_tries: int in [0, 64], float16 recomputations after the first pass. Default 3.
-    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in ``args``
-      (after ``opt_state``). Default 0.
+    argnums: int or tuple of ints, as in ``jax.value_and_grad``, counted in ``args`` (after
+      ``opt_state``). Default 0.
     has_aux: bool, as in ``jax.value_and_grad``. Default False.
 
   Returns:
-    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``: ``value`` the
-    loss (``(loss, aux)`` with ``has_aux``), ``grads`` scaled by the new loss scale.
+    ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``: ``value`` the loss
+    (``(loss, aux)`` with ``has_aux``), ``grads`` scaled by the new loss scale.
 
   Raises:
     TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not loss-scaled, ``max_tries``,
       ``argnums`` or ``has_aux`` of the wrong type; when called, a non-floating loss, no
       ``(loss, aux)`` pair with ``has_aux``, fewer positional arguments than ``argnums``.
     ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``tx`` an
-      ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first
-      argument holding no loss-scale state (the message gives the order) or several,
-      ``fun`` and ``fp32_fun`` outputs differing in structure or shape, or more than one
-      :func:`recompute_stats` in ``tx``.
+      ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first argument
+      holding no loss-scale state (the message gives the order) or several, ``fun`` and ``fp32_fun``
+      outputs differing in structure or shape, or more than one :func:`recompute_stats` in ``tx``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -227,7 +222,9 @@ def call(plan: Plan, opt_state: Any, args: tuple[Any, ...], kwargs: dict[str, An
   light = state._replace(inner_state=())  # the tries carry the scale and the policy state only
   last = _try(plan, fp16, light, jnp.int32(0))  # the common case: one pass, outside the loop
   if plan.max_tries:  # the loop only after an overflow: on XLA's CPU a loop slows what is around it
-    last = lax.cond(_again(plan, last), functools.partial(_retries, plan, fp16), lambda t: t, last)
+    retry = lambda t: _try(plan, fp16, t.next, t.tries + 1)
+    retries = lambda t: lax.while_loop(functools.partial(_again, plan), retry, t)
+    last = lax.cond(_again(plan, last), retries, lambda t: t, last)
   if fp32 is not None:  # the last resort, at the state the last float16 pass left
     last = lax.cond(last.finite, lambda t: t, lambda t: _try(plan, fp32, t.next, t.tries + 1), last)
   at = last.at._replace(
@@ -255,17 +252,8 @@ def _loss_scale_state(opt_state: Any, args: tuple[Any, ...]) -> LossScaleState:
   """:func:`find_state` of the first argument; else an error giving the calling order."""
   if _holds_state(opt_state):
     return _find.find_state(opt_state)
-  swapped = _calls.first_index(args, _holds_state)
-  raise ValueError(
-    _calls.order_error(
-      "opt_state",
-      "the optimizer state",
-      "holds no LossScaleState",
-      "holds one",
-      opt_state,
-      swapped,
-    )
-  )
+  words = ("opt_state", "the optimizer state", "holds no LossScaleState", "holds one")
+  raise ValueError(_calls.order_error(*words, opt_state, _calls.first_index(args, _holds_state)))
 
 
 def _holds_state(tree: Any) -> bool:
@@ -309,8 +297,8 @@ def _grads_of(
 def _passes(
   plan: Plan, state: LossScaleState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Pass, Pass | None, Callable[[Any], Any]]:
-  """The float16 and float32 passes, returning ``(array leaves of the value, grads)`` in the
-  types both share, and the function that puts the value's other leaves back."""
+  """The float16 and float32 passes, returning ``(array leaves of the value, grads)`` in the types
+  both share, and the function that puts the value's other leaves back."""
   statics: list[Callable[[Any], Any]] = []  # from the first trace: the same in every pass
   trees: dict[str, Any] = {}  # the tree structure of each function's whole output
 
@@ -360,8 +348,8 @@ def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Tr
 def _check(
   plan: Plan, grads: Any, at: LossScaleState, loss: jax.Array
 ) -> tuple[jax.Array, jax.Array, LossScaleState]:
-  """``(finite, loss_finite, backed_off)``: the transformation's check, whether the loss was
-  finite, and the state after the policy's move for an overflow."""
+  """``(finite, loss_finite, backed_off)``: the transformation's check, whether the loss was finite,
+  and the state after the policy's move for an overflow."""
   finite, backed_off = plan.update(grads, at._replace(inner_state=_transform.BackOff()), loss=loss)
   backed_off = backed_off._replace(inner_state=at.inner_state)
   # The record is kept as it was by a finite check: only a non-finite one speaks of this loss.
@@ -376,18 +364,9 @@ def _again(plan: Plan, last: Try) -> jax.Array:
   return ~last.finite & ~last.stuck & (last.tries < plan.max_tries)
 
 
-def _retries(plan: Plan, fp16: Pass, first: Try) -> Try:
-  """Float16 passes while :func:`_again` says so."""
-  return lax.while_loop(
-    functools.partial(_again, plan),
-    lambda t: _try(plan, fp16, t.next, t.tries + 1),
-    first,
-  )
-
-
 def _row_major(grads: Any) -> Any:
-  """``grads`` pinned to row-major on the CPU, where XLA would otherwise give the retry
-  branch's transposed layouts to every step's gradients; other platforms left alone."""
+  """``grads`` pinned to row-major on the CPU, where XLA would otherwise give the retry branch's
+  transposed layouts to every step's gradients; other platforms left alone."""
 
   def pin(g: jax.Array) -> jax.Array:  # jax.grad's leaves are floating arrays (no float0)
     return with_layout_constraint(g, Layout(tuple(range(g.ndim)))) if g.ndim >= 2 else g

@@ -15,11 +15,10 @@ class RecomputeState(NamedTuple):
   """State of :func:`recompute_stats`.
 
   Attributes:
-    recomputed_steps: int32 ``()``. Steps whose gradients
-      :func:`optax_dls.value_and_grad` recomputed after an overflow. Saturates
-      at ``2**31 - 1``.
-    recompute_tries: int32 ``()``. The extra forward and backward passes those
-      steps took, the float32 last resort included. Saturating.
+    recomputed_steps: int32 ``()``. Steps whose gradients :func:`optax_dls.value_and_grad`
+      recomputed after an overflow. Saturates at ``2**31 - 1``.
+    recompute_tries: int32 ``()``. The extra forward and backward passes those steps took, the
+      float32 last resort included. Saturating.
   """
 
   recomputed_steps: jax.Array
@@ -33,20 +32,19 @@ class RecomputeState(NamedTuple):
 def recompute_stats() -> optax.GradientTransformation:
   """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
 
-  An identity transformation whose ``RecomputeState`` counts the steps
-  :func:`value_and_grad` recomputed after an overflow and the extra passes they took.
-  Chain it inside the loss-scaled transformation; :func:`metrics` reports
-  ``recomputed_steps`` and ``recompute_tries``::
+  An identity transformation whose ``RecomputeState`` counts the steps :func:`value_and_grad`
+  recomputed after an overflow and the extra passes they took. Chain it inside the loss-scaled
+  transformation; :func:`metrics` reports ``recomputed_steps`` and ``recompute_tries``::
 
-      inner = optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3))
-      tx = optax_dls.dynamic_loss_scale(inner)
+      inner = optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3)) tx =
+      optax_dls.dynamic_loss_scale(inner)
 
   Without it nothing is counted. A skipped step keeps the counts of its recomputation.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of
-    two int32 ``()`` counters, ``recomputed_steps`` and ``recompute_tries``,
-    both 0 at ``init`` and saturating at ``2**31 - 1``.
+    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of two int32 ``()``
+    counters, ``recomputed_steps`` and ``recompute_tries``, both 0 at ``init`` and saturating at
+    ``2**31 - 1``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -61,11 +59,7 @@ def recompute_stats() -> optax.GradientTransformation:
   """
 
   init = lambda _: RecomputeState(*[jnp.zeros([], jnp.int32)] * 2)
-  return optax.GradientTransformation(init, _update)
-
-
-def _update(updates: Any, state: RecomputeState, params: Any = None) -> tuple[Any, Any]:
-  return updates, state
+  return optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
 
 
 def record(inner_state: Any, tries: jax.Array) -> Any:
@@ -77,15 +71,9 @@ def record(inner_state: Any, tries: jax.Array) -> Any:
       "optax_dls.recompute_stats() once inside the loss-scaled transformation."
     )
 
-  def count(node: Any) -> Any:
-    if not is_node(node):
-      return node
-    return RecomputeState(
-      _add(node.recomputed_steps, (tries > 0).astype(jnp.int32)),
-      _add(node.recompute_tries, tries),
-    )
-
-  return jax.tree.map(count, inner_state, is_leaf=is_node)
+  steps = (tries > 0).astype(jnp.int32)
+  count = lambda n: RecomputeState(_add(n.recomputed_steps, steps), _add(n.recompute_tries, tries))
+  return jax.tree.map(lambda n: count(n) if is_node(n) else n, inner_state, is_leaf=is_node)
 
 
 def _add(count: jax.Array, n: jax.Array) -> jax.Array:

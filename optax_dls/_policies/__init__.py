@@ -1,7 +1,7 @@
-"""Loss-scale policies: pure ``init`` / ``update`` pairs over a small state (:mod:`.base`).
-The dynamic rule (:mod:`.dynamic`) backs the dynamic, static and no-op policies and the
-framework presets (:mod:`.presets`); :mod:`.amax` follows the gradients' magnitude;
-:mod:`.fallback` wraps a policy with a float32 fallback and :mod:`.min_scale`'s count.
+"""Loss-scale policies: pure ``init`` / ``update`` pairs over a small state (:mod:`.base`). The
+dynamic rule (:mod:`.dynamic`) backs the dynamic, static and no-op policies and the framework
+presets (:mod:`.presets`); :mod:`.amax` follows the gradients' magnitude; :mod:`.fallback` wraps a
+policy with a float32 fallback and a count of skips at ``min_scale``.
 
 May import: ``_util`` only."""
 
@@ -15,8 +15,12 @@ from optax_dls._policies.dynamic import (
   noop_policy,
   static_policy,
 )
-from optax_dls._policies.fallback import FallbackState, fp32_fallback
-from optax_dls._policies.min_scale import SkipsAtMinScaleState, skips_at_min_scale
+from optax_dls._policies.fallback import (
+  FallbackState,
+  SkipsAtMinScaleState,
+  fp32_fallback,
+  skips_at_min_scale,
+)
 
 __all__ = [
   "STATS",

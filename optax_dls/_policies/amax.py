@@ -19,8 +19,8 @@ class AmaxScaleState(NamedTuple):
   """Policy state of :func:`amax_policy`.
 
   Attributes:
-    amax_history: float32 ``[history_len]``. The unscaled statistic of the last steps,
-      newest first, 0 for an empty slot; a non-finite step at S records ``max_value / S``.
+    amax_history: float32 ``[history_len]``. The unscaled statistic of the last steps, newest first,
+      0 for an empty slot; a non-finite step at S records ``max_value / S``.
     growth_tracker: int32 ``()``. Consecutive finite steps since the scale last moved."""
 
   amax_history: jax.Array
@@ -52,9 +52,9 @@ def amax_policy(
   """Gradient-aware loss scaling: keep the scaled amax ``margin`` octaves below fp16 max.
 
   Delayed scaling, as for FP8 (Micikevicius et al. 2022, *FP8 Formats for Deep Learning*;
-  Transformer Engine ``DelayedScaling``): each step records the unscaled statistic (the
-  scaled amax over S, or the global norm) and targets ``T = pow2_floor(max_value /
-  2**margin / max(history))``, clipped to ``[min_scale, max_scale]``.
+  Transformer Engine ``DelayedScaling``): each step records the unscaled statistic (the scaled amax
+  over S, or the global norm) and targets ``T = pow2_floor(max_value / 2**margin / max(history))``,
+  clipped to ``[min_scale, max_scale]``.
 
   * Finite step, ``T < S``: back off to ``T`` at once, before any overflow.
   * Finite step, ``T > S`` and ``growth_interval`` consecutive finite steps
@@ -62,32 +62,26 @@ def amax_policy(
   * Non-finite step (skipped): ``S = max(S * backoff_factor, min_scale)``, and
     ``max_value / S`` enters the history, holding the scale down for ``history_len`` steps.
 
-  The amax is over the gradients the optimizer receives; activation cotangents can be
-  larger, which ``margin`` absorbs.
+  The amax is over the gradients the optimizer receives; activation cotangents can be larger, which
+  ``margin`` absorbs.
 
   Args:
-    init_scale: float, the first scale, in ``[min_scale, max_scale]``.
-      Default ``2**15``.
-    margin: float in [0, 64], octaves of headroom below ``max_value``.
-      Default 2.
+    init_scale: float, the first scale, in ``[min_scale, max_scale]``. Default ``2**15``.
+    margin: float in [0, 64], octaves of headroom below ``max_value``. Default 2.
     history_len: int in [1, 4096], steps in the history. Default 16.
-    growth_interval: int in [1, 2**31 - 1], consecutive finite steps between
-      two growths. Default 16.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps between two growths. Default
+      16.
     growth_factor: float > 1, the largest growth per step. Default 2.
     backoff_factor: float in (0, 1), backoff on a non-finite step. Default 0.5.
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
-    max_scale: float in [min_scale, 2**126], ceiling of the scale. Default
-      ``2**24``.
+    max_scale: float in [min_scale, 2**126], ceiling of the scale. Default ``2**24``.
     max_value: float, the largest finite value of the compute dtype; it and
-      ``max_value * 2**-margin`` must be normal finite float32 numbers.
-      Default 65504 (float16).
-    statistic: ``"amax"`` (default; asks the wrapper for the amax) or
-      ``"grad_norm"``.
+      ``max_value * 2**-margin`` must be normal finite float32 numbers. Default 65504 (float16).
+    statistic: ``"amax"`` (default; asks the wrapper for the amax) or ``"grad_norm"``.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: ``amax_history``
-    (float32 ``[history_len]``, newest first, 0 for an empty slot) and ``growth_tracker``
-    (int32 ``()``).
+    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: ``amax_history`` (float32
+    ``[history_len]``, newest first, 0 for an empty slot) and ``growth_tracker`` (int32 ``()``).
 
   Raises:
     ValueError: a value outside its range; the message names it.
@@ -112,18 +106,8 @@ def amax_policy(
     kind = ValueError if isinstance(statistic, str) else TypeError
     raise kind(f"statistic must be 'amax' or 'grad_norm', got statistic={statistic!r}.")
   headroom = max_value * 2.0**-margin
-  rule = _AmaxRule(
-    init_scale,
-    history_len,
-    statistic,
-    max_value,
-    headroom,
-    min_scale,
-    max_scale,
-    growth_interval,
-    growth_factor,
-    backoff_factor,
-  )
+  scales = (init_scale, history_len, statistic, max_value, headroom, min_scale, max_scale)
+  rule = _AmaxRule(*scales, growth_interval, growth_factor, backoff_factor)
   return LossScalePolicy(
     functools.partial(_amax_init, rule),
     functools.partial(_amax_update, rule),

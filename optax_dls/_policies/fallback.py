@@ -1,5 +1,5 @@
-"""Float32 fallback: a policy wrapper whose flag asks for the loss in float32 for a while
-after a run of skipped steps."""
+"""Float32 fallback: a policy wrapper whose flag asks for the loss in float32 for a while after a
+run of skipped steps, and the count of skips at the minimum scale, which backing off cannot cure."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import jax.numpy as jnp
 import optax
 
 from optax_dls._policies.base import GradStats, LossScalePolicy, check_policy
-from optax_dls._policies.min_scale import skips_at_min_scale
 from optax_dls._util import validation as _validation
 
 
 class FallbackState(NamedTuple):
-  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState``
-  (``policy_state``), the flag (``fp32_fallback``, bool ``()``), the updates it has left
-  (``steps_left``) and the skips in a row (``consecutive_skips``), int32 ``()``."""
+  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState`` (``policy_state``),
+  the flag (``fp32_fallback``, bool ``()``), the updates it has left (``steps_left``) and the skips
+  in a row (``consecutive_skips``), int32 ``()``."""
 
   policy_state: Any
   fp32_fallback: jax.Array
@@ -30,53 +29,47 @@ class FallbackState(NamedTuple):
 
 
 def fp32_fallback(
-  policy: LossScalePolicy,
-  *,
-  after: int = 10,
-  steps: int = 100,
-  scale: float | None = None,
+  policy: LossScalePolicy, *, after: int = 10, steps: int = 100, scale: float | None = None
 ) -> LossScalePolicy:
   """Wraps ``policy`` with a float32 fallback for when float16 keeps failing.
 
-  After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on
-  for the next ``steps`` updates, while the wrapped policy keeps moving the scale; the
-  update that ends it restarts the scale at ``scale`` and the wrapped policy's state. The
-  step picks the computation with the flag (both branches traced once, so switching never
-  recompiles; they must return the same structure, shapes and dtypes)::
+  After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on for the
+  next ``steps`` updates, while the wrapped policy keeps moving the scale; the update that ends it
+  restarts the scale at ``scale`` and the wrapped policy's state. The step picks the computation
+  with the flag (both branches traced once, so switching never recompiles; they must return the same
+  structure, shapes and dtypes)::
 
       loss = jax.lax.cond(
         optax_dls.metrics(opt_state)["fp32_fallback"], fp32_loss, fp16_loss, params, batch
       )
 
-  It also counts the consecutive skips taken at the policy's ``min_scale``, which backing
-  off cannot cure: :func:`metrics` reports ``skips_at_min_scale`` (reset by an applied
-  step and when the fallback ends); :class:`SkipAlerts` warns on the first.
+  It also counts the consecutive skips taken at the policy's ``min_scale``, which backing off cannot
+  cure: :func:`metrics` reports ``skips_at_min_scale`` (reset by an applied step and when the
+  fallback ends); :class:`SkipAlerts` warns on the first.
 
   Args:
-    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`;
-      its ``min_scale`` is the floor the count compares with.
-    after: int in [1, 2**31 - 1], consecutive skipped steps that start the
-      fallback. Default 10.
+    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`; its ``min_scale`` is
+      the floor the count compares with.
+    after: int in [1, 2**31 - 1], consecutive skipped steps that start the fallback. Default 10.
     steps: int in [1, 2**31 - 1], updates the fallback lasts. Default 100.
-    scale: float in the policy's ``[min_scale, max_scale]``, or None (the
-      default: the policy's initial scale), the scale to restart at.
+    scale: float in the policy's ``[min_scale, max_scale]``, or None (the default: the policy's
+      initial scale), the scale to restart at.
 
   Returns:
     A :class:`LossScalePolicy` whose state is a ``FallbackState``: ``policy_state`` (a
-    ``SkipsAtMinScaleState`` of the wrapped state and ``skips_at_min_scale``, int32
-    ``()``), ``fp32_fallback`` (bool ``()``), ``steps_left`` and ``consecutive_skips``
-    (int32 ``()``).
+    ``SkipsAtMinScaleState`` of the wrapped state and ``skips_at_min_scale``, int32 ``()``),
+    ``fp32_fallback`` (bool ``()``), ``steps_left`` and ``consecutive_skips`` (int32 ``()``).
 
   Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields
-      has the wrong type (see :class:`LossScalePolicy`), or a wrong or traced
-      value.
-    ValueError: a value out of range, ``scale`` included (the message names
-      it), or ``policy``'s ``stats``, scale range or initial scale is not valid.
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields has the wrong type
+      (see :class:`LossScalePolicy`), or a wrong or traced value.
+    ValueError: a value out of range, ``scale`` included (the message names it), or ``policy``'s
+      ``stats``, scale range or initial scale is not valid.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
-    >>> policy = optax_dls.fp32_fallback(optax_dls.dynamic_policy(min_scale=2.0**15), after=2)
+    >>> dynamic = optax_dls.dynamic_policy(min_scale=2.0**15)
+    >>> policy = optax_dls.fp32_fallback(dynamic, after=2)
     >>> tx = optax_dls.loss_scaled(optax.sgd(0.1), policy)
     >>> state = tx.init({'w': jnp.ones(1)})
     >>> for _ in range(2):
@@ -127,3 +120,36 @@ def _fallback_update(
   return new_scale, FallbackState(
     policy_state, (active & ~ended) | start, left.astype(jnp.int32), consecutive.astype(jnp.int32)
   )
+
+
+class SkipsAtMinScaleState(NamedTuple):
+  """Policy state of :func:`skips_at_min_scale`: the wrapped ``policy_state`` and
+  ``skips_at_min_scale`` (int32 ``()``, saturating), consecutive skips at ``min_scale``."""
+
+  policy_state: Any
+  skips_at_min_scale: jax.Array
+
+  def loss_scale_metrics(self) -> dict[str, jax.Array]:
+    return {"skips_at_min_scale": self.skips_at_min_scale}
+
+
+def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
+  """Wraps ``policy`` to count consecutive skips at its ``min_scale``; the scale is the wrapped
+  policy's. TypeError / ValueError as ``check_policy`` raises them."""
+  policy = check_policy(policy)
+  init = functools.partial(_min_scale_init, policy)
+  return policy._replace(init=init, update=functools.partial(_min_scale_update, policy))
+
+
+def _min_scale_init(policy: LossScalePolicy) -> tuple[jax.Array, SkipsAtMinScaleState]:
+  scale, policy_state = policy.init()
+  return scale, SkipsAtMinScaleState(policy_state, jnp.zeros([], jnp.int32))
+
+
+def _min_scale_update(
+  policy: LossScalePolicy, scale: jax.Array, state: SkipsAtMinScaleState, stats: GradStats
+) -> tuple[jax.Array, SkipsAtMinScaleState]:
+  new_scale, policy_state = policy.update(scale, state.policy_state, stats)
+  at_min = ~stats.finite & (scale <= jnp.float32(policy.min_scale))
+  count = jnp.where(at_min, optax.safe_increment(state.skips_at_min_scale), 0)
+  return new_scale, SkipsAtMinScaleState(policy_state, count.astype(jnp.int32))

@@ -1,244 +1,136 @@
 """The presets reproducing other frameworks' scale trajectories, public as
 ``optax_dls.config.preset("torch")``, ``"keras"``, ``"jmp"``, ``"flax"``, ``"megatron"`` and
-``"deepspeed"`` (documented in ``docs/policies.md``).
+``"deepspeed"`` (their arguments, defaults and limits: ``config.preset`` and ``docs/policies.md``).
 
-Given the same finite / non-finite steps, each scale equals the reference's bit for bit while
-the reference stays inside ``[2**-126, 2**126]``; other conditions are listed per preset.
-References: PyTorch ``torch/amp/grad_scaler.py``, Megatron-LM
-``megatron/core/optimizer/grad_scaler.py``, DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py``,
-Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``, jmp ``jmp/_src/loss_scale.py``, flax
-``flax/training/dynamic_scale.py``; the rule is Micikevicius et al. (2018), Sec. 3.2.
+Given the same finite / non-finite steps, each scale equals the reference's bit for bit while the
+reference stays inside ``[2**-126, 2**126]``. References: PyTorch ``torch/amp/grad_scaler.py``,
+Megatron-LM ``megatron/core/optimizer/grad_scaler.py``, DeepSpeed
+``deepspeed/runtime/fp16/loss_scaler.py``, Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``,
+jmp ``jmp/_src/loss_scale.py``, flax ``flax/training/dynamic_scale.py``; the rule is Micikevicius et
+al. (2018), Sec. 3.2.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from optax_dls._policies.base import LossScalePolicy
 from optax_dls._policies.dynamic import DynamicRule, dynamic_rule
 from optax_dls._util import validation as _validation
-from optax_dls._util.validation import SCALE_MAX, SCALE_MIN
+from optax_dls._util.validation import INT32_MAX, SCALE_MAX, SCALE_MIN
+
+_REQUIRED = inspect.Parameter.empty
+# Each preset: the rule's fixed options, then its arguments as (name, default, role). Roles:
+# "init" / "low" the initial scale and floor ("floor": None is 2**-126, as in flax);
+# "growth" / "backoff" the factors, "factor" both (a growth factor and a backoff divisor);
+# ("after", low, late) the growth window, grown ``late`` steps later (flax, DeepSpeed);
+# "hysteresis"; "consecutive" DeepSpeed's consecutive hysteresis.
+_PRESETS: dict[str, tuple[dict[str, Any], tuple[tuple[str, Any, Any], ...]]] = {
+  "torch": (
+    {},
+    (
+      ("init_scale", 2.0**16, "init"),
+      ("growth_factor", 2.0, "growth"),
+      ("backoff_factor", 0.5, "backoff"),
+      ("growth_interval", 2000, ("after", 1, 0)),
+    ),
+  ),
+  "keras": (
+    {"growth_factor": 2.0, "backoff_factor": 0.5},
+    (("initial_scale", 2.0**15, "init"), ("dynamic_growth_steps", 2000, ("after", 1, 0))),
+  ),
+  "jmp": (
+    {},
+    (
+      ("loss_scale", _REQUIRED, "init"),
+      ("period", 2000, ("after", 1, 0)),
+      ("factor", 2, "factor"),
+      ("min_loss_scale", 1.0, "low"),
+    ),
+  ),
+  "flax": (
+    {},
+    (
+      ("growth_factor", 2.0, "growth"),
+      ("backoff_factor", 0.5, "backoff"),
+      ("growth_interval", 2000, ("after", 0, 1)),
+      ("scale", 65536.0, "init"),
+      ("minimum_scale", SCALE_MIN, "floor"),
+    ),
+  ),
+  "megatron": (
+    {},
+    (
+      ("initial_scale", 2.0**32, "init"),
+      ("min_scale", 1.0, "low"),
+      ("growth_factor", 2.0, "growth"),
+      ("backoff_factor", 0.5, "backoff"),
+      ("growth_interval", 1000, ("after", 1, 0)),
+      ("hysteresis", 2, "hysteresis"),
+    ),
+  ),
+  "deepspeed": (
+    {"growth_factor": 2.0, "backoff_divisor": 2.0, "reset_after_growth": 1},
+    (
+      ("init_scale", 2.0**16, "init"),
+      ("scale_window", 1000, ("after", 1, 1)),
+      ("min_scale", 1.0, "low"),
+      ("delayed_shift", 2, "hysteresis"),
+      ("consecutive_hysteresis", False, "consecutive"),
+    ),
+  ),
+}
 
 
-def _rule(
-  *, init: tuple[str, Any], low: tuple[str, Any] = ("min_scale", SCALE_MIN), **options: Any
-) -> LossScalePolicy:
-  """:func:`dynamic_rule` with checked ``low <= init`` and no ceiling below ``2**126``."""
-  init_scale, min_scale, _ = _validation.scale_range(init, low, ("max_scale", SCALE_MAX))
-  rule = DynamicRule(init_scale=init_scale, min_scale=min_scale, max_scale=SCALE_MAX, **options)
-  return dynamic_rule(rule)
+def _option(role: Any, name: str, value: Any) -> dict[str, Any]:
+  """The :class:`DynamicRule` options (or ``init`` / ``low`` for the scale range) of one argument,
+  checked; ValueError / TypeError naming it."""
+  if role in ("init", "low"):
+    return {role: (name, value)}
+  if role == "floor":
+    return {"low": (name, SCALE_MIN if value is None else value)}
+  if role == "growth":
+    return {"growth_factor": _validation.growth_factor(name, value)}
+  if role == "backoff":
+    return {"backoff_factor": _validation.backoff_factor(name, value)}
+  if role == "factor":
+    factor = _validation.growth_factor(name, value)
+    return {"growth_factor": factor, "backoff_divisor": factor}
+  if role == "consecutive":
+    return {"consecutive_hysteresis": _validation.boolean(name, value)}
+  low, late = (1, 0) if role == "hysteresis" else role[1:]
+  value = _validation.count(name, value, low=low, high=INT32_MAX - 1 - late)
+  return {"hysteresis" if role == "hysteresis" else "growth_after": value + late}
 
 
-def _window(name: str, value: Any, low: int = 1) -> int:
-  return _validation.count(name, value, low=low, high=_validation.INT32_MAX - 1)
+def _preset(name: str) -> Callable[..., LossScalePolicy]:
+  """The policy function of the preset ``name``, with that framework's arguments."""
+  fixed, arguments = _PRESETS[name]
+  kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+  signature = inspect.Signature([inspect.Parameter(a, kind, default=d) for a, d, _ in arguments])
+
+  def policy(*args: Any, **kwargs: Any) -> LossScalePolicy:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    options = dict(fixed, low=("min_scale", SCALE_MIN))
+    for argument, _, role in arguments:
+      options.update(_option(role, argument, bound.arguments[argument]))
+    init, low = options.pop("init"), options.pop("low")
+    init_scale, min_scale, _ = _validation.scale_range(init, low, ("max_scale", SCALE_MAX))
+    rule = DynamicRule(init_scale=init_scale, min_scale=min_scale, max_scale=SCALE_MAX, **options)
+    return dynamic_rule(rule)
+
+  policy.__name__ = policy.__qualname__ = f"{name}_policy"
+  policy.__doc__ = f"The scale trajectory of the {name!r} preset (see ``config.preset``)."
+  policy.__signature__ = signature  # type: ignore[attr-defined]
+  return policy
 
 
-def torch_policy(
-  init_scale: float = 2.0**16,
-  growth_factor: float = 2.0,
-  backoff_factor: float = 0.5,
-  growth_interval: int = 2000,
-) -> LossScalePolicy:
-  """The scale trajectory of PyTorch ``torch.amp.GradScaler``.
-
-  Grows on the ``growth_interval``-th consecutive finite step, backs off on every
-  non-finite one; no hysteresis; GradScaler's names and defaults. Exact while both factors
-  are float32-representable (PyTorch rounds the float64 product once); PyTorch has no
-  floor and refuses only a growth to inf, here the scale stops at ``2**-126`` / ``2**126``.
-
-  Args:
-    init_scale: float in [2**-126, 2**126]. Default ``2**16``.
-    growth_factor: float > 1. Default 2.
-    backoff_factor: float in (0, 1). Default 0.5.
-    growth_interval: int in [1, 2**31 - 2]. Default 2000.
-
-  Returns:
-    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state.
-
-  Raises:
-    ValueError: a value out of range (the message names it).
-    TypeError: a wrong or traced value.
-  """
-  return _rule(
-    init=("init_scale", init_scale),
-    growth_factor=_validation.growth_factor("growth_factor", growth_factor),
-    backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
-    growth_after=_window("growth_interval", growth_interval),
-  )
-
-
-def keras_policy(
-  initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000
-) -> LossScalePolicy:
-  """The scale trajectory of Keras 3 ``keras.optimizers.LossScaleOptimizer``.
-
-  Doubles on the ``dynamic_growth_steps``-th consecutive finite step, halves on every
-  non-finite one. Keras has neither floor nor ceiling; here the scale stops at the bounds.
-
-  Args:
-    initial_scale: float in [2**-126, 2**126]. Default ``2**15``.
-    dynamic_growth_steps: int in [1, 2**31 - 2]. Default 2000.
-
-  Returns:
-    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state.
-
-  Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
-  """
-  return _rule(
-    init=("initial_scale", initial_scale),
-    growth_factor=2.0,
-    backoff_factor=0.5,
-    growth_after=_window("dynamic_growth_steps", dynamic_growth_steps),
-  )
-
-
-def jmp_policy(
-  loss_scale: float, period: int = 2000, factor: float = 2, min_loss_scale: float = 1.0
-) -> LossScalePolicy:
-  """The scale trajectory of jmp ``jmp.DynamicLossScale``.
-
-  Multiplies by ``factor`` on the ``period``-th consecutive finite step and divides by it
-  (floored at ``min_loss_scale``) on every non-finite one; stops at ``2**126``.
-
-  Args:
-    loss_scale: float in [2**-126, 2**126], the initial scale (required, as
-      in jmp).
-    period: int in [1, 2**31 - 2]. Default 2000.
-    factor: number > 1, growth factor and backoff divisor. Default 2.
-    min_loss_scale: float in [2**-126, loss_scale]. Default 1.
-
-  Returns:
-    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state.
-
-  Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
-  """
-  factor = _validation.growth_factor("factor", factor)
-  return _rule(
-    init=("loss_scale", loss_scale),
-    low=("min_loss_scale", min_loss_scale),
-    growth_factor=factor,
-    backoff_divisor=factor,
-    growth_after=_window("period", period),
-  )
-
-
-def flax_policy(
-  growth_factor: float = 2.0,
-  backoff_factor: float = 0.5,
-  growth_interval: int = 2000,
-  scale: float = 65536.0,
-  minimum_scale: float | None = SCALE_MIN,
-) -> LossScalePolicy:
-  """The scale trajectory of flax ``flax.training.dynamic_scale.DynamicScale``.
-
-  Grows on the ``growth_interval + 1``-th consecutive finite step, one later than PyTorch;
-  the default floor is float32 ``tiny`` = ``2**-126``, as in flax (``None`` floors there
-  too). Exact for float32-representable factors; flax caps at float32 max, here ``2**126``.
-
-  Args:
-    growth_factor: float > 1. Default 2.
-    backoff_factor: float in (0, 1). Default 0.5.
-    growth_interval: int in [0, 2**31 - 3]. Default 2000.
-    scale: float in [2**-126, 2**126], the initial scale. Default ``2**16``.
-    minimum_scale: float in [2**-126, scale] or None. Default ``2**-126``.
-
-  Returns:
-    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state.
-
-  Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
-  """
-  floor = SCALE_MIN if minimum_scale is None else minimum_scale
-  interval = _validation.count(
-    "growth_interval", growth_interval, low=0, high=_validation.INT32_MAX - 2
-  )
-  return _rule(
-    init=("scale", scale),
-    low=("minimum_scale", floor),
-    growth_factor=_validation.growth_factor("growth_factor", growth_factor),
-    backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
-    growth_after=interval + 1,
-  )
-
-
-def megatron_policy(
-  initial_scale: float = 2.0**32,
-  min_scale: float = 1.0,
-  growth_factor: float = 2.0,
-  backoff_factor: float = 0.5,
-  growth_interval: int = 1000,
-  hysteresis: int = 2,
-) -> LossScalePolicy:
-  """The scale trajectory of Megatron-LM ``DynamicGradScaler``.
-
-  Grows on the ``growth_interval``-th consecutive finite step, refilling the hysteresis
-  (only a growth does); a non-finite step resets the tracker, spends one unit of
-  hysteresis and, once spent, backs off (floored at ``min_scale``). Megatron's command-line
-  defaults; Megatron has no ceiling, here ``2**126``.
-
-  Args:
-    initial_scale: float in [min_scale, 2**126]. Default ``2**32``.
-    min_scale: float in [2**-126, 2**126]. Default 1.
-    growth_factor: float > 1. Default 2.
-    backoff_factor: float in (0, 1). Default 0.5.
-    growth_interval: int in [1, 2**31 - 2]. Default 1000.
-    hysteresis: int in [1, 2**31 - 2]. Default 2.
-
-  Returns:
-    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state.
-
-  Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
-  """
-  return _rule(
-    init=("initial_scale", initial_scale),
-    low=("min_scale", min_scale),
-    growth_factor=_validation.growth_factor("growth_factor", growth_factor),
-    backoff_factor=_validation.backoff_factor("backoff_factor", backoff_factor),
-    growth_after=_window("growth_interval", growth_interval),
-    hysteresis=_window("hysteresis", hysteresis),
-  )
-
-
-def deepspeed_policy(
-  init_scale: float = 2.0**16,
-  scale_window: int = 1000,
-  min_scale: float = 1.0,
-  delayed_shift: int = 2,
-  consecutive_hysteresis: bool = False,
-) -> LossScalePolicy:
-  """The scale trajectory of DeepSpeed ``DynamicLossScaler`` (fp16 engine).
-
-  Grows by 2 on the ``scale_window + 1``-th consecutive finite step, then every
-  ``scale_window`` (DeepSpeed 0.19.8's timing). An overflow spends one unit of hysteresis
-  (``delayed_shift``) and, once spent, halves the scale (floored at ``min_scale``); a
-  growth refills it, or every finite step with ``consecutive_hysteresis``. DeepSpeed's fp16
-  config defaults. Exact for float32-representable ``init_scale`` / ``min_scale``; where
-  DeepSpeed raises (``raise_error_at_min_scale``) the scale stays at ``min_scale``.
-
-  Args:
-    init_scale: float in [min_scale, 2**126]. Default ``2**16``.
-    scale_window: int in [1, 2**31 - 3]. Default 1000.
-    min_scale: float in [2**-126, 2**126]. Default 1.
-    delayed_shift: int in [1, 2**31 - 2], the hysteresis. Default 2.
-    consecutive_hysteresis: bool. Default False.
-
-  Returns:
-    A :class:`~optax_dls.LossScalePolicy` with the dynamic rule's state.
-
-  Raises:
-    ValueError / TypeError: as :func:`torch_policy`.
-  """
-  window = _validation.count("scale_window", scale_window, high=_validation.INT32_MAX - 2)
-  return _rule(
-    init=("init_scale", init_scale),
-    low=("min_scale", min_scale),
-    growth_factor=2.0,
-    backoff_divisor=2.0,
-    growth_after=window + 1,
-    reset_after_growth=1,
-    hysteresis=_window("delayed_shift", delayed_shift),
-    consecutive_hysteresis=_validation.boolean("consecutive_hysteresis", consecutive_hysteresis),
-  )
+torch_policy = _preset("torch")
+keras_policy = _preset("keras")
+jmp_policy = _preset("jmp")
+flax_policy = _preset("flax")
+megatron_policy = _preset("megatron")
+deepspeed_policy = _preset("deepspeed")

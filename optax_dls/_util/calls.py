@@ -1,5 +1,5 @@
-"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair,
-``argnums``' reach, the calling order, shared dtypes, and the array arguments."""
+"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair, ``argnums``'
+reach, the calling order, shared dtypes, and the array arguments."""
 
 from __future__ import annotations
 
@@ -59,14 +59,8 @@ def first_index(args: tuple[Any, ...], test: Callable[[Any], bool]) -> int | Non
 
 
 def promoted(out_a: Any, out_b: Any, names: tuple[str, str]) -> Any:
-  """``out_a``'s shapes with dtypes promoted with ``out_b``'s; ValueError where they
-  differ in structure or shape."""
-  treedef: Any = jax.tree.structure(out_a)
-  if treedef != jax.tree.structure(out_b):
-    raise ValueError(
-      f"{names[0]} and {names[1]} must return the same pytree structure, got "
-      f"{treedef} and {jax.tree.structure(out_b)}."
-    )
+  """``out_a``'s shapes with dtypes promoted with ``out_b``'s (of the same structure: the caller
+  checks it); ValueError where they differ in shape."""
   leaves_a, leaves_b = jax.tree_util.tree_leaves_with_path(out_a), jax.tree.leaves(out_b)
   for (path, a), b in zip(leaves_a, leaves_b):
     if a.shape != b.shape:
@@ -90,12 +84,9 @@ def _is_array(x: Any) -> bool:
 def split_arrays(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
   """The array leaves of ``tree`` and the function that puts them back among the others."""
   leaves, treedef = jax.tree.flatten(tree)
-  where = [i for i, x in enumerate(leaves) if _is_array(x)]
 
   def rebuild(arrays: list[Any]) -> Any:
-    full = list(leaves)
-    for i, x in zip(where, arrays, strict=True):
-      full[i] = x
-    return jax.tree.unflatten(treedef, full)
+    given = iter(arrays)
+    return jax.tree.unflatten(treedef, [next(given) if _is_array(x) else x for x in leaves])
 
-  return [leaves[i] for i in where], rebuild
+  return [x for x in leaves if _is_array(x)], rebuild

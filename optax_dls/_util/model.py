@@ -1,6 +1,6 @@
-"""Models whose pytree holds leaves that are not floating arrays (an Equinox module's
-functions, Python scalars, integer arrays): held out of the step or passed through
-untouched, as ``eqx.apply_updates`` does."""
+"""Models whose pytree holds leaves that are not floating arrays (an Equinox module's functions,
+Python scalars, integer arrays): held out of the step or passed through untouched, as
+``eqx.apply_updates`` does."""
 
 from __future__ import annotations
 
@@ -16,32 +16,29 @@ def _NONE(x: Any) -> bool:
   return x is None
 
 
-def held_out(grads: Any, params: Any) -> list[bool] | None:
-  """Per leaf of ``grads``: whether it is ``None`` (its parameter subtree held out); None
-  when nothing is, or ``params`` does not match."""
-  return _places(grads, params, lambda g, p: g is None)
-
-
-def untrained(grads: Any, params: Any) -> list[bool] | None:
-  """Per leaf of ``grads``: whether it is the gradient of an integer or bool array (by the
-  parameter, or the gradient's dtype without ``params``); None when there is none."""
-  if params is None:
-    leaves = jax.tree.leaves(grads, is_leaf=_NONE)
-    places = [g is not None and _not_trained(g) for g in leaves]
-    return places if any(places) else None
-  return _places(grads, params, lambda g, p: g is not None and _not_trained(p))
+def _zip(grads: Any, *trees: Any) -> tuple[Any, list[tuple[Any, ...]]]:
+  """``(treedef, rows)``: the structure of ``grads`` (None leaves included) and per leaf, the
+  gradient and the subtree of each of ``trees`` there (ValueError / TypeError where one does not
+  match)."""
+  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
+  subs = [treedef.flatten_up_to(tree) for tree in trees]  # type: ignore[attr-defined]
+  return treedef, list(zip(leaves, *subs, strict=True))
 
 
 def _places(grads: Any, params: Any, pick: Any) -> list[bool] | None:
-  if params is None:
-    return None
-  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
+  """``pick(gradient, parameter subtree)`` per leaf of ``grads``; None when nothing is picked, or
+  ``params`` does not match."""
   try:
-    subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+    places = [pick(*row) for row in _zip(grads, params)[1]]
   except (ValueError, TypeError):
     return None
-  places = [pick(g, p) for g, p in zip(leaves, subs, strict=True)]
   return places if any(places) else None
+
+
+def _without(grads: Any, tree: Any, places: list[bool]) -> Any:
+  """``tree`` (of the structure of ``params``) with None at ``places``."""
+  treedef, rows = _zip(grads, tree)
+  return jax.tree.unflatten(treedef, [None if h else s for (_, s), h in zip(rows, places)])
 
 
 def _not_trained(x: Any) -> bool:
@@ -54,18 +51,20 @@ def trained(params: Any) -> Any:
 
 
 def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-  """``update(grads, *args, params, **kwargs)`` without the integer parameters: their
-  gradient, untouched, is their update (zeros for a ``float0`` one)."""
-  places = untrained(grads, params)
+  """``update(grads, *args, params, **kwargs)`` without the integer and bool parameters (by the
+  gradient's dtype without ``params``): their gradient, untouched, is their update (zeros for a
+  ``float0`` one)."""
+  tree = grads if params is None else params
+  places = _places(grads, tree, lambda g, p: g is not None and _not_trained(p))
   if places is None:
     return update(grads, *args, params, **kwargs)
-  kept_grads = without(grads, grads, places)
-  kept_params = None if params is None else without(grads, params, places)
-  updates, state = update(kept_grads, *args, kept_params, **kwargs)
-  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
-  ups = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]
-  subs = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)  # type: ignore[attr-defined]
-  filled = [_passed(g, p) if t else u for g, u, p, t in zip(leaves, ups, subs, places, strict=True)]
+  kept_params = None if params is None else _without(grads, params, places)
+  updates, state = update(_without(grads, grads, places), *args, kept_params, **kwargs)
+  treedef, rows = _zip(grads, updates, tree)
+  filled = [
+    _passed(g, None if params is None else p) if t else u
+    for (g, u, p), t in zip(rows, places, strict=True)
+  ]
   return jax.tree.unflatten(treedef, filled), state
 
 
@@ -79,52 +78,28 @@ def _passed(grad: Any, param: Any) -> Any:
 
 
 def recorded(grads: Any, params: Any, held: list[bool] | None) -> Any:
-  """``grads`` with zeros where a floating parameter's gradient is None (frozen), so that
-  the record has a bit for every floating parameter; ``held`` is :func:`held_out`'s."""
+  """``grads`` with zeros where a floating parameter's gradient is None (frozen), so that the record
+  has a bit for every floating parameter; ``held`` is :func:`held_apart`'s."""
   if held is None:
     return grads
-  leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
-  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
-  if not any(h and not has_non_arrays(p) for p, h in zip(subs, held, strict=True)):
+  treedef, rows = _zip(grads, params)
+  frozen = [h and not has_non_arrays(p) for (_, p), h in zip(rows, held, strict=True)]
+  if not any(frozen):
     return grads  # only functions and other leaves that are not floating arrays held out
   zero = lambda x: jnp.zeros_like(x) if _is_inexact_array(x) else None
-  filled = [
-    jax.tree.map(zero, p) if h and not has_non_arrays(p) else g
-    for g, p, h in zip(leaves, subs, held, strict=True)
-  ]
+  filled = [jax.tree.map(zero, p) if f else g for (g, p), f in zip(rows, frozen, strict=True)]
   return jax.tree.unflatten(treedef, filled)
 
 
-def split(grads: Any, params: Any, held: list[bool]) -> tuple[Any, list[Any]]:
-  """``(params with None at the held-out places, the held-out subtrees)``."""
-  treedef = jax.tree.structure(grads, is_leaf=_NONE)
-  subs = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
-  kept = [None if h else s for s, h in zip(subs, held, strict=True)]
-  return jax.tree.unflatten(treedef, kept), [s for s, h in zip(subs, held, strict=True) if h]
-
-
 def held_apart(grads: Any, params: Any) -> tuple[list[bool] | None, Any, list[Any]]:
-  """``(held, kept, static)``: :func:`held_out`, and :func:`split` where something is held."""
-  held = held_out(grads, params)
+  """``(held, kept, out)``: per leaf of ``grads``, whether it is None (its parameter subtree held
+  out; ``held`` None when nothing is or ``params`` does not match), ``params`` with None at those
+  places, and the held-out subtrees."""
+  held = None if params is None else _places(grads, params, lambda g, p: g is None)
   if held is None:
     return None, params, []
-  kept, static = split(grads, params, held)
-  return held, kept, static
-
-
-def merge(grads: Any, kept: Any, held: list[bool], out: list[Any]) -> Any:
-  """The inverse of :func:`split`: ``kept`` with the held-out subtrees ``out`` back."""
-  treedef = jax.tree.structure(grads, is_leaf=_NONE)
-  subs = treedef.flatten_up_to(kept)  # type: ignore[attr-defined]
-  rest = iter(out)
-  return jax.tree.unflatten(
-    treedef, [next(rest) if h else s for s, h in zip(subs, held, strict=True)]
-  )
-
-
-def without(grads: Any, tree: Any, held: list[bool]) -> Any:
-  """``tree`` (of the structure of ``params``) with None at the held-out places."""
-  return split(grads, tree, held)[0]
+  rows = _zip(grads, params)[1]
+  return held, _without(grads, params, held), [p for (_, p), h in zip(rows, held) if h]
 
 
 def _is_module(x: Any) -> bool:
@@ -146,8 +121,8 @@ def arrays_of_modules(tree: Any) -> Any:
 
 
 def check_init_params(params: Any) -> None:
-  """TypeError naming the leaf where ``params`` holds a function, a string, or an
-  Equinox module's leaf that is not an array: ``init`` takes the arrays alone."""
+  """TypeError naming the leaf where ``params`` holds a function, a string, or an Equinox module's
+  leaf that is not an array: ``init`` takes the arrays alone."""
   marked = jax.tree.map(
     lambda n: jax.tree.map(lambda _: True, n) if _is_module(n) else False,
     params,
@@ -175,14 +150,10 @@ def has_non_arrays(tree: Any) -> bool:
 
 def partition(tree: Any) -> tuple[Any, Any]:
   """``(arrays, others)``, as ``eqx.partition(tree, eqx.is_inexact_array)``."""
-  leaves, treedef = jax.tree.flatten(tree)
-  arrays = [x if _is_inexact_array(x) else None for x in leaves]
-  others = [None if _is_inexact_array(x) else x for x in leaves]
-  return jax.tree.unflatten(treedef, arrays), jax.tree.unflatten(treedef, others)
+  arrays = jax.tree.map(lambda x: x if _is_inexact_array(x) else None, tree)
+  return arrays, jax.tree.map(lambda x: None if _is_inexact_array(x) else x, tree)
 
 
 def combine(arrays: Any, others: Any) -> Any:
   """The inverse of :func:`partition`."""
-  a, treedef = jax.tree.flatten(arrays, is_leaf=_NONE)
-  b = jax.tree.leaves(others, is_leaf=_NONE)
-  return jax.tree.unflatten(treedef, [y if x is None else x for x, y in zip(a, b, strict=True)])
+  return jax.tree.map(lambda x, y: y if x is None else x, arrays, others, is_leaf=_NONE)

@@ -1,24 +1,12 @@
-"""The optional dependencies, and the one-line error that names the extra when one is missing.
-
-=================  =============================  ==========================================
-module             package                        extra
-=================  =============================  ==========================================
-``tensorboardX``   tensorboardX                   ``monitoring`` (writing TensorBoard events)
-``tensorboard``    tensorboard                    ``monitoring`` (reading event files)
-``matplotlib``     matplotlib                     ``monitoring`` (``inspect --plot``)
-``yaml``           PyYAML                         ``monitoring`` (YAML configurations)
-``flax``           flax                           ``flax`` (:mod:`optax_dls.flax`)
-``orbax``          orbax-checkpoint               ``checkpoint`` (:mod:`optax_dls.checkpoint`)
-=================  =============================  ==========================================
-"""
+"""The optional dependencies (``PACKAGES``: the module, the package pip installs, the extra
+that brings it), and the one-line error that names the extra when one is missing."""
 
 from __future__ import annotations
 
 import importlib
 import types
 
-# module's top-level name -> (the package pip installs, the extra that brings it)
-PACKAGES = {
+PACKAGES = {  # monitoring: writing TensorBoard events, reading them, inspect --plot, YAML
   "tensorboardX": ("tensorboardX", "monitoring"),
   "tensorboard": ("tensorboard", "monitoring"),
   "matplotlib": ("matplotlib", "monitoring"),

@@ -30,18 +30,13 @@ def _key(key: Any) -> str:
 
 
 def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
-  """The leaves by path of a tree as Orbax or flax's serialisation stores it (NamedTuples
-  and dataclasses as dicts, tuples as lists or dicts of ``'0'``..., empty nodes as None), or
-  as it is in memory."""
-  if tree is None:
-    return {}
-  items = children(tree)
+  """The leaves by path of a tree as Orbax or flax's serialisation stores it (NamedTuples and
+  dataclasses as dicts, tuples as lists or dicts of ``'0'``..., empty nodes as None), or as it is in
+  memory."""
+  items = None if tree is None else children(tree)
   if items is None:
-    return {path: tree}
-  out: dict[Path, Any] = {}
-  for key, value in items:
-    out.update(stored_leaves(value, (*path, key)))
-  return out
+    return {} if tree is None else {path: tree}
+  return {p: leaf for key, value in items for p, leaf in stored_leaves(value, (*path, key)).items()}
 
 
 def children(tree: Any) -> list[tuple[str, Any]] | None:
@@ -77,15 +72,12 @@ class Difference(NamedTuple):
 
   def describe(self) -> str:
     """The difference in words, each kind with its first few paths."""
+    pairs = lambda rows: [f"{show(p)}: checkpoint {a}, target {b}" for p, a, b in rows]
     parts = [
       _listed("only in the checkpoint", [show(p) for p in self.only_stored]),
       _listed("only in the target", [show(p) for p in self.only_target]),
-      _listed(
-        "shapes differ", [f"{show(p)}: checkpoint {a}, target {b}" for p, a, b in self.shapes]
-      ),
-      _listed(
-        "dtypes differ", [f"{show(p)}: checkpoint {a}, target {b}" for p, a, b in self.dtypes]
-      ),
+      _listed("shapes differ", pairs(self.shapes)),
+      _listed("dtypes differ", pairs(self.dtypes)),
     ]
     return "; ".join(p for p in parts if p)
 
@@ -99,20 +91,15 @@ def _listed(what: str, items: list[str]) -> str:
 
 def difference(stored: dict[Path, Any], target: dict[Path, Any]) -> Difference:
   """How the ``stored`` leaves differ from the ``target``'s (a Python number has no dtype)."""
-  both = [p for p in target if p in stored]
-  shapes, dtypes = [], []
-  for p in both:
-    a, b = stored[p], target[p]
-    if _shape(a) != _shape(b):
-      shapes.append((p, _shape(a), _shape(b)))
-    elif _dtype(a) is not None and _dtype(b) is not None and _dtype(a) != _dtype(b):
-      dtypes.append((p, _dtype(a), _dtype(b)))
-  return Difference(
-    only_stored=sorted(p for p in stored if p not in target),
-    only_target=sorted(p for p in target if p not in stored),
-    shapes=shapes,
-    dtypes=dtypes,
-  )
+  both = [(p, stored[p], target[p]) for p in target if p in stored]
+  shapes = [(p, _shape(a), _shape(b)) for p, a, b in both if _shape(a) != _shape(b)]
+  dtypes = [
+    (p, _dtype(a), _dtype(b))
+    for p, a, b in both
+    if _shape(a) == _shape(b) and None not in (_dtype(a), _dtype(b)) and _dtype(a) != _dtype(b)
+  ]
+  only_stored = sorted(p for p in stored if p not in target)
+  return Difference(only_stored, sorted(p for p in target if p not in stored), shapes, dtypes)
 
 
 def _shape(leaf: Any) -> tuple[int, ...]:
@@ -127,8 +114,8 @@ def _dtype(leaf: Any) -> Any:
 
 
 def is_variable(x: Any) -> bool:
-  """Whether ``x`` is a flax nnx ``Variable`` or a linen axis-metadata box, told without
-  importing flax."""
+  """Whether ``x`` is a flax nnx ``Variable`` or a linen axis-metadata box, told without importing
+  flax."""
   return any(
     (c.__name__ == "Variable" and c.__module__.startswith("flax.nnx"))
     or (c.__name__ == "AxisMetadata" and c.__module__.startswith("flax.core"))
