@@ -42,53 +42,29 @@ def value_and_grad(
   fp32_fun: Callable[..., Any] | None = None,
   axis_name: str | tuple[str, ...] | None = None,
 ) -> Callable[..., Any]:
-  """Like ``jax.value_and_grad`` / ``nnx.value_and_grad``, with the loss scaled by S.
+  """:func:`optax_dls.value_and_grad` for a linen ``TrainState`` or an ``nnx.Optimizer``.
 
-  ``grad_fn(state, *args, **kwargs)`` takes the linen ``TrainState`` or the ``nnx.Optimizer`` first,
-  reads its loss scale S when called, and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius
-  et al. 2018, *Mixed Precision Training*). It returns the *unscaled* loss, the *scaled* gradients
-  (the optimizer unscales them) and the state to apply them to::
+  ``grad_fn(state, *args, **kwargs)`` takes the ``TrainState`` or ``nnx.Optimizer`` first, reads its
+  loss scale S when called, and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius et al.
+  2018, *Mixed Precision Training*). It returns the loss as ``fun`` returned it (a float16 loss is
+  scaled in float32; its scaled value past float16's range is no overflow), the *scaled* gradients
+  (``state.apply_gradients`` / ``optimizer.update`` unscale them) and the state to apply them to.
+  ``fun`` may take any keyword. What differs from :func:`optax_dls.value_and_grad`, which describes
+  the retries, their cost, counts and layouts (see also ``docs/guide/flax.md``):
 
-      grad_fn = optax_dls.flax.value_and_grad(loss_fn, has_aux=True)
-
-      ((loss, aux), grads), state = grad_fn(state, state.params, batch) # linen state =
-      state.apply_gradients(grads=grads)
-
-      (loss, grads), optimizer = grad_fn(optimizer, model, batch) # nnx optimizer.update(model,
-      grads)
-
-  ``fun`` returns a floating scalar loss (float16 is promoted to float32 before scaling) or
-  ``(loss, aux)`` with ``has_aux=True``, and may take any keyword. A differentiated ``nnx.Module``
-  is differentiated with respect to the optimizer's ``wrt`` variables (``nnx.Param`` by default);
-  any other argument as ``jax.value_and_grad`` does. Module arguments are split with ``nnx.split``
-  and merged back: ``fun`` must not change their structure (``sow``, a new ``Variable`` or
-  attribute); a ``ValueError`` names what changed.
-
-  **A skipped step leaves the model as it was.** The modules' variables the optimizer does not
-  update (``BatchStat`` and other non-``wrt`` variables; the RNG state advances) take ``fun``'s
-  values only when the gradients are finite (a select per element; without ``max_tries``, one more
-  read of the gradients). For linen, keep ``batch_stats`` so::
-
-      new = state.apply_gradients(grads=grads) skipped = optax_dls.metrics(new.opt_state)["skipped"]
-      keep = lambda n, o: jnp.where(skipped, o, n) new = new.replace(batch_stats=jax.tree.map(keep,
-      batch_stats, state.batch_stats))
-
-  **Recomputing** (``max_tries`` given): an overflowing step backs S off and is computed again for
-  the same arguments inside the compiled step, as :func:`optax_dls.value_and_grad` does (then once
-  with ``fp32_fun`` if given). The gradients come scaled by the new S, which the returned state
-  carries (a new ``TrainState``; the ``nnx.Optimizer`` updated in place). Every try starts from the
-  arguments as given (the same RNG state); the module state left is that of the returned try.
-  Without ``max_tries`` the returned state equals ``state`` except that a non-finite loss is
-  recorded, so that the update skips and backs off once.
-
-  **Several devices** (``axis_name``): under ``pmap`` / ``shard_map`` every pass's gradients are
-  averaged with ``lax.pmean`` (the loss is not), as flax's ``DynamicScale`` does; build the
-  transformation with the same ``axis_name``. Not needed under ``jit`` with ``NamedSharding``. Under
-  ``shard_map`` with ``check_vma=True`` a replicated parameter's gradient is already summed by JAX's
-  transpose: average the loss in ``fun`` there.
-
-  With :func:`optax_dls.no_loss_scale` (S = 1) nothing is retried: a plain ``jax.value_and_grad``
-  step to rounding.
+  * An ``nnx.Module`` argument is differentiated with respect to the optimizer's ``wrt`` variables
+    (``nnx.Param`` by default), split with ``nnx.split`` and merged back: ``fun`` must not change
+    its structure (``sow``, a new ``Variable`` or attribute; a ``ValueError`` names what changed).
+  * **A skipped step leaves the model as it was**: the modules' non-``wrt`` variables
+    (``BatchStat``; the RNG state advances) take ``fun``'s values only where the gradients are
+    finite. For linen, keep ``batch_stats`` where ``metrics(new.opt_state)["skipped"]``.
+  * Recomputing only when ``max_tries`` is given; the state returned carries the new S (a new
+    ``TrainState``; the ``nnx.Optimizer`` updated in place), every try starting from the arguments
+    as given. Without it the state is ``state``, but for a non-finite loss being recorded.
+  * ``axis_name``: under ``pmap`` / ``shard_map`` every pass's gradients are averaged with
+    ``lax.pmean`` (not the loss), as flax's ``DynamicScale`` does; not needed under ``jit`` with
+    ``NamedSharding``. Under ``shard_map(check_vma=True)`` JAX's transpose has already summed a
+    replicated parameter's gradient: average the loss in ``fun`` there.
 
   Args:
     fun: the loss function; its arguments are those of ``grad_fn`` after ``state``.

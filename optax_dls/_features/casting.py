@@ -139,12 +139,10 @@ def _parse_dtype(policy_name: str, value: str) -> Any:
 def cast_policy(policy_name: str) -> CastPolicy:
   """A :class:`~optax_dls._features.casting.CastPolicy` from jmp's string form.
 
-  One dtype name for all three (``"f16"``, ``"half"``), or comma-separated ``key=dtype`` pairs, keys
-  ``params``/``p``, ``compute``/``c``, ``output``/``o``, no spaces. As in jmp, params default to
-  float32, compute to params, output to compute (``"c=f16"`` is ``p=f32,c=f16,o=f16``); a repeated
-  key takes its last value. Dtype names: ``bf16``/``bfloat16``, ``f16``/``float16``,
-  ``full``/``f32``/``float32``, ``f64``/``float64``, and ``half`` (bfloat16 on TPU, float16
-  elsewhere).
+  One dtype name for all three, or comma-separated ``key=dtype`` pairs (keys ``params``/``p``,
+  ``compute``/``c``, ``output``/``o``; a repeated key takes its last value). As in jmp, params
+  default to float32, compute to params, output to compute. Dtype names: ``bf16``, ``f16``,
+  ``full``/``f32``, ``f64``, the long names, and ``half`` (bfloat16 on TPU, float16 elsewhere).
 
   Args:
     policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"`` or
@@ -186,12 +184,10 @@ def cast_policy(policy_name: str) -> CastPolicy:
 def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = None) -> Any:
   """Runs ``fn`` in float32 inside a half-precision model: softmax, normalisation, the loss.
 
-  The wrapper casts the floating arrays among the arguments to float32 (others pass as they are),
-  calls ``fn``, and casts the output's floating arrays to ``output_dtype`` if given, else to the
-  promoted dtype of the floating array arguments, else leaves them float32. Around the loss's
-  reduction pass ``output_dtype=jnp.float32`` (a float16 loss starts the backward pass at S in
-  float16; :func:`scale_loss` warns). The casts are JAX operations: ``jax.grad`` goes through them
-  (a float16 argument gets a float16 gradient). Use it as ``@full_precision``,
+  Casts the floating array arguments to float32 (others pass as they are), calls ``fn``, and casts
+  the output's floating arrays to ``output_dtype``, else to the arguments' promoted floating dtype,
+  else leaves them float32. Around the loss pass ``output_dtype=jnp.float32`` (a float16 loss makes
+  :func:`scale_loss` warn). ``jax.grad`` goes through the casts. Use it as ``@full_precision``,
   ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
 
   Args:

@@ -41,17 +41,12 @@ def locate(
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
   Runs outside the training step, on the CPU, holding every intermediate value in host memory: call
-  it once, on a micro-batch of a skipped step.
-
-  An operation is named by its scope (flax linen's module path or a ``jax.named_scope``); in a block
-  called once per instance (an Equinox or nnx module's method, a function given the block's
-  parameters), by the block's path in the differentiated argument, as
-  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``), so each instance has a headroom
-  row; otherwise by the user's function that wrote it. A float16 constant beyond 65504
-  (``jnp.float16(1e5)``, ``x + 1e5`` with a float16 ``x``) is inf before anything runs: the
-  operation that makes or first reads it is the place, its note saying so. An inf constant not seen
-  made while tracing (an explicit ``-jnp.inf`` mask) is taken as meant: reported only where nothing
-  else is.
+  it once, on a micro-batch of a skipped step. An operation is named by its scope (a linen module
+  path, a ``jax.named_scope``), in a repeated block by the block's path as
+  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``, one headroom row per instance), else
+  by the user's function. A float16 constant beyond 65504 (``jnp.float16(1e5)``) is found as a
+  constant; an explicit ``-jnp.inf`` (a mask) is taken as meant, reported only where nothing else
+  is. See ``docs/guide/locate.md``.
 
   Args:
     fun: the loss function, as given to ``jax.grad``, not yet multiplied by the scale; returns a

@@ -127,42 +127,26 @@ def value_and_grad(
   are not finite it hands them to the policy as an overflow (which backs S off, as a skipped step
   would) and differentiates again at the new scale, for the same arguments, up to ``max_tries``
   times; then once with ``fp32_fun``, if given. It returns the loss, the scaled gradients of the
-  last try and ``opt_state`` with the scale they were computed at, so that ``tx.update`` unscales
-  them correctly::
+  last try and ``opt_state`` with the scale they were computed at, for ``tx.update``. The guide
+  (``docs/guide/recompute.md``) gives the details summed up here.
 
-      grad_fn = optax_dls.value_and_grad(loss_fn, tx, fp32_fun=loss_fn_fp32) (loss, grads),
-      opt_state = grad_fn(opt_state, params, batch) updates, opt_state = tx.update(grads, opt_state,
-      params)
+  **Stops early** when no float16 pass can help: a non-finite loss (no retry, no back-off; the state
+  records the loss as the cause, ``tx.update`` skips and backs off once, :func:`metrics` reports
+  ``nonfinite_loss``), or a back-off that left the scale where it was. ``fp32_fun`` still runs.
 
-  **When it stops early.** No further float16 pass runs when it cannot help:
-
-  * the loss itself is not finite (a bad batch, or a forward pass that overflowed): no
-    retry, no back-off; the state records the loss as the cause, ``tx.update`` skips the
-    step and backs off once, and :func:`metrics` reports ``nonfinite_loss``. ``fp32_fun``,
-    if given, still runs once, at the same scale;
-  * the back-off left the scale where it was (a static policy, the floor ``min_scale``,
-    hysteresis left). ``fp32_fun``, if given, still runs, at the state after it.
-
-  **Cost.** The first pass runs as plain ``jax.grad`` would; the retries run in a ``lax.while_loop``
-  entered through a ``lax.cond`` only after an overflow, carrying the scale, the policy state and
-  the last try's outputs. The common case is one forward and backward pass plus one read of the
-  gradients; the step compiles once (``fun`` traced three times; twice when no retry can run). Each
-  failed try counts for growth and hysteresis as a skipped step would; ``tx.update`` then sees the
-  final gradients (when every try overflowed, the step is skipped). The result equals a step run
-  directly at the final scale, up to the rounding of the scaled loss and gradients (none for powers
-  of two; XLA may still contract the optimizer's arithmetic differently, in the last bit). With a
-  passthrough ``tx`` (:func:`no_loss_scale`) nothing is retried or compiled for it.
+  **Cost.** One forward and backward pass plus one read of the gradients when nothing overflows;
+  the retries run in a ``lax.while_loop`` behind a ``lax.cond``, in one compiled step. Each failed
+  try counts for growth and hysteresis as a skipped step would; when every try overflowed,
+  ``tx.update`` skips the step. The result equals a step run directly at the final scale (to the
+  rounding of non-power-of-two scales). With :func:`no_loss_scale` nothing is retried.
 
   **Counts.** Chain :func:`recompute_stats` inside ``tx`` for ``recomputed_steps`` and
   ``recompute_tries`` in ``metrics``; without it nothing is counted.
 
-  On the CPU, when a retry can run, every pass's gradients are pinned to the row-major layout (a
-  ``LayoutConstraint`` custom call, which ``jax.export`` refuses by default: export with
-  ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")]``).
-
-  Under ``shard_map`` / ``pmap`` the check is reduced over the transformation's ``axis_name``, so
-  every device takes the same number of tries; under ``jit`` with ``NamedSharding`` it is global.
-  With ``optax.MultiSteps`` inside the transformation each micro-batch is recomputed on its own.
+  **Layouts.** On the CPU, when a retry can run, the gradients are pinned to row-major (a
+  ``LayoutConstraint`` custom call: give ``jax.export`` its
+  ``DisabledSafetyCheck.custom_call("LayoutConstraint")``). Under ``shard_map`` / ``pmap`` the check
+  is reduced over ``tx``'s ``axis_name``; under ``optax.MultiSteps`` each micro-batch is recomputed.
 
   Args:
     fun: the loss function, returning the unscaled floating scalar loss (float16 is promoted to
