@@ -32,19 +32,14 @@ class RecomputeState(NamedTuple):
 def recompute_stats() -> optax.GradientTransformation:
   """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
 
-  An identity transformation whose ``RecomputeState`` counts the steps :func:`value_and_grad`
-  recomputed after an overflow and the extra passes they took. Chain it inside the loss-scaled
-  transformation; :func:`metrics` reports ``recomputed_steps`` and ``recompute_tries``::
-
-      inner = optax.chain(optax_dls.recompute_stats(), optax.adam(1e-3)) tx =
-      optax_dls.dynamic_loss_scale(inner)
-
-  Without it nothing is counted. A skipped step keeps the counts of its recomputation.
+  An identity transformation, chained inside the loss-scaled transformation, whose state counts the
+  steps :func:`value_and_grad` recomputed after an overflow and the extra passes they took, for
+  ``recomputed_steps`` and ``recompute_tries`` in :func:`metrics`. Without it nothing is counted. A
+  skipped step keeps the counts of its recomputation.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` of two int32 ``()``
-    counters, ``recomputed_steps`` and ``recompute_tries``, both 0 at ``init`` and saturating at
-    ``2**31 - 1``.
+    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` (above), both counters 0
+    at ``init``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

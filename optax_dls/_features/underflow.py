@@ -61,19 +61,12 @@ def underflow_stats(
 ) -> optax.GradientTransformation:
   """Records the fractions of zero and of float16-subnormal gradient entries.
 
-  An identity transformation whose state holds, for the last step it saw, the fraction of floating
-  entries exactly 0 (``zero_frac``) and float16-subnormal, ``0 < |x| < 2**-14``
-  (``subnormal_frac``), overall and per label. Chain it first inside the loss-scaled transformation,
-  where it sees the unscaled gradients of every applied step (skipped steps leave it untouched);
-  :func:`metrics` reports ``underflow/zero_frac``, ``underflow/subnormal_frac`` and
-  ``underflow/<label>/...``::
-
-      inner = optax.chain(optax_dls.underflow_stats(), optax.adam(1e-3)) tx =
-      optax_dls.dynamic_loss_scale(inner)
-
-  Cost: one extra read of the gradients per step (at 1B float32 parameters on an H100 target, 1.215x
-  bare Adam's bytes against the default's 1.143x, and twice the kernels;
-  ``benchmarks/gpu_program.py``): chain it in to look, not in every run.
+  An identity transformation recording, for the last applied step, the fraction of floating entries
+  exactly 0 (``zero_frac``) and float16-subnormal, ``0 < |x| < 2**-14`` (``subnormal_frac``),
+  overall and per label. Chain it first inside the loss-scaled transformation, where it sees the
+  unscaled gradients (skipped steps leave it untouched); :func:`metrics` reports
+  ``underflow/zero_frac``, ``underflow/subnormal_frac`` and ``underflow/<label>/...``. It costs one
+  more read of the gradients per step (``benchmarks/gpu_program.py``): chain it in to look.
 
   Args:
     labels: None (default: overall fractions only), a pytree of string labels matching the gradients
@@ -83,9 +76,7 @@ def underflow_stats(
       these axes, so every device holds the same fractions. Default None.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is an ``UnderflowState``: ``fractions``, a dict
-    of float32 ``()`` (``zero_frac``, ``subnormal_frac``, and one such dict per label; NaN before
-    the first applied step).
+    An ``optax.GradientTransformation`` whose state is an ``UnderflowState`` (above).
 
   Raises:
     TypeError: a label that is not a string, or a bad ``axis_name``.

@@ -56,9 +56,8 @@ def fp32_fallback(
       initial scale), the scale to restart at.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a ``FallbackState``: ``policy_state`` (a
-    ``SkipsAtMinScaleState`` of the wrapped state and ``skips_at_min_scale``, int32 ``()``),
-    ``fp32_fallback`` (bool ``()``), ``steps_left`` and ``consecutive_skips`` (int32 ``()``).
+    A :class:`LossScalePolicy` whose state is a ``FallbackState`` (above); its ``policy_state``, a
+    ``SkipsAtMinScaleState``, holds the wrapped state and ``skips_at_min_scale`` (int32 ``()``).
 
   Raises:
     TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields has the wrong type
