@@ -84,16 +84,12 @@ def value_and_grad(
     (``(loss, aux)`` with ``has_aux``) and ``grads`` multiplied by S.
 
   Raises:
-    TypeError: a second positional argument (the state now goes to ``grad_fn``); ``fun`` or
-      ``fp32_fun`` not callable, ``has_aux`` not a bool, ``argnums`` not an int or tuple of ints,
-      ``max_tries`` not an int, ``axis_name`` not a string or tuple of strings; when called, a first
-      argument that is no ``TrainState`` or ``nnx.Optimizer`` (the message says when the arguments
-      look swapped), a ``state.tx`` that is not the loss-scaled transformation itself, a
-      non-floating loss, a ``fun`` that returns no ``(loss, aux)`` pair with ``has_aux=True``, fewer
-      positional arguments than ``argnums`` asks for.
-    ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``fp32_fun`` without
-      ``max_tries``; when called, an optimizer state with no or several loss-scale states, or a
-      ``fun`` that added variables to its ``nnx.Module`` arguments.
+    TypeError: what :func:`optax_dls.value_and_grad` raises it for (with ``state.tx``), and a second
+      positional argument (the state goes to ``grad_fn``), ``axis_name`` not a string or tuple of
+      strings, a first argument to ``grad_fn`` that is no ``TrainState`` or ``nnx.Optimizer`` (the
+      message says when the arguments look swapped).
+    ValueError: what :func:`optax_dls.value_and_grad` raises it for, and ``fp32_fun`` without
+      ``max_tries``, a ``fun`` that changed its ``nnx.Module`` arguments' variables.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax

@@ -25,8 +25,7 @@ class SkipAlerts:
     ``skips_at_min_scale`` :func:`metrics` reports): backing off cannot help.
 
   With sparse calls an episode shorter than the gap between two calls can go unseen. When it warns,
-  replay that step's batch with :func:`optax_dls.locate` (``scale=`` the state's ``loss_scale``) to
-  name the operation that overflowed.
+  :func:`optax_dls.locate` on that step's batch names the operation that overflowed.
 
   Args:
     alert_after: int in [1, 2**31 - 1], consecutive skips that raise the first alert. Default 3.

@@ -80,8 +80,7 @@ def amax_policy(
     statistic: ``"amax"`` (default; asks the wrapper for the amax) or ``"grad_norm"``.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState``: ``amax_history`` (float32
-    ``[history_len]``, newest first, 0 for an empty slot) and ``growth_tracker`` (int32 ``()``).
+    A :class:`LossScalePolicy` whose state is an ``AmaxScaleState`` (above).
 
   Raises:
     ValueError: a value outside its range; the message names it.
