@@ -123,18 +123,19 @@ def scale_text(value: float) -> str:
   return repr(value)
 
 
-def growth_factor(name: str, value: Any) -> float:
-  """A growth factor: a finite number > 1, also after rounding to float32."""
+def _open(name: str, value: Any, low: float, high: float, rule: str) -> float:
+  """A number in ``(low, high)``, also after rounding to float32."""
   value = real(name, value)
-  check(1.0 < value < math.inf, name, value, "1 < value < inf")
-  return float32(name, value, lambda r: 1.0 < r < math.inf, "1 < value < inf")
+  check(low < value < high, name, value, rule)
+  return float32(name, value, lambda r: low < r < high, rule)
+
+
+def growth_factor(name: str, value: Any) -> float:
+  return _open(name, value, 1.0, math.inf, "1 < value < inf")
 
 
 def backoff_factor(name: str, value: Any) -> float:
-  """A backoff factor: a number in (0, 1), also after rounding to float32."""
-  value = real(name, value)
-  check(0.0 < value < 1.0, name, value, "0 < value < 1")
-  return float32(name, value, lambda r: 0.0 < r < 1.0, "0 < value < 1")
+  return _open(name, value, 0.0, 1.0, "0 < value < 1")
 
 
 def argnums(value: Any) -> int | tuple[int, ...]:
