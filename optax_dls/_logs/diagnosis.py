@@ -22,63 +22,29 @@ STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
 DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
 _NAMED = 3  # parameters and steps named in a diagnosis
 
-# What to do about each symptom.
+# What to do about each symptom: the first step, then the page that explains the rest.
+_T = "See docs/troubleshooting.md#"
 _ADVICE = {
-  "frequent overflow": (
-    "Gradients or activations overflow float16 again and again. Lower the learning rate or add "
-    "warm-up, clip gradients (optax.clip_by_global_norm inside the loss-scaled optimizer), use "
-    "hysteresis=2 to ride out isolated spikes, keep softmax / normalisation / loss in float32, or "
-    "train in bfloat16."
-  ),
-  "scale never grows": (
-    "Either growth_interval (or warmup_steps) is longer than the run, the scale started at "
-    "max_scale, or overflows keep resetting the growth tracker. Shorten growth_interval "
-    "(e.g. 1000), check warmup_steps, or raise max_scale."
-  ),
-  "gradients too small": (
-    "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
-    "init_scale and max_scale (optax_dls.config.preset('qlora') starts at 2**16), watch each "
-    "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
-    "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
-    "bfloat16."
-  ),
-  "gradients lost, no loss scaling": (
-    "The run does not scale its loss, so float16 flushes small gradients to zero. Wrap the "
-    "optimizer in optax_dls.dynamic_loss_scale and multiply the loss by "
-    "optax_dls.scale_loss (or train in bfloat16)."
-  ),
-  "scale pinned": (
-    "The gradients are small enough that the scale never overflows; if max_scale caps it, "
-    "raise max_scale and chain optax_dls.underflow_stats() inside to see whether gradients "
-    "underflow."
-  ),
-  "stuck at the minimum": (
-    "Non-finite values even at the smallest scale come from the forward pass or the data, not "
-    "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
-    "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
-    "fallback (optax_dls.fp32_fallback(policy, after=10), its fp32_fallback metric choosing "
-    "the float32 function)."
-  ),
-  "NaN skips": (
-    "A NaN is not an overflow: it comes from an operation without a finite result (0/0, "
-    "log(0), the square root of a negative number, inf - inf) or from bad data, and no loss "
-    "scale cures it. optax_dls.nonfinite_leaves(opt_state, params) names the parameters; "
-    "optax_dls.locate(loss_fn, params, batch) on a batch of such a step names the operation, "
-    "its phase and its layer; add an epsilon or compute it in float32, and check the data "
-    "(optax_dls.all_finite(batch))."
-  ),
-  "non-finite loss": (
-    "A loss that is inf or NaN makes every gradient non-finite whatever the scale: the step is "
-    "skipped, and so is every step like it. Check the batches of those steps for inf/NaN inputs "
-    "or labels (optax_dls.all_finite(batch)), find the first non-finite value with "
-    "jax_debug_nans, keep the loss, softmax and log-probabilities in float32, and check that the "
-    "parameters are still finite."
-  ),
-  "diverging loss": (
-    "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
-    "order and the labels. Loss scaling skips non-finite steps, but it cannot undo finite "
-    "updates that are too large."
-  ),
+  "frequent overflow": "Lower the learning rate or add warm-up, clip gradients inside the "
+  f"loss-scaled optimizer, or train in bfloat16. {_T}frequent-overflow.",
+  "scale never grows": "Shorten growth_interval (e.g. 1000), check warmup_steps, or raise "
+  f"max_scale. {_T}scale-never-grows.",
+  "gradients too small": "Raise init_scale and max_scale (optax_dls.config.preset('qlora') "
+  f"starts at 2**16), or train in bfloat16. {_T}gradients-always-small.",
+  "gradients lost, no loss scaling": "Wrap the optimizer in optax_dls.dynamic_loss_scale, "
+  "multiply the loss by optax_dls.scale_loss (or train in bfloat16). "
+  f"{_T}the-loss-was-not-multiplied.",
+  "scale pinned": "If max_scale caps the scale, raise it; chain optax_dls.underflow_stats() "
+  f"inside to see whether gradients underflow. {_T}gradients-always-small.",
+  "stuck at the minimum": "Look for inf/NaN inputs or labels, run with jax_debug_nans, or turn "
+  f"on optax_dls.fp32_fallback(policy, after=10). {_T}stuck-at-the-minimum.",
+  "NaN skips": "No loss scale cures a NaN (0/0, log(0), inf - inf, bad data): "
+  "optax_dls.locate(loss_fn, params, batch) on such a step names the operation; check the "
+  f"data with optax_dls.all_finite(batch). {_T}where-a-step-failed.",
+  "non-finite loss": "Check those steps' batches for inf/NaN inputs or labels "
+  f"(optax_dls.all_finite(batch)) and keep the loss in float32. {_T}where-a-step-failed.",
+  "diverging loss": "Lower the peak learning rate or lengthen its warm-up, clip gradients, "
+  f"check the data order and the labels. {_T}training-diverges.",
 }
 
 
@@ -242,9 +208,7 @@ def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
   if nan:
     out += (
       f"The logged non-finite steps held NaN in {_listing(nan)}: an operation without a finite "
-      "result (0/0, log(0), the square root of a negative number, inf - inf) or bad data, which "
-      "no loss scale fixes: look at that layer's divisions, logs, square roots and "
-      "normalisations (an epsilon, float32), and at the data. "
+      "result (0/0, log(0), inf - inf) or bad data, which no loss scale fixes. "
     )
   if inf:
     out += (
@@ -252,12 +216,10 @@ def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
       f"{_listing(inf)}"
     )
     out += (
-      ", at a scale of 1 or less: values that overflow float16 unscaled, in that layer's "
-      "forward pass or its input. "
+      ", at a scale of 1 or less: values that overflow float16 unscaled. "
       if at_minimum
-      else ": their gradients outgrew float16 at the scale of the step. The dynamic scaler "
-      "backs off by itself, so this needs action only when it keeps happening: look at that "
-      "layer first. "
+      else ": their gradients outgrew float16 at the scale of the step; the scaler backs off by "
+      "itself, so look at that layer only if it keeps happening. "
     )
   return out
 
