@@ -129,7 +129,10 @@ class LogFile:
       OSError: the file cannot be read.
       MissingExtraError: an event file, and no ``tensorboard``.
     """
-    module = _event_loader() if self.kind == "events" else None
+    module = None
+    if self.kind == "events":
+      what = "reading TensorBoard event files"
+      module = _optional.require("tensorboard.backend.event_processing.event_file_loader", what)
     with open(self.path, "rb") as f:
       st = os.fstat(f.fileno())
       f.seek(max(self._offset - len(self._mark), 0))
@@ -213,12 +216,6 @@ class LogFile:
     if malformed := steps.count(None):
       warnings.append(f"skipped {malformed} row(s) whose 'step' is not a whole number")
     return warnings
-
-
-def _event_loader() -> Any:
-  return _optional.require(
-    "tensorboard.backend.event_processing.event_file_loader", "reading TensorBoard event files"
-  )
 
 
 def read_jsonl(path: str | os.PathLike, on_bad: Callable[[int, str], Any] | None = None) -> Rows:
