@@ -80,17 +80,15 @@ def summarize(rows: Rows) -> dict[str, Any]:
       steps_at_max_scale=int((s == s.max()).sum()),
       scale_increases=int((np.diff(s) > 0).sum()),
     )
-  if groups := overflows_by_group(rows):
+  groups = {}  # the last logged overflows/<label>: the non-finite steps per group
+  for key in sorted({k for r in rows for k in r if k.startswith("overflows/")}):
+    if (value := C.last_known(C.counter(C.column(rows, key)))) is not None:
+      groups[key.removeprefix("overflows/")] = int(value)
+  if groups:
     out["overflows_by_group"] = groups
   if (where := nonfinite(rows)) is not None:
     out["nonfinite"] = where
   return out
-
-
-def _update_number(value: Any) -> int | None:
-  """A logged ``nonfinite_step`` as an int > 0, or None (none yet, or malformed)."""
-  n = C.whole(value)
-  return n if n is not None and n > 0 else None
 
 
 def nonfinite(rows: Rows) -> dict[str, Any] | None:
@@ -111,8 +109,8 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
   shift = offset or 0
   seen, loss, records = set(), set(), {}
   for row in rows:
-    update = _update_number(row.get("nonfinite_step"))
-    if update is None:
+    update = C.whole(row.get("nonfinite_step"))  # none yet (0) or malformed: None
+    if update is None or update <= 0:
       continue
     seen.add(update)
     if C.number(row.get("nonfinite_loss")) > 0:
@@ -135,15 +133,6 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
     if last is None
     else {"step": last + shift, "update": last, "leaves": records[last], "loss": last in loss},
   }
-
-
-def overflows_by_group(rows: Rows) -> dict[str, int]:
-  """``{label: the last logged overflows/<label>}``: the non-finite steps per group."""
-  out = {}
-  for key in sorted({k for r in rows for k in r if k.startswith("overflows/")}):
-    if (value := C.last_known(C.counter(C.column(rows, key)))) is not None:
-      out[key.removeprefix("overflows/")] = int(value)
-  return out
 
 
 def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
