@@ -55,12 +55,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
 # The presets of another framework's scale trajectory, taking that framework's names.
 _FRAMEWORKS: dict[str, Callable[..., Any]] = {
-  "torch": _presets.torch_policy,
-  "jmp": _presets.jmp_policy,
-  "keras": _presets.keras_policy,
-  "flax": _presets.flax_policy,
-  "megatron": _presets.megatron_policy,
-  "deepspeed": _presets.deepspeed_policy,
+  name: getattr(_presets, f"{name}_policy")
+  for name in ("torch", "jmp", "keras", "flax", "megatron", "deepspeed")
 }
 
 
