@@ -1,48 +1,172 @@
 """One run's logged rows: the summary numbers (steps, updates, skips, scales; ``None`` where
-the logged columns do not tell, see :mod:`optax_dls._logs.columns`), and the loss-scaling
+the logged columns do not tell, see :func:`intervals`), and the loss-scaling
 problems they prove, with what to do about each: what happened between two logged rows is
 bounded, not guessed, so a sparser log may show less but never something false."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_dls._logs import columns as C
+from optax_dls._logs.read import whole
 from optax_dls._util import locate_report as _headroom
 
-Rows = C.Rows
+Rows = list[dict[str, Any]]
 _Found = list[tuple[str, str]]
+
+# Columns and counters of logged rows (a missing or malformed value unknown: NaN, never 0),
+# and what the cumulative counters prove between two logged rows (intervals).
+
+
+def number(value: Any) -> float:
+  """``value`` as a float; NaN (unknown) for a missing or malformed value."""
+  try:
+    return float(value) if isinstance(value, (int, float)) else np.nan
+  except OverflowError:  # an integer beyond float range
+    return np.nan
+
+
+def column(rows: Rows, key: str) -> np.ndarray:
+  return np.array([number(r.get(key)) for r in rows], dtype=np.float64)
+
+
+def counter(x: np.ndarray) -> np.ndarray:
+  """A cumulative counter column: NaN where the value is not a whole number in [0, 2**53)."""
+  ok = np.isfinite(x) & (x >= 0) & (x < 2.0**53)
+  ok[ok] &= x[ok] == np.round(x[ok])
+  return np.where(ok, x, np.nan)
+
+
+def updates(rows: Rows) -> np.ndarray:
+  """Updates done at each row: ``num_steps``; without that column, the step."""
+  n = counter(column(rows, "num_steps"))
+  return column(rows, "step") if np.isnan(n).all() else n
+
+
+def skips(rows: Rows) -> np.ndarray:
+  """Skipped updates at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``
+  where that float32 ratio gives it exactly (below 2**22 updates)."""
+  s = counter(column(rows, "skip_count"))
+  n = counter(column(rows, "num_steps"))
+  with np.errstate(invalid="ignore"):
+    derived = n * (1.0 - column(rows, "update_ratio"))
+    exact = (
+      (n < 2.0**22)
+      & (derived > -0.25)
+      & (derived < n + 0.25)
+      & (np.abs(derived - np.round(derived)) < 0.25)
+    )
+  return np.where(np.isnan(s) & exact, np.round(derived), s)
+
+
+def flag(rows: Rows, key: str) -> np.ndarray:
+  """A bool column as 1.0 / 0.0, NaN where unknown."""
+  x = column(rows, key)
+  return np.where(np.isfinite(x), (x > 0).astype(np.float64), np.nan)
+
+
+def present(rows: Rows, key: str) -> np.ndarray:
+  """Whether each row has a number (NaN and inf included) under ``key``."""
+  return np.array(
+    [isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) for r in rows],
+    dtype=bool,
+  )
+
+
+def last_known(x: np.ndarray) -> float | None:
+  finite = x[np.isfinite(x)]
+  return float(finite[-1]) if finite.size else None
+
+
+class Intervals(NamedTuple):
+  """What the counters prove between each logged row and the next (index i: rows i -> i + 1).
+
+  ``known``: both rows carry consistent counters; ``dn``, ``ds``: updates and skips in the
+  interval; ``octaves``: log2 of the scale ratio (NaN unknown); ``factor_two``: the scales
+  follow "a growth doubles, only a skip lowers, by one octave at most" as far as the rows
+  show; ``growth_ub``: an upper bound on the growths (the clean updates, and under that rule
+  also skips + octaves); ``excess``: ``ds - growth_ub``, skips no growth explains.
+  """
+
+  known: np.ndarray
+  dn: np.ndarray
+  ds: np.ndarray
+  octaves: np.ndarray
+  factor_two: bool
+  growth_ub: np.ndarray
+  excess: np.ndarray
+
+
+def intervals(rows: Rows) -> Intervals:
+  """What the counters of consecutive rows prove (see :class:`Intervals`)."""
+  scale = column(rows, "loss_scale")
+  dn, ds = np.diff(updates(rows)), np.diff(skips(rows))
+  log_scale = np.full(len(rows), np.nan)
+  good = np.isfinite(scale) & (scale > 0)
+  log_scale[good] = np.log2(scale[good])
+  octaves = np.diff(log_scale)
+  with np.errstate(invalid="ignore"):
+    known = np.isfinite(dn) & np.isfinite(ds) & (ds >= 0) & (ds <= dn)
+  dn, ds = np.where(known, dn, np.nan), np.where(known, ds, np.nan)
+  seen, both = np.isfinite(octaves), np.isfinite(octaves) & known
+  factor_two = bool(
+    np.all(np.abs(octaves[seen] - np.round(octaves[seen])) < 1e-6)
+    and np.all(octaves[both] >= -ds[both] - 1e-6)
+  )
+  growth_ub = dn - ds
+  if factor_two:
+    with np.errstate(invalid="ignore"):
+      by_scale = np.clip(np.round(ds + octaves), 0, None)
+    growth_ub = np.where(seen, np.minimum(growth_ub, by_scale), growth_ub)
+  return Intervals(known, dn, ds, octaves, factor_two, growth_ub, ds - growth_ub)
+
+
+def segments(known: np.ndarray, start: int = 0) -> list[range]:
+  """Maximal runs of consecutive known intervals at index >= ``start``."""
+  out, begin = [], None
+  for i in range(start, len(known) + 1):
+    if i < len(known) and known[i]:
+      begin = i if begin is None else begin
+    elif begin is not None:
+      out.append(range(begin, i))
+      begin = None
+  return out
+
+
+def every_update_logged(iv: Intervals) -> bool:
+  """Whether the rows hold every update: all intervals known, none over one update."""
+  return bool(iv.known.all() and (iv.dn <= 1).all())
+
 
 scale_text = _headroom.power_text  # a loss scale as 2^k
 
 
-def _counts(rows: Rows, iv: C.Intervals) -> dict[str, Any]:
+def _counts(rows: Rows, iv: Intervals) -> dict[str, Any]:
   """Updates, skips, update ratio and longest streak; None where the columns do not tell."""
-  steps = C.column(rows, "step")
-  num_steps = C.counter(C.column(rows, "num_steps"))
-  updates: float | None = C.last_known(num_steps)
+  steps = column(rows, "step")
+  num_steps = counter(column(rows, "num_steps"))
+  done: float | None = last_known(num_steps)
   if np.isnan(num_steps).all():  # no num_steps column: one update per step
-    updates = steps[-1] - steps[0] + 1
-  skips = C.last_known(C.skips(rows))
-  ratio = C.last_known(C.column(rows, "update_ratio"))
-  if skips is not None and updates and (np.isfinite(num_steps).any() or ratio is None):
-    ratio = (updates - skips) / updates  # exact from the counters
-  consec = C.counter(C.column(rows, "consecutive_skips"))
-  flags = C.flag(rows, "skipped")
+    done = steps[-1] - steps[0] + 1
+  skipped = last_known(skips(rows))
+  ratio = last_known(column(rows, "update_ratio"))
+  if skipped is not None and done and (np.isfinite(num_steps).any() or ratio is None):
+    ratio = (done - skipped) / done  # exact from the counters
+  consec = counter(column(rows, "consecutive_skips"))
+  flags = flag(rows, "skipped")
   streak = None
   if np.isfinite(consec).any():
     streak = int(np.nanmax(consec))
-  elif C.every_update_logged(iv) and np.isfinite(flags).all():
+  elif every_update_logged(iv) and np.isfinite(flags).all():
     runs = np.diff(np.flatnonzero(np.concatenate([[True], flags == 0, [True]]))) - 1
     streak = int(runs.max())
-  if streak == 0 and skips:  # a skip between two logged rows
+  if streak == 0 and skipped:  # a skip between two logged rows
     streak = 1
   return {
-    "updates": None if updates is None else int(updates),
-    "applied_updates": None if updates is None or skips is None else int(updates - skips),
-    "skips": None if skips is None else int(skips),
+    "updates": None if done is None else int(done),
+    "applied_updates": None if done is None or skipped is None else int(done - skipped),
+    "skips": None if skipped is None else int(skipped),
     "update_ratio": ratio,
     "longest_skip_streak": streak,
   }
@@ -58,15 +182,15 @@ def summarize(rows: Rows) -> dict[str, Any]:
   ``steps_at_min_scale`` / ``steps_at_max_scale`` and ``scale_increases`` are over the
   logged scales. Where the rows carry them: ``overflows_by_group`` and ``nonfinite``.
   """
-  steps = C.column(rows, "step")
-  scale = C.column(rows, "loss_scale")
-  iv = C.intervals(rows)
-  fallback = C.flag(rows, "fp32_fallback")  # the key appears only with the fp32 fallback
+  steps = column(rows, "step")
+  scale = column(rows, "loss_scale")
+  iv = intervals(rows)
+  fallback = flag(rows, "fp32_fallback")  # the key appears only with the fp32 fallback
   out = {
     "logged_steps": len(rows),
     "first_step": int(steps[0]),
     "last_step": int(steps[-1]),
-    "every_update_logged": C.every_update_logged(iv),
+    "every_update_logged": every_update_logged(iv),
     **_counts(rows, iv),
     "fp32_fallback_steps": int(np.nansum(fallback)) if np.isfinite(fallback).any() else None,
   }
@@ -82,7 +206,7 @@ def summarize(rows: Rows) -> dict[str, Any]:
     )
   groups = {}  # the last logged overflows/<label>: the non-finite steps per group
   for key in sorted({k for r in rows for k in r if k.startswith("overflows/")}):
-    if (value := C.last_known(C.counter(C.column(rows, key)))) is not None:
+    if (value := last_known(counter(column(rows, key)))) is not None:
       groups[key.removeprefix("overflows/")] = int(value)
   if groups:
     out["overflows_by_group"] = groups
@@ -101,19 +225,19 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
   their leaves; per leaf name ``{"name", "steps", "inf", "nan"}`` (most steps first); the
   steps whose loss was not finite; the last recorded ``{"step", "update", "leaves", "loss"}``.
   """
-  if not C.present(rows, "nonfinite_step").any():
+  if not present(rows, "nonfinite_step").any():
     return None
-  d = C.column(rows, "step") - C.counter(C.column(rows, "num_steps"))
+  d = column(rows, "step") - counter(column(rows, "num_steps"))
   d = d[np.isfinite(d)]
   offset = int(d[0]) if d.size and (d == d[0]).all() else None
   shift = offset or 0
   seen, loss, records = set(), set(), {}
   for row in rows:
-    update = C.whole(row.get("nonfinite_step"))  # none yet (0) or malformed: None
+    update = whole(row.get("nonfinite_step"))  # none yet (0) or malformed: None
     if update is None or update <= 0:
       continue
     seen.add(update)
-    if C.number(row.get("nonfinite_loss")) > 0:
+    if number(row.get("nonfinite_loss")) > 0:
       loss.add(update)
     if isinstance(leaves := row.get("nonfinite_leaves"), dict):  # the later record wins
       records[update] = {str(k): "nan" if v == "nan" else "inf" for k, v in leaves.items()}
@@ -139,7 +263,7 @@ def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
   """Updates, skips and update ratio over about the last ``window`` (>= 1) updates, from the
   counters of the last row and of the latest row at least ``window`` updates before it (the
   first when none is); None where the counters do not tell."""
-  n, s = C.updates(rows), C.skips(rows)
+  n, s = updates(rows), skips(rows)
   known = np.flatnonzero(np.isfinite(n) & np.isfinite(s))
   if known.size < 2:
     return None
@@ -186,13 +310,13 @@ _ADVICE = {
 }
 
 
-def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
+def _frequent_overflow(rows: Rows, iv: Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
   """Excess skips over the second half of the rows; per run of known intervals one skip is
   given back (it may be the probe of a growth made before it)."""
-  steps = C.column(rows, "step")
+  steps = column(rows, "step")
   excess = updates = 0
   first = last = None
-  for seg in C.segments(iv.known, start=len(rows) // 2):
+  for seg in segments(iv.known, start=len(rows) // 2):
     excess += max(int(np.sum(iv.excess[seg.start : seg.stop])) - 1, 0)
     updates += int(np.sum(iv.dn[seg.start : seg.stop]))
     first = int(steps[seg.start]) if first is None else first
@@ -207,10 +331,10 @@ def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[s
   return [(symptom, where_advice(summary) + _ADVICE["frequent overflow"])]
 
 
-def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
+def _skips_at_scale_at_most_1(rows: Rows, iv: Intervals) -> int:
   """Skips proven to have run at a scale <= 1: an interval from scale S with at most g
   growths never runs above S * 2**g (without the factor-two rule: above S when g = 0)."""
-  scale = C.column(rows, "loss_scale")[:-1]
+  scale = column(rows, "loss_scale")[:-1]
   growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
   with np.errstate(invalid="ignore", over="ignore"):
     top = scale * np.exp2(np.nan_to_num(growths, nan=np.inf))
@@ -218,7 +342,7 @@ def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
   return int(np.sum(iv.ds[low]))
 
 
-def _never_grows(rows: Rows, iv: C.Intervals, summary: dict[str, Any]) -> _Found:
+def _never_grows(rows: Rows, iv: Intervals, summary: dict[str, Any]) -> _Found:
   if len(rows) < 2 or not iv.known.all() or (iv.growth_ub > 0).any():
     return []
   span = int(np.sum(iv.dn))
@@ -239,7 +363,7 @@ def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
   share (runs logged side by side train the same model), or None with fewer than two."""
   medians = {}
   for name, rows in runs.items():
-    zero = C.column(rows, "underflow/zero_frac")
+    zero = column(rows, "underflow/zero_frac")
     if (zero := zero[np.isfinite(zero)]).size >= 4:
       medians[name] = float(np.median(zero))
   if len(medians) < 2:
@@ -252,7 +376,7 @@ def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float
   """Gradients flushed to zero in float16 show as exact zeros of the unscaled gradients: a
   share that rises well above its early level, or stays well above ``floor`` (the run beside
   it), proves lost signal; subnormal entries prove nothing (loss scaling lifts them)."""
-  zero = C.column(rows, "underflow/zero_frac")
+  zero = column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
     early = float(np.median(zero[known[: max(1, len(known) // 10)]]))
@@ -276,7 +400,7 @@ def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float
       return [(symptom + (", with no loss scaling" if unscaled else ""), advice)]
   at_max = summary.get("steps_at_max_scale", 0) / len(rows)
   # Overflows recomputed inside the step (optax_dls.value_and_grad) skip nothing but are overflows.
-  recomputed = C.last_known(C.counter(C.column(rows, "recompute_tries")))
+  recomputed = last_known(counter(column(rows, "recompute_tries")))
   pinned = summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0
   if at_max > 0.5 and pinned and not recomputed:
     symptom = (
@@ -297,14 +421,14 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
   return [(symptom, where_advice(summary, at_minimum=True) + _ADVICE["stuck at the minimum"])]
 
 
-def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
+def _diverging(rows: Rows, iv: Intervals) -> _Found:
   """Over the rows whose own update is proven applied (``skipped`` False,
   ``consecutive_skips`` 0, or no skip since the row before)."""
-  loss, steps = C.column(rows, "loss"), C.column(rows, "step")
-  consec = C.counter(C.column(rows, "consecutive_skips"))
+  loss, steps = column(rows, "loss"), column(rows, "step")
+  consec = counter(column(rows, "consecutive_skips"))
   clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
-  applied = (C.flag(rows, "skipped") == 0) | (consec == 0) | clean_since
-  idx = np.flatnonzero(applied & C.present(rows, "loss"))
+  applied = (flag(rows, "skipped") == 0) | (consec == 0) | clean_since
+  idx = np.flatnonzero(applied & present(rows, "loss"))
   if idx.size < 20:
     return []
   tenth = max(len(idx) // 10, 1)
@@ -396,7 +520,7 @@ def diagnose(
   """``[(symptom, what to do)]`` for the problems that ``rows`` (one run's, sorted by step)
   prove, given their :func:`summarize` and what runs logged beside
   them prove (:func:`zero_floor`)."""
-  iv = C.intervals(rows)
+  iv = intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come
   overflow = [] if nan else _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS, summary)

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from optax_dls._logs import columns as C
 from optax_dls._logs import diagnosis as _diagnosis
 from optax_dls._logs import read as _read
 from optax_dls._util import locate_report as _headroom
@@ -190,7 +189,7 @@ def check_path(path: str) -> str | None:
 
 def _values(rows: Rows, key: str) -> np.ndarray:
   """The column drawn in the panel of ``key`` (the skips as the summary counts them)."""
-  x = C.skips(rows) if key == "skip_count" else C.column(rows, key)
+  x = _diagnosis.skips(rows) if key == "skip_count" else _diagnosis.column(rows, key)
   return np.where(np.isfinite(x), x, np.nan)  # a gap where a value is missing or not finite
 
 
@@ -217,14 +216,14 @@ def plot(runs: dict[str, Rows], out: str) -> None:
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   handles = []
   for i, (name, rows) in enumerate(runs.items()):
-    color, steps = colors[i % len(colors)], C.column(rows, "step")
+    color, steps = colors[i % len(colors)], _diagnosis.column(rows, "step")
     for ax, (key, _, _) in zip(axes, panels):
       # Values hold from one logged step to the next: drawn as steps, not ramps.
       ax.step(steps, _values(rows, key), where="post", color=color, label=name, lw=1.2)
     handles.append(axes[0].lines[-1])
     scale = _values(rows, "loss_scale")
-    skipped = (C.flag(rows, "skipped") > 0) | _rises(C.skips(rows))
-    recomputed = _rises(C.column(rows, "recomputed_steps"))
+    skipped = (_diagnosis.flag(rows, "skipped") > 0) | _rises(_diagnosis.skips(rows))
+    recomputed = _rises(_diagnosis.column(rows, "recomputed_steps"))
     for marks, style, what in ((skipped, "x", "skipped"), (recomputed, "o", "recomputed")):
       axes[0].plot(
         steps[marks], scale[marks], style, color=color, mfc="none", ms=7, label=f"{name}: {what}"
