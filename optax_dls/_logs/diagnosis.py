@@ -473,11 +473,8 @@ def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
       "result (0/0, log(0), inf - inf) or bad data, which no loss scale fixes. "
     )
   if inf:
-    out += (
-      f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
-      f"{_listing(inf)}"
-    )
-    out += (
+    out += f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
+    out += _listing(inf) + (
       ", at a scale of 1 or less: values that overflow float16 unscaled. "
       if at_minimum
       else ": their gradients outgrew float16 at the scale of the step; the scaler backs off by "
