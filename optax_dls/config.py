@@ -166,10 +166,6 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
 def _load_config(path: str | os.PathLike) -> dict[str, Any]:
   """The top-level mapping of a YAML file, read as ``yaml.safe_load`` reads it (anchors,
   aliases, merge keys) but refusing a key given twice in one mapping."""
-  if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(
-      f"path must be a str or os.PathLike, got {path!r} of type {type(path).__name__}."
-    )
   yaml = _optional.require("yaml", "reading a YAML configuration")
 
   unique_keys: Any = type("UniqueKeyLoader", (yaml.SafeLoader,), {})
