@@ -42,31 +42,26 @@ def _advice(saved: Any, target: Any) -> str:
   in_saved = _stored_nodes(saved, ("loss_scale", "inner_state"))
   in_target = target_states(target)
   dynamic = _stored_nodes(saved, ("scale", "fin_steps"))  # a flax DynamicScale
+  head = f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
   if in_target and not in_saved and dynamic:
     return (
-      f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
-      f"checkpoint holds none, and a flax DynamicScale at {_where(dynamic)}: it was saved "
-      "from a flax TrainState that scaled its loss with DynamicScale. Convert it: "
-      "optax_dls.flax.from_dynamic_scale(manager.restore(step), target) puts the "
-      "old optimizer state in the inner state and the DynamicScale's scale and finite-step "
-      "count in the loss-scale state."
+      f"{head}checkpoint holds none, and a flax DynamicScale at {_where(dynamic)}. Convert "
+      "it: optax_dls.flax.from_dynamic_scale(manager.restore(step), target) (see "
+      "docs/guide/checkpoints.md#from-flax-s-dynamicscale)."
     )
   if in_target and not in_saved:
     return (
-      f"The target holds a loss-scale state (LossScaleState) at {_where(in_target)}; the "
-      "checkpoint holds none: it was saved from an optimizer without loss scaling. Convert "
-      "it: optax_dls.checkpoint.into_loss_scaled(raw, target), with raw the tree restored "
+      f"{head}checkpoint holds none: it was saved without loss scaling. Convert it: "
+      "optax_dls.checkpoint.into_loss_scaled(raw, target), with raw the tree restored "
       "without a target (manager.restore(step) with Orbax; for a directory flax's "
       "save_checkpoint wrote, flax.training.checkpoints.restore_checkpoint(directory, "
-      "target=None)), puts the old optimizer state in the inner state; the loss scale then "
-      "starts at init_scale."
+      "target=None)); the loss scale then starts at init_scale."
     )
   if in_saved and not in_target:
     return (
       f"The checkpoint holds a loss-scale state at {_where(in_saved)}; the target holds "
-      "none. Restore with a target built by the same loss-scaled optimizer "
-      "(optax_dls.dynamic_loss_scale(...).init(params)); to drop loss scaling, keep "
-      "optax_dls.find_state(restored).inner_state."
+      "none. Restore with a target built by the same loss-scaled optimizer; to drop loss "
+      "scaling, keep optax_dls.find_state(restored).inner_state."
     )
   return ""
 

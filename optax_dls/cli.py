@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from optax_dls._logs import live as _live
-from optax_dls._logs import plot as _plot
 from optax_dls._logs import report as _report
 from optax_dls._logs.read import NoLogsError
 from optax_dls._util.optional import MissingExtraError
@@ -121,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
       return _closed_pipe()
   try:
-    if args.plot and (why := _plot.check_path(args.plot)):
+    if args.plot and (why := _report.check_path(args.plot)):
       p.error(f"argument --plot: {why}")
     text = _report.inspect(args.run_dir, args.plot, args.json)
   except (NoLogsError, MissingExtraError) as e:

@@ -55,12 +55,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
 # The presets of another framework's scale trajectory, taking that framework's names.
 _FRAMEWORKS: dict[str, Callable[..., Any]] = {
-  "torch": _presets.torch_policy,
-  "jmp": _presets.jmp_policy,
-  "keras": _presets.keras_policy,
-  "flax": _presets.flax_policy,
-  "megatron": _presets.megatron_policy,
-  "deepspeed": _presets.deepspeed_policy,
+  name: getattr(_presets, f"{name}_policy")
+  for name in ("torch", "jmp", "keras", "flax", "megatron", "deepspeed")
 }
 
 
@@ -170,10 +166,6 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
 def _load_config(path: str | os.PathLike) -> dict[str, Any]:
   """The top-level mapping of a YAML file, read as ``yaml.safe_load`` reads it (anchors,
   aliases, merge keys) but refusing a key given twice in one mapping."""
-  if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(
-      f"path must be a str or os.PathLike, got {path!r} of type {type(path).__name__}."
-    )
   yaml = _optional.require("yaml", "reading a YAML configuration")
 
   unique_keys: Any = type("UniqueKeyLoader", (yaml.SafeLoader,), {})

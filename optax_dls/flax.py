@@ -27,7 +27,7 @@ from flax import nnx
 from optax_dls._access import find as _find
 from optax_dls._core import multi_device as _multi_device
 from optax_dls._features import recompute as _recompute
-from optax_dls._integrations.dynamic_scale import from_dynamic_scale
+from optax_dls._integrations.carry import from_dynamic_scale
 from optax_dls._util import calls as _calls
 
 __all__ = ["from_dynamic_scale", "value_and_grad"]

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -59,17 +60,6 @@ def _to_python(name: str, value: Any) -> Any:
   raise TypeError(
     f"metric {name!r} must be a real number or bool, got {value!r} of type {type(value).__name__}."
   )
-
-
-def _tensorboard_value(value: Any) -> float | None:
-  """``value`` as a TensorBoard scalar; None for str, None, non-finite or too large."""
-  if value is None or isinstance(value, str):
-    return None
-  try:
-    value = float(value)
-  except OverflowError:  # an int beyond the float range
-    return None
-  return value if math.isfinite(value) else None
 
 
 def _write_all(f: Any, data: bytes) -> None:
@@ -185,14 +175,12 @@ class MetricsWriter:
       self._tb = tensorboardx.SummaryWriter(
         self.logdir, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:12]}"
       )
-    self._jsonl: Any = self._open_jsonl() if jsonl else None
-
-  def _open_jsonl(self) -> Any:
-    """Opens ``metrics.jsonl`` for unbuffered appends, ending a line that was cut short."""
-    f = open(os.path.join(self.logdir, JSONL_NAME), "a+b", buffering=0)  # noqa: SIM115
-    if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
-      _write_all(f, b"\n")  # appends: a+ writes at the end whatever the position
-    return f
+    self._jsonl: Any = None
+    if jsonl:  # unbuffered appends, a line that was cut short ended first
+      f = open(os.path.join(self.logdir, JSONL_NAME), "a+b", buffering=0)  # noqa: SIM115
+      if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+        _write_all(f, b"\n")  # appends: a+ writes at the end whatever the position
+      self._jsonl = f
 
   def write_locate(self, report: Any, step: int | None = None) -> str:
     """Saves a :func:`optax_dls.locate` report as ``<logdir>/locate.json``, replacing
@@ -297,10 +285,12 @@ class MetricsWriter:
       _write_all(self._jsonl, (json.dumps(row) + "\n").encode("utf-8"))
     if self._tb is not None:
       for key, value in {**row, **tb_only}.items():
-        # Non-finite values (grad_norm on a skipped step) stay in the JSONL only.
-        scalar = _tensorboard_value(value) if key not in ("step", _LEAVES) else None
-        if scalar is not None:
-          self._tb.add_scalar(key, scalar, step)
+        # Non-finite values (grad_norm on a skipped step), str and None: the JSONL only.
+        if key in ("step", _LEAVES) or value is None or isinstance(value, str):
+          continue
+        with contextlib.suppress(OverflowError):  # an int beyond the float range
+          if math.isfinite(scalar := float(value)):
+            self._tb.add_scalar(key, scalar, step)
       if _LEAVES in row:  # the names, as a text summary that inspect reads back
         self._tb.add_text(_read.LEAVES_TAG, json.dumps(row[_LEAVES]), step)
 
@@ -335,8 +325,7 @@ def _checked_values(metrics: Any, extra: dict[str, Any]) -> dict[str, Any]:
       f"metrics must be a mapping of metric names to scalars, got {metrics!r} "
       f"of type {type(metrics).__name__}."
     )
-  values = {**metrics, **extra}
-  for key in values:
+  for key in (values := {**metrics, **extra}):
     if not isinstance(key, str):
       raise TypeError(f"metric names must be strings, got {key!r} of type {type(key).__name__}.")
     if key in _RESERVED:

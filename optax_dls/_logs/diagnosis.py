@@ -1,18 +1,280 @@
-"""The loss-scaling problems one run's logged rows prove, and what to do about each: what
-happened between two logged rows is bounded, not guessed, so a sparser log may show less but
-never something false."""
+"""One run's logged rows: the summary numbers (steps, updates, skips, scales; ``None`` where
+the logged columns do not tell, see :func:`intervals`), and the loss-scaling
+problems they prove, with what to do about each: what happened between two logged rows is
+bounded, not guessed, so a sparser log may show less but never something false."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_dls._logs import columns as C
-from optax_dls._logs.summary import scale_text
+from optax_dls._logs.read import whole
+from optax_dls._util import locate_report as _headroom
 
-Rows = C.Rows
+Rows = list[dict[str, Any]]
 _Found = list[tuple[str, str]]
+
+# Columns and counters of logged rows (a missing or malformed value unknown: NaN, never 0),
+# and what the cumulative counters prove between two logged rows (intervals).
+
+
+def number(value: Any) -> float:
+  """``value`` as a float; NaN (unknown) for a missing or malformed value."""
+  try:
+    return float(value) if isinstance(value, (int, float)) else np.nan
+  except OverflowError:  # an integer beyond float range
+    return np.nan
+
+
+def column(rows: Rows, key: str) -> np.ndarray:
+  return np.array([number(r.get(key)) for r in rows], dtype=np.float64)
+
+
+def counter(x: np.ndarray) -> np.ndarray:
+  """A cumulative counter column: NaN where the value is not a whole number in [0, 2**53)."""
+  ok = np.isfinite(x) & (x >= 0) & (x < 2.0**53)
+  ok[ok] &= x[ok] == np.round(x[ok])
+  return np.where(ok, x, np.nan)
+
+
+def updates(rows: Rows) -> np.ndarray:
+  """Updates done at each row: ``num_steps``; without that column, the step."""
+  n = counter(column(rows, "num_steps"))
+  return column(rows, "step") if np.isnan(n).all() else n
+
+
+def skips(rows: Rows) -> np.ndarray:
+  """Skipped updates at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``
+  where that float32 ratio gives it exactly (below 2**22 updates)."""
+  s = counter(column(rows, "skip_count"))
+  n = counter(column(rows, "num_steps"))
+  with np.errstate(invalid="ignore"):
+    derived = n * (1.0 - column(rows, "update_ratio"))
+    exact = (
+      (n < 2.0**22)
+      & (derived > -0.25)
+      & (derived < n + 0.25)
+      & (np.abs(derived - np.round(derived)) < 0.25)
+    )
+  return np.where(np.isnan(s) & exact, np.round(derived), s)
+
+
+def flag(rows: Rows, key: str) -> np.ndarray:
+  """A bool column as 1.0 / 0.0, NaN where unknown."""
+  x = column(rows, key)
+  return np.where(np.isfinite(x), (x > 0).astype(np.float64), np.nan)
+
+
+def present(rows: Rows, key: str) -> np.ndarray:
+  """Whether each row has a number (NaN and inf included) under ``key``."""
+  return np.array(
+    [isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) for r in rows],
+    dtype=bool,
+  )
+
+
+def last_known(x: np.ndarray) -> float | None:
+  finite = x[np.isfinite(x)]
+  return float(finite[-1]) if finite.size else None
+
+
+class Intervals(NamedTuple):
+  """What the counters prove between each logged row and the next (index i: rows i -> i + 1).
+
+  ``known``: both rows carry consistent counters; ``dn``, ``ds``: updates and skips in the
+  interval; ``octaves``: log2 of the scale ratio (NaN unknown); ``factor_two``: the scales
+  follow "a growth doubles, only a skip lowers, by one octave at most" as far as the rows
+  show; ``growth_ub``: an upper bound on the growths (the clean updates, and under that rule
+  also skips + octaves); ``excess``: ``ds - growth_ub``, skips no growth explains.
+  """
+
+  known: np.ndarray
+  dn: np.ndarray
+  ds: np.ndarray
+  octaves: np.ndarray
+  factor_two: bool
+  growth_ub: np.ndarray
+  excess: np.ndarray
+
+
+def intervals(rows: Rows) -> Intervals:
+  """What the counters of consecutive rows prove (see :class:`Intervals`)."""
+  scale = column(rows, "loss_scale")
+  dn, ds = np.diff(updates(rows)), np.diff(skips(rows))
+  log_scale = np.full(len(rows), np.nan)
+  good = np.isfinite(scale) & (scale > 0)
+  log_scale[good] = np.log2(scale[good])
+  octaves = np.diff(log_scale)
+  with np.errstate(invalid="ignore"):
+    known = np.isfinite(dn) & np.isfinite(ds) & (ds >= 0) & (ds <= dn)
+  dn, ds = np.where(known, dn, np.nan), np.where(known, ds, np.nan)
+  seen, both = np.isfinite(octaves), np.isfinite(octaves) & known
+  factor_two = bool(
+    np.all(np.abs(octaves[seen] - np.round(octaves[seen])) < 1e-6)
+    and np.all(octaves[both] >= -ds[both] - 1e-6)
+  )
+  growth_ub = dn - ds
+  if factor_two:
+    with np.errstate(invalid="ignore"):
+      by_scale = np.clip(np.round(ds + octaves), 0, None)
+    growth_ub = np.where(seen, np.minimum(growth_ub, by_scale), growth_ub)
+  return Intervals(known, dn, ds, octaves, factor_two, growth_ub, ds - growth_ub)
+
+
+def segments(known: np.ndarray, start: int = 0) -> list[range]:
+  """Maximal runs of consecutive known intervals at index >= ``start``."""
+  out, begin = [], None
+  for i in range(start, len(known) + 1):
+    if i < len(known) and known[i]:
+      begin = i if begin is None else begin
+    elif begin is not None:
+      out.append(range(begin, i))
+      begin = None
+  return out
+
+
+def every_update_logged(iv: Intervals) -> bool:
+  """Whether the rows hold every update: all intervals known, none over one update."""
+  return bool(iv.known.all() and (iv.dn <= 1).all())
+
+
+scale_text = _headroom.power_text  # a loss scale as 2^k
+
+
+def _counts(rows: Rows, iv: Intervals) -> dict[str, Any]:
+  """Updates, skips, update ratio and longest streak; None where the columns do not tell."""
+  steps = column(rows, "step")
+  num_steps = counter(column(rows, "num_steps"))
+  done: float | None = last_known(num_steps)
+  if np.isnan(num_steps).all():  # no num_steps column: one update per step
+    done = steps[-1] - steps[0] + 1
+  skipped = last_known(skips(rows))
+  ratio = last_known(column(rows, "update_ratio"))
+  if skipped is not None and done and (np.isfinite(num_steps).any() or ratio is None):
+    ratio = (done - skipped) / done  # exact from the counters
+  consec = counter(column(rows, "consecutive_skips"))
+  flags = flag(rows, "skipped")
+  streak = None
+  if np.isfinite(consec).any():
+    streak = int(np.nanmax(consec))
+  elif every_update_logged(iv) and np.isfinite(flags).all():
+    runs = np.diff(np.flatnonzero(np.concatenate([[True], flags == 0, [True]]))) - 1
+    streak = int(runs.max())
+  if streak == 0 and skipped:  # a skip between two logged rows
+    streak = 1
+  return {
+    "updates": None if done is None else int(done),
+    "applied_updates": None if done is None or skipped is None else int(done - skipped),
+    "skips": None if skipped is None else int(skipped),
+    "update_ratio": ratio,
+    "longest_skip_streak": streak,
+  }
+
+
+def summarize(rows: Rows) -> dict[str, Any]:
+  """Summary numbers of one run's rows (at least one, sorted by step).
+
+  ``updates`` (``num_steps``, skipped ones included), ``applied_updates``, ``skips``,
+  ``update_ratio``, ``longest_skip_streak`` (the longest seen in the logged rows) and
+  ``fp32_fallback_steps`` are None where the columns do not tell. ``scale_min`` /
+  ``scale_median`` (the lower median, a logged value) / ``scale_max``,
+  ``steps_at_min_scale`` / ``steps_at_max_scale`` and ``scale_increases`` are over the
+  logged scales. Where the rows carry them: ``overflows_by_group`` and ``nonfinite``.
+  """
+  steps = column(rows, "step")
+  scale = column(rows, "loss_scale")
+  iv = intervals(rows)
+  fallback = flag(rows, "fp32_fallback")  # the key appears only with the fp32 fallback
+  out = {
+    "logged_steps": len(rows),
+    "first_step": int(steps[0]),
+    "last_step": int(steps[-1]),
+    "every_update_logged": every_update_logged(iv),
+    **_counts(rows, iv),
+    "fp32_fallback_steps": int(np.nansum(fallback)) if np.isfinite(fallback).any() else None,
+  }
+  s = scale[np.isfinite(scale)]
+  if s.size:
+    out.update(
+      scale_min=float(s.min()),
+      scale_median=float(np.sort(s)[(s.size - 1) // 2]),
+      scale_max=float(s.max()),
+      steps_at_min_scale=int((s == s.min()).sum()),
+      steps_at_max_scale=int((s == s.max()).sum()),
+      scale_increases=int((np.diff(s) > 0).sum()),
+    )
+  groups = {}  # the last logged overflows/<label>: the non-finite steps per group
+  for key in sorted({k for r in rows for k in r if k.startswith("overflows/")}):
+    if (value := last_known(counter(column(rows, key)))) is not None:
+      groups[key.removeprefix("overflows/")] = int(value)
+  if groups:
+    out["overflows_by_group"] = groups
+  if (where := nonfinite(rows)) is not None:
+    out["nonfinite"] = where
+  return out
+
+
+def nonfinite(rows: Rows) -> dict[str, Any] | None:
+  """Where the non-finite steps came from, as far as the rows record it; None without a
+  ``nonfinite_step`` column.
+
+  Returns ``{"numbering", "steps_seen", "steps_with_leaves", "by_parameter", "loss_steps",
+  "last"}``: ``"step"`` numbering where ``step - num_steps`` is the same at every row, else
+  ``"update"`` (update numbers from 1); the distinct non-finite steps; those recorded with
+  their leaves; per leaf name ``{"name", "steps", "inf", "nan"}`` (most steps first); the
+  steps whose loss was not finite; the last recorded ``{"step", "update", "leaves", "loss"}``.
+  """
+  if not present(rows, "nonfinite_step").any():
+    return None
+  d = column(rows, "step") - counter(column(rows, "num_steps"))
+  d = d[np.isfinite(d)]
+  offset = int(d[0]) if d.size and (d == d[0]).all() else None
+  shift = offset or 0
+  seen, loss, records = set(), set(), {}
+  for row in rows:
+    update = whole(row.get("nonfinite_step"))  # none yet (0) or malformed: None
+    if update is None or update <= 0:
+      continue
+    seen.add(update)
+    if number(row.get("nonfinite_loss")) > 0:
+      loss.add(update)
+    if isinstance(leaves := row.get("nonfinite_leaves"), dict):  # the later record wins
+      records[update] = {str(k): "nan" if v == "nan" else "inf" for k, v in leaves.items()}
+  counts: dict[str, dict[str, int]] = {}
+  for leaves in records.values():
+    for name, kind in leaves.items():
+      counts.setdefault(name, {"inf": 0, "nan": 0})[kind] += 1
+  by = [{"name": k, "steps": c["inf"] + c["nan"], **c} for k, c in counts.items()]
+  last = max(records, default=None)
+  return {
+    "numbering": "update" if offset is None else "step",
+    "steps_seen": len(seen),
+    "steps_with_leaves": len(records),
+    "by_parameter": sorted(by, key=lambda d: (-d["steps"], d["name"])),
+    "loss_steps": [u + shift for u in sorted(loss)],
+    "last": None
+    if last is None
+    else {"step": last + shift, "update": last, "leaves": records[last], "loss": last in loss},
+  }
+
+
+def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
+  """Updates, skips and update ratio over about the last ``window`` (>= 1) updates, from the
+  counters of the last row and of the latest row at least ``window`` updates before it (the
+  first when none is); None where the counters do not tell."""
+  n, s = updates(rows), skips(rows)
+  known = np.flatnonzero(np.isfinite(n) & np.isfinite(s))
+  if known.size < 2:
+    return None
+  last = known[-1]
+  before = known[n[known] <= n[last] - window]
+  first = before[-1] if before.size else known[0]
+  dn, ds = int(n[last] - n[first]), int(s[last] - s[first])
+  if dn <= 0 or not 0 <= ds <= dn:
+    return None
+  return {"updates": dn, "skips": ds, "update_ratio": (dn - ds) / dn}
+
 
 # Diagnosis thresholds.
 OVERFLOW_RATE = 0.01  # provable excess skips per update, second half of the logged rows
@@ -22,73 +284,39 @@ STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
 DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
 _NAMED = 3  # parameters and steps named in a diagnosis
 
-# What to do about each symptom.
+# What to do about each symptom: the first step, then the page that explains the rest.
+_T = "See docs/troubleshooting.md#"
 _ADVICE = {
-  "frequent overflow": (
-    "Gradients or activations overflow float16 again and again. Lower the learning rate or add "
-    "warm-up, clip gradients (optax.clip_by_global_norm inside the loss-scaled optimizer), use "
-    "hysteresis=2 to ride out isolated spikes, keep softmax / normalisation / loss in float32, or "
-    "train in bfloat16."
-  ),
-  "scale never grows": (
-    "Either growth_interval (or warmup_steps) is longer than the run, the scale started at "
-    "max_scale, or overflows keep resetting the growth tracker. Shorten growth_interval "
-    "(e.g. 1000), check warmup_steps, or raise max_scale."
-  ),
-  "gradients too small": (
-    "Small gradients lose precision or vanish in float16 even at this loss scale. Raise "
-    "init_scale and max_scale (optax_dls.config.preset('qlora') starts at 2**16), watch each "
-    "parameter group with optax_dls.underflow_stats(labels) chained inside the loss-scaled "
-    "optimizer, scale a small group's gradients with optax_dls.group_scale, or train in "
-    "bfloat16."
-  ),
-  "gradients lost, no loss scaling": (
-    "The run does not scale its loss, so float16 flushes small gradients to zero. Wrap the "
-    "optimizer in optax_dls.dynamic_loss_scale and multiply the loss by "
-    "optax_dls.scale_loss (or train in bfloat16)."
-  ),
-  "scale pinned": (
-    "The gradients are small enough that the scale never overflows; if max_scale caps it, "
-    "raise max_scale and chain optax_dls.underflow_stats() inside to see whether gradients "
-    "underflow."
-  ),
-  "stuck at the minimum": (
-    "Non-finite values even at the smallest scale come from the forward pass or the data, not "
-    "from loss scaling: look for inf/NaN inputs or labels, run with jax_debug_nans, lower the "
-    "learning rate, keep the loss and normalisation in float32, or turn on the float32 "
-    "fallback (optax_dls.fp32_fallback(policy, after=10), its fp32_fallback metric choosing "
-    "the float32 function)."
-  ),
-  "NaN skips": (
-    "A NaN is not an overflow: it comes from an operation without a finite result (0/0, "
-    "log(0), the square root of a negative number, inf - inf) or from bad data, and no loss "
-    "scale cures it. optax_dls.nonfinite_leaves(opt_state, params) names the parameters; "
-    "optax_dls.locate(loss_fn, params, batch) on a batch of such a step names the operation, "
-    "its phase and its layer; add an epsilon or compute it in float32, and check the data "
-    "(optax_dls.all_finite(batch))."
-  ),
-  "non-finite loss": (
-    "A loss that is inf or NaN makes every gradient non-finite whatever the scale: the step is "
-    "skipped, and so is every step like it. Check the batches of those steps for inf/NaN inputs "
-    "or labels (optax_dls.all_finite(batch)), find the first non-finite value with "
-    "jax_debug_nans, keep the loss, softmax and log-probabilities in float32, and check that the "
-    "parameters are still finite."
-  ),
-  "diverging loss": (
-    "Lower the peak learning rate or lengthen its warm-up, clip gradients, check the data "
-    "order and the labels. Loss scaling skips non-finite steps, but it cannot undo finite "
-    "updates that are too large."
-  ),
+  "frequent overflow": "Lower the learning rate or add warm-up, clip gradients inside the "
+  f"loss-scaled optimizer, or train in bfloat16. {_T}frequent-overflow.",
+  "scale never grows": "Shorten growth_interval (e.g. 1000), check warmup_steps, or raise "
+  f"max_scale. {_T}scale-never-grows.",
+  "gradients too small": "Raise init_scale and max_scale (optax_dls.config.preset('qlora') "
+  f"starts at 2**16), or train in bfloat16. {_T}gradients-always-small.",
+  "gradients lost, no loss scaling": "Wrap the optimizer in optax_dls.dynamic_loss_scale, "
+  "multiply the loss by optax_dls.scale_loss (or train in bfloat16). "
+  f"{_T}the-loss-was-not-multiplied.",
+  "scale pinned": "If max_scale caps the scale, raise it; chain optax_dls.underflow_stats() "
+  f"inside to see whether gradients underflow. {_T}gradients-always-small.",
+  "stuck at the minimum": "Look for inf/NaN inputs or labels, run with jax_debug_nans, or turn "
+  f"on optax_dls.fp32_fallback(policy, after=10). {_T}stuck-at-the-minimum.",
+  "NaN skips": "No loss scale cures a NaN (0/0, log(0), inf - inf, bad data): "
+  "optax_dls.locate(loss_fn, params, batch) on such a step names the operation; check the "
+  f"data with optax_dls.all_finite(batch). {_T}where-a-step-failed.",
+  "non-finite loss": "Check those steps' batches for inf/NaN inputs or labels "
+  f"(optax_dls.all_finite(batch)) and keep the loss in float32. {_T}where-a-step-failed.",
+  "diverging loss": "Lower the peak learning rate or lengthen its warm-up, clip gradients, "
+  f"check the data order and the labels. {_T}training-diverges.",
 }
 
 
-def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
+def _frequent_overflow(rows: Rows, iv: Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
   """Excess skips over the second half of the rows; per run of known intervals one skip is
   given back (it may be the probe of a growth made before it)."""
-  steps = C.column(rows, "step")
+  steps = column(rows, "step")
   excess = updates = 0
   first = last = None
-  for seg in C.segments(iv.known, start=len(rows) // 2):
+  for seg in segments(iv.known, start=len(rows) // 2):
     excess += max(int(np.sum(iv.excess[seg.start : seg.stop])) - 1, 0)
     updates += int(np.sum(iv.dn[seg.start : seg.stop]))
     first = int(steps[seg.start]) if first is None else first
@@ -103,10 +331,10 @@ def _frequent_overflow(rows: Rows, iv: C.Intervals, stuck: bool, summary: dict[s
   return [(symptom, where_advice(summary) + _ADVICE["frequent overflow"])]
 
 
-def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
+def _skips_at_scale_at_most_1(rows: Rows, iv: Intervals) -> int:
   """Skips proven to have run at a scale <= 1: an interval from scale S with at most g
   growths never runs above S * 2**g (without the factor-two rule: above S when g = 0)."""
-  scale = C.column(rows, "loss_scale")[:-1]
+  scale = column(rows, "loss_scale")[:-1]
   growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
   with np.errstate(invalid="ignore", over="ignore"):
     top = scale * np.exp2(np.nan_to_num(growths, nan=np.inf))
@@ -114,7 +342,7 @@ def _skips_at_scale_at_most_1(rows: Rows, iv: C.Intervals) -> int:
   return int(np.sum(iv.ds[low]))
 
 
-def _never_grows(rows: Rows, iv: C.Intervals, summary: dict[str, Any]) -> _Found:
+def _never_grows(rows: Rows, iv: Intervals, summary: dict[str, Any]) -> _Found:
   if len(rows) < 2 or not iv.known.all() or (iv.growth_ub > 0).any():
     return []
   span = int(np.sum(iv.dn))
@@ -135,7 +363,7 @@ def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
   share (runs logged side by side train the same model), or None with fewer than two."""
   medians = {}
   for name, rows in runs.items():
-    zero = C.column(rows, "underflow/zero_frac")
+    zero = column(rows, "underflow/zero_frac")
     if (zero := zero[np.isfinite(zero)]).size >= 4:
       medians[name] = float(np.median(zero))
   if len(medians) < 2:
@@ -148,7 +376,7 @@ def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float
   """Gradients flushed to zero in float16 show as exact zeros of the unscaled gradients: a
   share that rises well above its early level, or stays well above ``floor`` (the run beside
   it), proves lost signal; subnormal entries prove nothing (loss scaling lifts them)."""
-  zero = C.column(rows, "underflow/zero_frac")
+  zero = column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
     early = float(np.median(zero[known[: max(1, len(known) // 10)]]))
@@ -172,7 +400,7 @@ def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float
       return [(symptom + (", with no loss scaling" if unscaled else ""), advice)]
   at_max = summary.get("steps_at_max_scale", 0) / len(rows)
   # Overflows recomputed inside the step (optax_dls.value_and_grad) skip nothing but are overflows.
-  recomputed = C.last_known(C.counter(C.column(rows, "recompute_tries")))
+  recomputed = last_known(counter(column(rows, "recompute_tries")))
   pinned = summary.get("scale_max", 0) >= 2.0**24 and summary["skips"] == 0
   if at_max > 0.5 and pinned and not recomputed:
     symptom = (
@@ -193,14 +421,14 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
   return [(symptom, where_advice(summary, at_minimum=True) + _ADVICE["stuck at the minimum"])]
 
 
-def _diverging(rows: Rows, iv: C.Intervals) -> _Found:
+def _diverging(rows: Rows, iv: Intervals) -> _Found:
   """Over the rows whose own update is proven applied (``skipped`` False,
   ``consecutive_skips`` 0, or no skip since the row before)."""
-  loss, steps = C.column(rows, "loss"), C.column(rows, "step")
-  consec = C.counter(C.column(rows, "consecutive_skips"))
+  loss, steps = column(rows, "loss"), column(rows, "step")
+  consec = counter(column(rows, "consecutive_skips"))
   clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
-  applied = (C.flag(rows, "skipped") == 0) | (consec == 0) | clean_since
-  idx = np.flatnonzero(applied & C.present(rows, "loss"))
+  applied = (flag(rows, "skipped") == 0) | (consec == 0) | clean_since
+  idx = np.flatnonzero(applied & present(rows, "loss"))
   if idx.size < 20:
     return []
   tenth = max(len(idx) // 10, 1)
@@ -242,22 +470,15 @@ def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
   if nan:
     out += (
       f"The logged non-finite steps held NaN in {_listing(nan)}: an operation without a finite "
-      "result (0/0, log(0), the square root of a negative number, inf - inf) or bad data, which "
-      "no loss scale fixes: look at that layer's divisions, logs, square roots and "
-      "normalisations (an epsilon, float32), and at the data. "
+      "result (0/0, log(0), inf - inf) or bad data, which no loss scale fixes. "
     )
   if inf:
-    out += (
-      f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
-      f"{_listing(inf)}"
-    )
-    out += (
-      ", at a scale of 1 or less: values that overflow float16 unscaled, in that layer's "
-      "forward pass or its input. "
+    out += f"{'Infinities only' if nan else 'The logged non-finite steps held infinities'} in "
+    out += _listing(inf) + (
+      ", at a scale of 1 or less: values that overflow float16 unscaled. "
       if at_minimum
-      else ": their gradients outgrew float16 at the scale of the step. The dynamic scaler "
-      "backs off by itself, so this needs action only when it keeps happening: look at that "
-      "layer first. "
+      else ": their gradients outgrew float16 at the scale of the step; the scaler backs off by "
+      "itself, so look at that layer only if it keeps happening. "
     )
   return out
 
@@ -294,9 +515,9 @@ def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
   """``[(symptom, what to do)]`` for the problems that ``rows`` (one run's, sorted by step)
-  prove, given their :func:`~optax_dls._logs.summary.summarize` and what runs logged beside
+  prove, given their :func:`summarize` and what runs logged beside
   them prove (:func:`zero_floor`)."""
-  iv = C.intervals(rows)
+  iv = intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come
   overflow = [] if nan else _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS, summary)

@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from optax_dls._logs import diagnosis as _diagnosis
 from optax_dls._logs import read as _read
 from optax_dls._logs import report as _report
-from optax_dls._logs import summary as _summary
 
 RECENT = 100  # updates of the "recent" skips and update ratio
 _UP_AND_CLEAR = "\x1b[{}F\x1b[J"  # cursor up N lines to their start, clear to the end of screen
@@ -25,10 +25,10 @@ def _run_status(name: str, entry: dict[str, Any], rows: _read.Rows, block: bool)
   """One run: on a terminal (``block``) a head line and indented lines, else one line."""
   s = entry["summary"]
   scales = [r["loss_scale"] for r in rows if isinstance(r.get("loss_scale"), (int, float))]
-  scale = _summary.scale_text(float(scales[-1])) if scales else "unknown"
+  scale = _diagnosis.scale_text(float(scales[-1])) if scales else "unknown"
   skips = f"skips {'unknown' if s['skips'] is None else s['skips']} "
   skips += f"(update ratio {_report.or_unknown(s['update_ratio'], '{:.4f}')})"
-  recent = _summary.recent(rows, RECENT)
+  recent = _diagnosis.recent(rows, RECENT)
   recent_text = "recent unknown" if recent is None else (
     f"last {recent['updates']} updates: {recent['skips']} skipped "
     f"({recent['update_ratio']:.4f})"

@@ -5,6 +5,7 @@ waits, a file truncated or replaced starts over, bad parts are skipped with a wa
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from optax_dls._logs.columns import whole
 from optax_dls._util import optional as _optional
 
 Rows = list[dict[str, Any]]
@@ -29,6 +29,15 @@ LEAVES_TAG = "nonfinite_leaves"  # the text summary naming a non-finite step's l
 _SHOWN = 5  # line numbers, folders listed in a warning
 _MARK = 32  # bytes before the offset that must not change while a file only grows
 _FRAMING = 16  # a TFRecord's length, length CRC and data CRC
+
+
+def whole(value: Any) -> int | None:
+  """``value`` as an int when a whole finite number (not a bool) below 2**63 in size."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+    return None
+  return int(value) if abs(value) < 2**63 else None
 
 
 class NoLogsError(Exception):
@@ -129,7 +138,10 @@ class LogFile:
       OSError: the file cannot be read.
       MissingExtraError: an event file, and no ``tensorboard``.
     """
-    module = _event_loader() if self.kind == "events" else None
+    module = None
+    if self.kind == "events":
+      what = "reading TensorBoard event files"
+      module = _optional.require("tensorboard.backend.event_processing.event_file_loader", what)
     with open(self.path, "rb") as f:
       st = os.fstat(f.fileno())
       f.seek(max(self._offset - len(self._mark), 0))
@@ -213,12 +225,6 @@ class LogFile:
     if malformed := steps.count(None):
       warnings.append(f"skipped {malformed} row(s) whose 'step' is not a whole number")
     return warnings
-
-
-def _event_loader() -> Any:
-  return _optional.require(
-    "tensorboard.backend.event_processing.event_file_loader", "reading TensorBoard event files"
-  )
 
 
 def read_jsonl(path: str | os.PathLike, on_bad: Callable[[int, str], Any] | None = None) -> Rows:
