@@ -363,3 +363,20 @@ def test_reset_scale_on_an_ensemble_stacked_by_vmap():
   # A static per-member value is checked member by member.
   with pytest.raises(ValueError, match="value"):
     optax_dls.reset_scale(state, np.array([8.0, math.nan, 4.0]))
+
+
+@pytest.mark.parametrize("bad", [-4.0, 0.0, float("inf"), 2.0**127])
+def test_a_traced_value_that_is_not_a_scale_makes_the_next_step_skip_and_restart(bad):
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+  params = {"w": jnp.ones(2)}
+  state = jax.jit(optax_dls.reset_scale)(tx.init(params), jnp.float32(bad))
+  assert np.isnan(float(state.loss_scale))  # not clamped into range
+  updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+  assert bool(optax_dls.metrics(state)["skipped"]) and not np.any(updates["w"])
+  assert float(state.loss_scale) == 8.0
+
+
+@pytest.mark.parametrize("bad", ["", ("",), ("data", "")])
+def test_an_empty_axis_name_is_refused_when_built(bad):
+  with pytest.raises(TypeError, match="axis_name must be None, a non-empty string"):
+    optax_dls.dynamic_loss_scale(optax.sgd(0.1), axis_name=bad)

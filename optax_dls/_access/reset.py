@@ -18,7 +18,8 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every other
   field is kept. ``value`` is only checked to be a valid scale: the next update keeps the scale
   within the transformation's range (that step's loss is scaled and unscaled by ``value``). A traced
-  NaN makes the next step skip and restart from the initial scale. A state stacked by
+  value that is not a valid scale (NaN, inf, 0, negative, outside ``[2**-126, 2**126]``) is stored
+  as NaN: the next step skips and restarts from the initial scale. A state stacked by
   ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
 
   Args:
@@ -61,7 +62,11 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
       )
   else:
     value = _validation.scale("value", value, low, high)
-  scale = jnp.clip(jnp.asarray(value, jnp.float32), np.float32(low), np.float32(high))
+  scale = jnp.asarray(value, jnp.float32)
+  # A traced value outside the valid range is not a scale: NaN, which the next update skips
+  # on and restarts from the initial scale (clamped, a negative would train at 2**-126).
+  ok = (scale >= np.float32(low)) & (scale <= np.float32(high))
+  scale = jnp.where(ok, scale, jnp.float32(jnp.nan))
   scale = jnp.broadcast_to(scale, shape)
   restarts = lambda n: hasattr(n, "after_scale_reset")
   policy_state = jax.tree.map(

@@ -22,16 +22,14 @@ typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # type: ignore[attr-
 
 def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
   """Returns ``axis_name`` as None, a string or a tuple; TypeError for anything else."""
-  if axis_name is None or isinstance(axis_name, str):
+  if axis_name is None or (isinstance(axis_name, str) and axis_name):
     return axis_name
-  if (
-    isinstance(axis_name, (tuple, list))
-    and axis_name
-    and all(isinstance(a, str) for a in axis_name)
-  ):
-    return tuple(axis_name)
+  names = axis_name if isinstance(axis_name, (tuple, list)) else ()
+  if names and all(isinstance(a, str) and a for a in names):
+    return tuple(names)
   raise TypeError(
-    f"axis_name must be None, a string or a non-empty tuple of strings, got {axis_name!r}."
+    f"axis_name must be None, a non-empty string or a non-empty tuple of them, got "
+    f"{axis_name!r}: the name(s) of the mapped axes (pmap / shard_map) the gradients vary over."
   )
 
 

@@ -324,7 +324,9 @@ _FORGOTTEN = (
   "it, SGD stalls). Return optax_dls.scale_loss(loss, opt_state) from the function you "
   "differentiate, or use optax_dls.value_and_grad(loss_fn, tx) "
   "(optax_dls.flax.value_and_grad for a TrainState or an nnx.Optimizer), which "
-  "multiplies it."
+  "multiplies it. (Or the gradients were transformed before this update unscaled them, "
+  "as by a clip chained before the loss scaling: put it inside, "
+  "dynamic_loss_scale(optax.chain(clip, ...)).)"
 )
 
 
