@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_dls._core import skip as _types
+from optax_dls._core import skip as _skip
 from optax_dls._integrations.carry import into_loss_scaled, like, target_states
 from optax_dls._util import optional as _optional
 from optax_dls._util import tree_paths as _tree_paths
@@ -174,7 +174,7 @@ def _weak_as(target: Any, value: Any) -> Any:
   """``value`` weakly typed where its target leaf is a weakly typed scalar (flax's
   ``TrainState.step``), which Orbax restores strongly typed: no second compiled program."""
   if not (
-    _types.weak(target)
+    _skip.weak(target)
     and isinstance(value, jax.Array)
     and value.shape == ()
     and value.dtype == target.dtype

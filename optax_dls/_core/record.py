@@ -38,7 +38,7 @@ def group_masks(labels: Sequence[str]) -> dict[str, np.ndarray]:
 def pack(flags: Any) -> jax.Array:
   """uint32 ``[max(1, ceil(n / 32))]`` from bool ``[n]``: bit ``k % 32`` of word ``k // 32``."""
   n = flags.shape[0]
-  words = max(1, -(-n // WORD_BITS))
+  words = num_words(n)
   bits = jnp.pad(flags.astype(jnp.uint32), (0, words * WORD_BITS - n)).reshape(words, WORD_BITS)
   shifts = jnp.arange(WORD_BITS, dtype=jnp.uint32).reshape(1, WORD_BITS)
   return jnp.sum(bits << shifts, axis=1, dtype=jnp.uint32)
@@ -52,6 +52,7 @@ def unpack(words: Any, num_leaves: int) -> np.ndarray:
 
 
 def num_words(num_leaves: int) -> int:
+  """The ``uint32`` words of one bit per leaf (at least one)."""
   return max(1, -(-num_leaves // WORD_BITS))
 
 
