@@ -98,14 +98,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after the program name; default None: ``sys.argv[1:]``.
 
   Returns:
-    The exit code, an ``int``: 0 success (and Ctrl-C ending ``--follow``); 1 the output was
-    closed early (e.g. ``| head``); 2 no logs, only unreadable logs, a missing optional
-    dependency (one line naming ``pip install "optax_dls[monitoring]"``), or a bad argument
-    (e.g. ``--plot`` into a missing folder or with an unknown extension, ``--watch 0``).
-
-  Raises:
-    SystemExit: for ``--help`` (code 0) and argument errors (code 2), as argparse does.
+    The exit code, an ``int``: 0 success (also ``--help``, and Ctrl-C ending ``--follow``); 1
+    the output was closed early (e.g. ``| head``); 2 no logs, only unreadable logs, a missing
+    optional dependency (one line naming ``pip install "optax_dls[monitoring]"``), or a usage
+    error, argparse's message on stderr (an unknown command, a bad argument, e.g. ``--plot``
+    into a missing folder or with an unknown extension, ``--watch 0``).
   """
+  try:
+    return _main(argv)
+  except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
+    return e.code if isinstance(e.code, int) else 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
   parser, p = _parser()
   args = parser.parse_args(argv)
   err = "optax-dls inspect: error:"

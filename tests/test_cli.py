@@ -273,14 +273,33 @@ def test_corrupt_event_file_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["nope"], "invalid choice: 'nope'"),
+    ([], "the following arguments are required"),
+    (["inspect"], "the following arguments are required: run_dir"),
+    (["inspect", "run", "--colour"], "unrecognized arguments: --colour"),
+  ],
+)
+def test_usage_errors_return_2_with_argparses_message(argv, message, capsys):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "usage: optax-dls" in err and message in err
+
+
+def test_help_returns_0(capsys):
+  assert cli.main(["--help"]) == 0
+  assert "inspect" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
   "plot, message", [("missing/out.png", "does not exist"), ("out.xyz", "extension")]
 )
 def test_bad_plot_path_is_an_argument_error(plot, message, tmp_path, capsys):
   _write_log(tmp_path / "run", '{"step": 0, "loss_scale": 1}\n')
-  with pytest.raises(SystemExit) as e:
-    cli.main(["inspect", str(tmp_path / "run"), "--plot", str(tmp_path / plot)])
+  assert cli.main(["inspect", str(tmp_path / "run"), "--plot", str(tmp_path / plot)]) == 2
   err = capsys.readouterr().err
-  assert e.value.code == 2 and "--plot" in err and message in err
+  assert "--plot" in err and message in err
 
 
 # --- Logs written every k steps: a stream simulated with the dynamic rule (x2 growth, x1/2 backoff)

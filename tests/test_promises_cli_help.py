@@ -9,9 +9,7 @@ from optax_dls import cli
 
 
 def _help(capsys):
-  with pytest.raises(SystemExit) as e:
-    cli.main(["inspect", "--help"])
-  assert e.value.code == 0
+  assert cli.main(["inspect", "--help"]) == 0
   return " ".join(capsys.readouterr().out.split())
 
 
@@ -48,6 +46,5 @@ def test_follow_refreshes_every_2_s_and_watch_every_seconds(
 
 
 def test_follow_is_refused_with_plot(tmp_path, capsys):
-  with pytest.raises(SystemExit) as e:
-    cli.main(["inspect", str(tmp_path), "--follow", "--plot", str(tmp_path / "x.png")])
-  assert e.value.code == 2 and "not allowed with --plot or --json" in capsys.readouterr().err
+  assert cli.main(["inspect", str(tmp_path), "--follow", "--plot", str(tmp_path / "x.png")]) == 2
+  assert "not allowed with --plot or --json" in capsys.readouterr().err
