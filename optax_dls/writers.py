@@ -228,15 +228,20 @@ class MetricsWriter:
 
     Raises:
       TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a mapping, a
-        metric name is not a str, or a value is not a real number, bool, str or None.
-      ValueError: the writer is closed, a value is not a scalar (but the packed records),
-        a metric is named ``"step"`` or ``"run"`` (reserved), ``nonfinite_leaves`` comes
-        without ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit ``params``.
+        metric name is not a str, a value is not a real number, bool, str or None, or
+        ``step`` or a value is traced (``log`` called inside ``jax.jit``: call it outside,
+        with the step's metrics).
+      ValueError: the writer is closed, ``step`` < 0, a value is not a scalar (but the packed
+        records), a metric is named ``"step"`` or ``"run"`` (reserved), ``nonfinite_leaves``
+        comes without ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit
+        ``params``.
     """
     self._check_open()
+    _refuse_traced({**(metrics if isinstance(metrics, Mapping) else {}), **extra, "step": step})
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
       raise TypeError(f"step must be a Python int, got {step!r} of type {type(step).__name__}.")
     step = int(step)
+    _validation.check(step >= 0, "step", step, "step >= 0")
     if step % self.every:
       return False
     values = jax.device_get(_checked_values(metrics, extra))
@@ -316,6 +321,17 @@ class MetricsWriter:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+def _refuse_traced(values: dict[str, Any]) -> None:
+  """TypeError naming the first traced value: ``log`` was called inside ``jax.jit``."""
+  for name, value in values.items():
+    if isinstance(value, jax.core.Tracer):
+      what = "step" if name == "step" else f"metric {name!r}"
+      raise TypeError(
+        f"{what} is a traced value ({value!r}): MetricsWriter.log cannot run inside jax.jit. "
+        "Call it outside jit with the step's metrics (e.g. after jax.device_get)."
+      )
 
 
 def _checked_values(metrics: Any, extra: dict[str, Any]) -> dict[str, Any]:

@@ -106,6 +106,37 @@ def test_bad_arguments(tmp_path):
       w.log(0, {"x": jnp.ones(2)})
 
 
+@pytest.mark.parametrize("traced", ["step", "metric", "extra"])
+def test_log_inside_jit_names_the_traced_argument_and_says_to_call_it_outside(tmp_path, traced):
+  w = writers.MetricsWriter(tmp_path, tensorboard=False)
+
+  @jax.jit
+  def step_fn(x, step):
+    w.log(
+      step if traced == "step" else 0,
+      {"x": x} if traced == "metric" else {},
+      **({"loss": x} if traced == "extra" else {}),
+    )
+    return x
+
+  name = {"step": "step", "metric": "metric 'x'", "extra": "metric 'loss'"}[traced]
+  with pytest.raises(TypeError, match=rf"^{name} is a traced value") as e:
+    step_fn(jnp.float32(1.0), jnp.int32(0))
+  assert "outside jit" in str(e.value) and "jax.device_get" in str(e.value)
+  w.close()
+  assert (tmp_path / writers.JSONL_NAME).read_text() == ""
+
+
+def test_a_negative_step_is_refused_naming_it(tmp_path):
+  with writers.MetricsWriter(tmp_path, tensorboard=False) as w:
+    with pytest.raises(ValueError, match=r"step.*step=-3"):
+      w.log(-3, {"x": 1.0})
+    with pytest.raises(ValueError, match=r"step=-1"):
+      w.log(np.int64(-1), {})
+    assert w.log(0, {"x": 1.0})
+  assert read_jsonl(tmp_path / writers.JSONL_NAME) == [{"step": 0, "x": 1.0}]
+
+
 @pytest.mark.parametrize(
   "kwargs, match",
   [
