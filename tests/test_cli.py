@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _logs_read import read_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optax_dls
 from optax_dls import cli, writers
 from optax_dls._logs.diagnosis import NO_GROWTH_UPDATES, ZERO_RISE
-from optax_dls._logs.read import read_jsonl
 from optax_dls._logs.report import inspect as _inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

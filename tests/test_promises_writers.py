@@ -11,9 +11,9 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _logs_read import read_jsonl, read_tensorboard
 
 from optax_dls import writers
-from optax_dls._logs.read import read_jsonl, read_tensorboard
 
 
 class _Report:

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _logs_read import read_jsonl, read_tensorboard
 
 import optax_dls
 from optax_dls import writers
-from optax_dls._logs.read import read_jsonl, read_tensorboard
 
 
 def _state_after(kinds):
@@ -414,12 +414,10 @@ def test_leaf_records_are_read_from_text_summaries_and_other_text_is_ignored(tmp
   [
     lambda: writers.MetricsWriter(None),
     lambda: writers.MetricsWriter(3, tensorboard=False),
-    lambda: read_jsonl(None),
-    lambda: read_tensorboard(b"events.out.tfevents.1"),
   ],
 )
 def test_paths_must_be_str_or_pathlike(call):
-  with pytest.raises(TypeError, match=r"(logdir|path) must be a str or os.PathLike"):
+  with pytest.raises(TypeError, match=r"logdir must be a str or os.PathLike"):
     call()
 
 

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -227,39 +226,6 @@ class LogFile:
     return warnings
 
 
-def read_jsonl(path: str | os.PathLike, on_bad: Callable[[int, str], Any] | None = None) -> Rows:
-  """The JSON objects with a ``step`` of a JSON-lines file, in file order; each other line
-  (blank ones aside) is skipped and handed to ``on_bad(line number, why)``."""
-  return _read_whole(path, "jsonl", on_bad)
-
-
-def read_tensorboard(
-  path: str | os.PathLike, on_bad: Callable[[int, str], Any] | None = None
-) -> Rows:
-  """The scalars and leaf records of an event file, a row per step, sorted by step; each bad
-  record, and the bytes after a corrupt one, handed to ``on_bad(offset, why)``."""
-  return _read_whole(path, "events", on_bad)
-
-
-def _read_whole(path: Any, kind: str, on_bad: Callable[[int, str], Any] | None) -> Rows:
-  rows, bad, _ = LogFile(check_path("path", path), kind).read(final=True)
-  for where, why in bad:
-    if on_bad is not None:
-      on_bad(where, why)
-  return rows
-
-
-def find_logs(run_dir: str) -> list[tuple[str, str]]:
-  """``[(path, kind)]``: per folder under ``run_dir``, its JSONL files, or its event files."""
-  found: list[tuple[str, str]] = []
-  for root, _, files in sorted(os.walk(run_dir)):
-    jsonl = [n for n in files if n.endswith(".jsonl")]
-    events = [n for n in files if n.startswith("events.out.tfevents")]
-    kind, names = ("jsonl", jsonl) if jsonl else ("events", events)
-    found.extend((os.path.join(root, n), kind) for n in sorted(names))
-  return found
-
-
 def _merged(rows: Rows) -> Rows:
   """The rows with loss-scale metrics (not validation rows), or all if none has them; one row
   per step, sorted, a step logged twice keeping the later values."""
@@ -312,7 +278,12 @@ class LogSet:
 
   def poll(self, final: bool = False) -> list[tuple[str, str]]:
     """Reads what the logs gained; returns the new ``(path, warning)``."""
-    found = dict(find_logs(self.run_dir)) if os.path.isdir(self.run_dir) else {}
+    found = {}  # {path: kind}: per folder, its JSONL files, or its event files
+    for root, _, files in sorted(os.walk(self.run_dir)):  # nothing when not a folder
+      jsonl = [n for n in files if n.endswith(".jsonl")]
+      events = [n for n in files if n.startswith("events.out.tfevents")]
+      kind, names = ("jsonl", jsonl) if jsonl else ("events", events)
+      found.update((os.path.join(root, n), kind) for n in sorted(names))
     self.files = {p: f for p, f in self.files.items() if found.get(p) == f.kind}
     warnings: list[tuple[str, str]] = []
     self.unread = []
