@@ -51,12 +51,8 @@ def skips(rows: Rows) -> np.ndarray:
   n = counter(column(rows, "num_steps"))
   with np.errstate(invalid="ignore"):
     derived = n * (1.0 - column(rows, "update_ratio"))
-    exact = (
-      (n < 2.0**22)
-      & (derived > -0.25)
-      & (derived < n + 0.25)
-      & (np.abs(derived - np.round(derived)) < 0.25)
-    )
+    exact = (n < 2.0**22) & (np.abs(derived - n / 2) < n / 2 + 0.25)  # in (-0.25, n + 0.25)
+    exact &= np.abs(derived - np.round(derived)) < 0.25
   return np.where(np.isnan(s) & exact, np.round(derived), s)
 
 
@@ -67,11 +63,8 @@ def flag(rows: Rows, key: str) -> np.ndarray:
 
 
 def present(rows: Rows, key: str) -> np.ndarray:
-  """Whether each row has a number (NaN and inf included) under ``key``."""
-  return np.array(
-    [isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) for r in rows],
-    dtype=bool,
-  )
+  """Whether each row has a number (NaN and inf included, a bool not) under ``key``."""
+  return np.array([type(r.get(key)) in (int, float) for r in rows], dtype=bool)
 
 
 def last_known(x: np.ndarray) -> float | None:
@@ -124,14 +117,8 @@ def intervals(rows: Rows) -> Intervals:
 
 def segments(known: np.ndarray, start: int = 0) -> list[range]:
   """Maximal runs of consecutive known intervals at index >= ``start``."""
-  out, begin = [], None
-  for i in range(start, len(known) + 1):
-    if i < len(known) and known[i]:
-      begin = i if begin is None else begin
-    elif begin is not None:
-      out.append(range(begin, i))
-      begin = None
-  return out
+  edges = start + np.flatnonzero(np.diff(np.concatenate([[0], known[start:], [0]]).astype(int)))
+  return [range(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def every_update_logged(iv: Intervals) -> bool:
@@ -521,12 +508,6 @@ def diagnose(
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come
   overflow = [] if nan else _frequent_overflow(rows, iv, stuck >= STUCK_MIN_SKIPS, summary)
-  return (
-    _loss_not_finite(summary)
-    + nan
-    + overflow
-    + _never_grows(rows, iv, summary)
-    + _lost_gradients(rows, summary, zero_floor)
-    + _stuck(stuck, summary)
-    + _diverging(rows, iv)
-  )
+  found = _loss_not_finite(summary) + nan + overflow + _never_grows(rows, iv, summary)
+  found += _lost_gradients(rows, summary, zero_floor) + _stuck(stuck, summary)
+  return found + _diverging(rows, iv)

@@ -77,10 +77,8 @@ class LocateReport:
 
   def to_dict(self) -> dict[str, Any]:
     """The report as plain JSON types (``json.dumps`` accepts it)."""
-    rows = []
-    for h in self.headroom:
-      row = {f.name: getattr(h, f.name) for f in dataclasses.fields(h) if f.repr}
-      rows.append({k: _plain(v) for k, v in row.items()})
+    shown = [f.name for f in dataclasses.fields(ScopeHeadroom) if f.repr]
+    rows = [{k: _plain(getattr(h, k)) for k in shown} for h in self.headroom]
     first = None if self.first is None else dataclasses.asdict(self.first)
     return {"scale": float(self.scale), "first": first, "headroom": rows}
 
