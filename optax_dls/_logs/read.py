@@ -278,7 +278,7 @@ class LogSet:
 
   def poll(self, final: bool = False) -> list[tuple[str, str]]:
     """Reads what the logs gained; returns the new ``(path, warning)``."""
-    found = {}  # {path: kind}: per folder, its JSONL files, or its event files
+    found: dict[str, str] = {}  # {path: kind}: per folder, its JSONL files, or its event files
     for root, _, files in sorted(os.walk(self.run_dir)):  # nothing when not a folder
       jsonl = [n for n in files if n.endswith(".jsonl")]
       events = [n for n in files if n.startswith("events.out.tfevents")]
