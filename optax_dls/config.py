@@ -121,7 +121,8 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
     **kwargs: the settings to change, by the argument names above.
 
   Returns:
-    A :class:`~optax_dls.LossScalePolicy`, for ``optax_dls.loss_scaled(inner, policy)``.
+    A :class:`~optax_dls.LossScalePolicy`, for ``optax_dls.loss_scaled(inner, policy)``; its
+    ``preset`` is the name (an alias resolved), which its ``repr`` shows with the settings.
 
   Raises:
     ValueError: an unknown name (the message lists the known ones), or a value out of
@@ -159,8 +160,8 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
         "the loss-scale preset 'jmp' needs loss_scale, the initial scale (required, as in "
         "jmp.DynamicLossScale): optax_dls.config.preset('jmp', loss_scale=2.0**15)."
       )
-    return _FRAMEWORKS[name](**kwargs)
-  return _policies.dynamic_policy(**(_PRESETS[name] | kwargs))
+    return _FRAMEWORKS[name](**kwargs)._replace(preset=name)
+  return _policies.dynamic_policy(**(_PRESETS[name] | kwargs))._replace(preset=name)
 
 
 def _load_config(path: str | os.PathLike) -> dict[str, Any]:
