@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import optax
@@ -54,10 +54,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
 # The presets of another framework's scale trajectory, taking that framework's names.
-_FRAMEWORKS: dict[str, Callable[..., Any]] = {
-  name: getattr(_presets, f"{name}_policy")
-  for name in ("torch", "jmp", "keras", "flax", "megatron", "deepspeed")
-}
+_FRAMEWORKS = _presets.FRAMEWORKS
 
 
 def _known(name: Any) -> str:
