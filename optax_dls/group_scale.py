@@ -9,6 +9,7 @@ the optimizer: loss scaling (Micikevicius et al. 2018) applied to part of the ba
 from __future__ import annotations
 
 import functools
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -150,13 +151,9 @@ def _check_mask(mask: Any, tree: Any, what: str) -> None:
   try:
     jax.tree.structure(got).flatten_up_to(tree)  # type: ignore[attr-defined]
   except (ValueError, TypeError):
-    short = lambda t: _shortened(str(jax.tree.structure(t)))
+    short = lambda t: textwrap.shorten(str(jax.tree.structure(t)), 120, placeholder=" ...")
     raise ValueError(
       f"group_unscale: mask must have the tree structure of the {what} (or a prefix of it), "
       f"got mask {short(got)} and {what} {short(tree)}: build the mask from the parameters, "
       "e.g. jax.tree.map(lambda p: ..., params), or pass a callable params -> mask."
     ) from None
-
-
-def _shortened(text: str, limit: int = 120) -> str:
-  return text if len(text) <= limit else text[: limit - 3] + "..."
