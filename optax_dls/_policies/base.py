@@ -113,7 +113,8 @@ class LossScalePolicy(NamedTuple):
 
   def __repr__(self) -> str:
     shown = [f"preset={self.preset!r}"] if self.preset is not None else []
-    rule = getattr(self.update, "args", (None,))[0]  # a built-in rule: partial(update, settings)
+    # A built-in rule's update is a partial of its settings; a wrapper's, of what it wraps.
+    rule: Any = (*getattr(self.update, "args", ()), None)[0]
     if hasattr(rule, "_asdict") and not isinstance(rule, LossScalePolicy):
       defaults = rule._field_defaults
       settings = {k: v for k, v in rule._asdict().items() if defaults.get(k, None) != v}
