@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import optax
@@ -54,10 +54,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
 # The presets of another framework's scale trajectory, taking that framework's names.
-_FRAMEWORKS: dict[str, Callable[..., Any]] = {
-  name: getattr(_presets, f"{name}_policy")
-  for name in ("torch", "jmp", "keras", "flax", "megatron", "deepspeed")
-}
+_FRAMEWORKS = _presets.FRAMEWORKS
 
 
 def _known(name: Any) -> str:
@@ -121,7 +118,8 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
     **kwargs: the settings to change, by the argument names above.
 
   Returns:
-    A :class:`~optax_dls.LossScalePolicy`, for ``optax_dls.loss_scaled(inner, policy)``.
+    A :class:`~optax_dls.LossScalePolicy`, for ``optax_dls.loss_scaled(inner, policy)``; its
+    ``preset`` is the name (an alias resolved), which its ``repr`` shows with the settings.
 
   Raises:
     ValueError: an unknown name (the message lists the known ones), or a value out of
@@ -159,8 +157,8 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
         "the loss-scale preset 'jmp' needs loss_scale, the initial scale (required, as in "
         "jmp.DynamicLossScale): optax_dls.config.preset('jmp', loss_scale=2.0**15)."
       )
-    return _FRAMEWORKS[name](**kwargs)
-  return _policies.dynamic_policy(**(_PRESETS[name] | kwargs))
+    return _FRAMEWORKS[name](**kwargs)._replace(preset=name)
+  return _policies.dynamic_policy(**(_PRESETS[name] | kwargs))._replace(preset=name)
 
 
 def _load_config(path: str | os.PathLike) -> dict[str, Any]:

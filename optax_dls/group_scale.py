@@ -9,6 +9,7 @@ the optimizer: loss scaling (Micikevicius et al. 2018) applied to part of the ba
 from __future__ import annotations
 
 import functools
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -123,11 +124,36 @@ def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
   Raises:
     TypeError: ``factor`` is not a static number, or ``mask`` is neither callable nor a pytree of
       bools (Python or NumPy bools, or 0-d bool arrays).
-    ValueError: ``factor`` out of range.
+    ValueError: ``factor`` out of range; at ``init`` (or at the first update's trace), a mask
+      whose tree is not a prefix of the parameters' (the gradients'), naming both structures.
   """
   # NumPy, not JAX: built inside a trace, a JAX value would be a tracer kept by update_fn.
   inverse = np.float32(1.0 / _validation.scale("factor", factor))
   mask = _mask(mask)
 
   update = lambda updates, state, params=None: (_numerics.unscale(updates, inverse), state)
-  return optax.masked(optax.GradientTransformation(lambda _: optax.EmptyState(), update), mask)
+  masked = optax.masked(optax.GradientTransformation(lambda _: optax.EmptyState(), update), mask)
+
+  def init(params: Any) -> Any:
+    _check_mask(mask, params, "parameters")
+    return masked.init(params)
+
+  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    _check_mask(mask, updates, "gradients")  # at trace time, before optax.masked reads it
+    return masked.update(updates, state, params)
+
+  return optax.GradientTransformation(init, update_fn)
+
+
+def _check_mask(mask: Any, tree: Any, what: str) -> None:
+  """ValueError unless ``mask`` (or what it returns for ``tree``) is a prefix of ``tree``."""
+  got = mask(tree) if callable(mask) else mask
+  try:
+    jax.tree.structure(got).flatten_up_to(tree)  # type: ignore[attr-defined]
+  except (ValueError, TypeError):
+    short = lambda t: textwrap.shorten(str(jax.tree.structure(t)), 120, placeholder=" ...")
+    raise ValueError(
+      f"group_unscale: mask must have the tree structure of the {what} (or a prefix of it), "
+      f"got mask {short(got)} and {what} {short(tree)}: build the mask from the parameters, "
+      "e.g. jax.tree.map(lambda p: ..., params), or pass a callable params -> mask."
+    ) from None

@@ -217,3 +217,18 @@ def test_what_safe_load_refuses_or_a_repeated_key_raises_value_error_naming_the_
 def test_a_config_must_be_a_mapping_or_a_str_or_path(path):
   with pytest.raises(TypeError, match="path"):
     optax_dls.config.from_config(path)
+
+
+def test_a_preset_s_repr_is_one_line_naming_the_preset_and_its_settings():
+  torch = repr(optax_dls.config.preset("torch", growth_interval=5))
+  assert torch == (
+    "LossScalePolicy(preset='torch', init_scale=2**16, min_scale=2**-126, max_scale=2**126, "
+    "growth_factor=2.0, growth_after=5, backoff_factor=0.5)"
+  )
+  llm = repr(optax_dls.config.preset("llm"))
+  assert llm.startswith("LossScalePolicy(preset='text_llm', init_scale=2**16,") and "\n" not in llm
+  # The same form as a dynamic policy's, without the name.
+  assert repr(optax_dls.dynamic_policy(init_scale=8.0, hysteresis=2)) == (
+    "LossScalePolicy(init_scale=8.0, min_scale=1.0, max_scale=2**24, growth_factor=2.0, "
+    "growth_after=2000, backoff_factor=0.5, hysteresis=2)"
+  )

@@ -224,3 +224,19 @@ def test_group_scaled_keeps_the_calling_convention_of_fn():
     lambda p, x, mode, train: wrapped(p, x, mode, train=train)[0], static_argnums=(2, 3)
   )
   assert float(jitted(params, x, "eval", False)) == -6.0
+
+
+@pytest.mark.parametrize("callable_mask", [False, True])
+def test_group_unscale_refuses_a_mask_of_another_tree_naming_both(callable_mask):
+  params = {"w": jnp.ones(2), "b": jnp.ones(1)}
+  wrong = {"w": True, "c": False}
+  mask = (lambda p: wrong) if callable_mask else wrong
+  tx = optax_dls.group_scale.group_unscale(4.0, mask)
+  match = r"group_unscale: mask must have the tree structure of the parameters.*'c'.*'b'"
+  with pytest.raises(ValueError, match=match):
+    tx.init(params)
+  # At the first update's trace, before anything is compiled: our message, not JAX's.
+  state = optax_dls.group_scale.group_unscale(4.0, {"w": True, "b": False}).init(params)
+  step = jax.jit(lambda g, s: tx.update(g, s, params))
+  with pytest.raises(ValueError, match=r"mask must have the tree structure of the gradients"):
+    step({"w": jnp.ones(2), "b": jnp.ones(1)}, state)

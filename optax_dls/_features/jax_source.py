@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import importlib.util
 import inspect
 import itertools
 import os
@@ -22,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from optax_dls._util import frames as _frames
+
 try:  # JAX-internal: the traceback an equation was traced with, resolved to frames.
   from jax._src import source_info_util as _siu
 except ImportError:  # pragma: no cover - only with a JAX that moved the module
@@ -30,13 +30,6 @@ except ImportError:  # pragma: no cover - only with a JAX that moved the module
 # Frames skipped besides JAX's: a layer's dot_general is in flax, but the user wrote the call.
 _LIBRARIES: tuple[str, ...] = ("flax", "equinox", "optax_dls", "optax", "jmp", "numpy", "scipy")
 _LIBRARIES += ("ml_dtypes", "opt_einsum")
-
-
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
-  specs = [importlib.util.find_spec(name) for name in _LIBRARIES]
-  locations = [p for spec in specs if spec for p in spec.submodule_search_locations or ()]
-  return tuple(os.path.join(p, "") for p in locations)
 
 
 def _user_frame(traceback: Any) -> tuple[str, int, str] | None:
@@ -56,7 +49,11 @@ def _user_frame(traceback: Any) -> tuple[str, int, str] | None:
 
 def _is_user_code(code: Any) -> bool:
   name = code.co_filename
-  return _siu is not None and _siu.is_user_filename(name) and not name.startswith(_library_dirs())
+  return (
+    _siu is not None
+    and _siu.is_user_filename(name)
+    and not name.startswith(_frames.library_dirs(_LIBRARIES))
+  )
 
 
 def source_of(eqn: Any) -> tuple[str, str]:
@@ -97,12 +94,14 @@ def scope_of(
 @dataclasses.dataclass
 class Watch:
   """What :func:`watching` saw: the scope each user call opened, in order (``calls``), what
-  ``describe`` said of each call's arguments (``given``), and ``(file, function, line)`` where NumPy
-  overflowed making a constant (``overflows``)."""
+  ``describe`` said of each call's arguments (``given``), ``(file, function, line)`` where NumPy
+  overflowed making a constant (``overflows``); and the block instance each call is, by path
+  (``instances``, filled in by ``locate``)."""
 
   calls: list[str] = dataclasses.field(default_factory=list)
   given: dict[str, Any] = dataclasses.field(default_factory=dict)
   overflows: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+  instances: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def made_here(self, eqn: Any) -> bool:
     """Whether a constant overflowed in the function that wrote ``eqn``, at or before its line."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -139,21 +139,13 @@ def locate(
     inputs = [*jax.tree.leaves(wrt), *arrays]
     paths: list[Any] = _instances.leaf_paths(wrt)
     paths += [None] * (len(inputs) - len(paths))
-    instances = _instances.names(closed, paths, watch.calls, watch.given, _body)
-    seen = _Seen(watch, instances)
-    leaves = _run(closed, inputs, "forward", acc, seen)
+    watch.instances = _instances.names(closed, paths, watch.calls, watch.given, _body)
+    leaves = _run(closed, inputs, "forward", acc, watch)
     with _jax_source.watching() as backward_watch:
       closed = jax.make_jaxpr(backward)(leaves)
-    seen.watch.overflows += backward_watch.overflows
-    _run(closed, leaves, "backward", acc, seen)
+    watch.overflows += backward_watch.overflows
+    _run(closed, leaves, "backward", acc, watch)
   return acc.report(float(scale))
-
-
-class _Seen(NamedTuple):
-  """What tracing saw: constants that overflowed as made, and each block instance's name."""
-
-  watch: _jax_source.Watch
-  instances: dict[str, str]
 
 
 def _largest_finite(arrays: list[np.ndarray]) -> float:
@@ -178,7 +170,7 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
-def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _Seen) -> list[Any]:
+def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _jax_source.Watch) -> list[Any]:
   """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a ``cond``
   needs its concrete index."""
 
@@ -332,7 +324,7 @@ def _record(
   outer: tuple[str, ...],
   phase: str,
   acc: Any,
-  seen: _Seen,
+  seen: _jax_source.Watch,
 ) -> None:
   outputs = [np.asarray(v) for v in outvals if _is_inexact(v)]
   if not outputs:
@@ -345,7 +337,7 @@ def _record(
   # An inf constant seen made beyond the range (a literal 1e5 cast to float16) is made here;
   # one not seen made is taken as meant (an explicit -inf mask), as is a NaN.
   overflowed = [a for a in constants if bool(np.isinf(a).any())]
-  from_made_constant = bool(overflowed) and seen.watch.made_here(eqn)
+  from_made_constant = bool(overflowed) and seen.made_here(eqn)
   made = nonfinite and not carried and (not constants or from_made_constant)
   source, function = _jax_source.source_of(eqn)
   scope = _jax_source.scope_of(eqn, outer, seen.instances) or (function if function != "?" else "")

@@ -259,13 +259,10 @@ def _grads_of(
     return times, out
 
   nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
-  grad = jax.grad(scaled, argnums=nums, has_aux=True)
   which = argnums if isinstance(argnums, tuple) else (argnums,)
 
   def filtered(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     # Only the floating arrays go to jax.grad, as eqx.filter_value_and_grad does.
-    if not any(_model.has_non_arrays(args[i]) for i in which):
-      return grad(scale, *args, **kwargs)
     parts = {i: _model.partition(args[i]) for i in which}
 
     def whole(scale: jax.Array, /, *dyn: Any, **kw: Any) -> tuple[Any, Any]:

@@ -80,6 +80,11 @@ class LossScalePolicy(NamedTuple):
     min_scale: float in ``[2**-126, 2**126]``, the lowest scale the policy
       may take. Default ``2**-126``.
     max_scale: float in ``[min_scale, 2**126]``, the highest. Default ``2**126``.
+    preset: str or None, the name of the preset the policy was made by
+      (``optax_dls.config.preset``), shown by ``repr``. Default None.
+
+  ``repr`` is one line: the preset's name, a built-in rule's settings that differ from their
+  defaults (else the functions' names), then the other fields that differ from theirs.
 
   Example:
     A policy that halves the scale on every overflow and never grows it, with
@@ -104,6 +109,36 @@ class LossScalePolicy(NamedTuple):
   passthrough: bool = False
   min_scale: float = SCALE_MIN
   max_scale: float = SCALE_MAX
+  preset: str | None = None
+
+  def __repr__(self) -> str:
+    shown = [f"preset={self.preset!r}"] if self.preset is not None else []
+    # A built-in rule's update is a partial of its settings; a wrapper's, of what it wraps.
+    rule: Any = (*getattr(self.update, "args", ()), None)[0]
+    if hasattr(rule, "_asdict") and not isinstance(rule, LossScalePolicy):
+      defaults = rule._field_defaults
+      settings = {k: v for k, v in rule._asdict().items() if defaults.get(k, None) != v}
+    else:  # a wrapper's update names what it wraps; a policy of the user's, its functions
+      settings = {}
+      shown += [] if rule is not None else [f"init={_function(self.init)}"]
+      shown += [f"update={_function(self.update)}"]
+    for field in ("stats", "passthrough", "min_scale", "max_scale"):
+      if field not in settings and getattr(self, field) != self._field_defaults[field]:
+        settings[field] = getattr(self, field)
+    shown += [f"{k}={_text(v)}" for k, v in settings.items()]
+    return f"LossScalePolicy({', '.join(shown)})"
+
+
+def _function(f: Any) -> str:
+  """A function's name, with the arguments a ``functools.partial`` of it binds."""
+  name = getattr(getattr(f, "func", f), "__qualname__", None) or repr(f)
+  args = getattr(f, "args", None)
+  return name if args is None else f"{name}({', '.join(map(_text, args))})"
+
+
+def _text(value: Any) -> str:
+  """A float as a scale reads (``2**16``), anything else as its repr."""
+  return _validation.scale_text(value) if isinstance(value, float) else repr(value)
 
 
 def _name(policy: LossScalePolicy) -> str:

@@ -128,9 +128,4 @@ def _preset(name: str) -> Callable[..., LossScalePolicy]:
   return policy
 
 
-torch_policy = _preset("torch")
-keras_policy = _preset("keras")
-jmp_policy = _preset("jmp")
-flax_policy = _preset("flax")
-megatron_policy = _preset("megatron")
-deepspeed_policy = _preset("deepspeed")
+FRAMEWORKS: dict[str, Callable[..., LossScalePolicy]] = {name: _preset(name) for name in _PRESETS}

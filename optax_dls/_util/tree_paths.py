@@ -19,14 +19,7 @@ def live_leaves(tree: Any) -> dict[Path, Any]:
 
 def live_path(keys: tuple[Any, ...]) -> Path:
   """A ``jax.tree_util`` key path as a :data:`Path` of strings."""
-  return tuple(_key(k) for k in keys)
-
-
-def _key(key: Any) -> str:
-  for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey / FlattenedIndexKey
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+  return tuple(jax.tree_util.keystr((k,), simple=True, separator="") for k in keys)
 
 
 def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
