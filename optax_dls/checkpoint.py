@@ -57,6 +57,12 @@ def _advice(saved: Any, target: Any) -> str:
       "save_checkpoint wrote, flax.training.checkpoints.restore_checkpoint(directory, "
       "target=None)); the loss scale then starts at init_scale."
     )
+  if in_saved and in_target and _where(in_saved) != _where(in_target):
+    return (
+      f"{head}checkpoint holds it at {_where(in_saved)}: the optimizer around it changed (a "
+      "chain reordered, a wrapper added or removed). Restore with a target built by the "
+      "optimizer that saved it, with the same chain and wrappers."
+    )
   if in_saved and not in_target:
     return (
       f"The checkpoint holds a loss-scale state at {_where(in_saved)}; the target holds "
@@ -108,13 +114,11 @@ def restore(manager: Any, target: Any, step: int | None = None) -> Any:
 
   The result has ``target``'s tree structure (``LossScaleState`` and optax NamedTuples
   included), dtypes, shapes, shardings and weak types (a jitted step compiles no second
-  program); nothing runs on it: the growth tracker and counters are those saved. The
-  transformation it is restored into supplies the configuration, and its first update
-  settles the scale: it unscales by the saved S (under ``no_loss_scale`` too), then
-  applies its own rule (1 under ``no_loss_scale``; else within ``[min_scale,
-  max_scale]``, the initial scale where the saved one is not valid). A checkpoint of an
-  earlier layout (a ``LossScaleState`` that also held ``min_scale`` and ``max_scale``, or
-  lacked a current field) restores too: those fields dropped, a missing one the target's.
+  program); the counters are those saved. The transformation it is restored into supplies
+  the configuration: its first update unscales by the saved S, then applies its own rule
+  (1 under ``no_loss_scale``; the initial scale where the saved one is not valid). A
+  checkpoint of an earlier layout (a ``LossScaleState`` that also held ``min_scale`` and
+  ``max_scale``, or lacked a current field) restores too.
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``, or the directory (``str`` or

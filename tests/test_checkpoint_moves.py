@@ -403,3 +403,17 @@ def test_a_restored_scale_that_is_not_valid_restarts_at_the_initial_scale(bad):
     state = tx.init(PARAMS)._replace(loss_scale=jnp.float32(bad))
     _, settled = tx.update({"w": jnp.ones(3)}, state, PARAMS)
     assert float(settled.loss_scale) == want
+
+
+def test_a_state_the_chain_moved_is_refused_saying_where_it_sits_on_each_side(tmp_path):
+  """A clip chained inside the loss scaling when saved and outside it in the target: the
+  message names both places, and restoring into the saving layout still works."""
+  inside = optax_dls.dynamic_loss_scale(optax.chain(optax.clip(1.0), optax.adam(1e-3)))
+  params, state = _trained(inside)
+  _save(tmp_path, {"params": params, "opt_state": state})
+  outside = optax.chain(optax.clip(1.0), optax_dls.dynamic_loss_scale(optax.adam(1e-3)))
+  where = r"LossScaleState\) at opt_state\.1; the checkpoint holds it at opt_state: "
+  with pytest.raises(ValueError, match=where + r"the optimizer around it changed"):
+    _restore(tmp_path, outside, params)
+  back = _restore(tmp_path, inside, params)
+  assert int(back["opt_state"].num_steps) == 3

@@ -7,10 +7,8 @@ import optax
 import pytest
 
 import optax_dls
-from optax_dls._core import state as _state
 
 INT32_MAX = np.iinfo(np.int32).max
-RANGE = (1.0, 2.0**10)  # the transformation's [min_scale, max_scale]: not in the state
 
 
 def _state0():
@@ -55,15 +53,6 @@ def test_an_update_keeps_the_scale_in_range_and_saturates_the_counters():
     float(new.loss_scale) == 1.0 and int(new.consecutive_skips) == 0 and bool(new.last_step_finite)
   )
   assert [x.dtype for x in jax.tree.leaves(new)] == [x.dtype for x in jax.tree.leaves(s)]
-
-
-def test_with_scale_changes_only_the_scale_and_the_policy_state():
-  s = _state0()
-  new = _state.with_scale(
-    s, jnp.float32(64.0), s.policy_state._replace(growth_tracker=jnp.int32(3)), RANGE
-  )
-  assert float(new.loss_scale) == 64.0 and int(new.policy_state.growth_tracker) == 3
-  assert new._replace(loss_scale=s.loss_scale, policy_state=s.policy_state) == s
 
 
 def test_an_attribute_of_the_inner_state_read_on_the_loss_scale_state_says_where_it_went():

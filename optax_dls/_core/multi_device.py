@@ -66,11 +66,6 @@ def varying_axes(x: Any) -> frozenset[str]:
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
 
 
-def tree_varying_axes(leaves: Sequence[Any]) -> frozenset[str]:
-  """Union of :func:`varying_axes` over ``leaves``."""
-  return frozenset().union(*(varying_axes(x) for x in leaves))
-
-
 def vary_like(x: jax.Array, like: Any) -> jax.Array:
   """``x`` made to vary over every mesh axis ``like`` varies over (a no-op outside
   ``shard_map``)."""
@@ -85,10 +80,8 @@ def shard_like(x: jax.Array, like: Any) -> jax.Array:
   axes and ``x``'s differs: an old value of the inner state placed otherwise (replicated,
   say) than the new value the inner update computes from the gradients, as a bare
   optimizer's new state takes the gradients' sharding. A no-op everywhere else."""
-  want = like.sharding if isinstance(like, jax.ShapeDtypeStruct) else _sharding(like)
-  have = _sharding(x)
-  spec = getattr(want, "spec", None)
-  if spec is None or have is None or getattr(have, "spec", None) == spec:
+  want = _sharding(like)
+  if getattr(want, "spec", None) in (None, getattr(_sharding(x), "spec", None)):
     return x
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
   types = getattr(getattr(want, "mesh", None), "axis_types", ()) or ()
@@ -99,7 +92,8 @@ def shard_like(x: jax.Array, like: Any) -> jax.Array:
 
 
 def _sharding(x: Any) -> Any:
-  return getattr(typeof(x), "sharding", None) if hasattr(x, "dtype") else None
+  """The sharding of an array, a tracer or a ``jax.ShapeDtypeStruct``."""
+  return getattr(x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x), "sharding", None)
 
 
 def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -119,7 +113,9 @@ def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: 
   trace time; a no-op where JAX does not track variance (``pmap``,
   ``check_vma=False``).
   """
-  found = tree_varying_axes(grad_leaves)
+  found = frozenset().union(*map(varying_axes, grad_leaves))
+  if not found - varying_axes(state_leaf):  # nothing to cover (no shard_map, or replicated)
+    return
   given = axis_names(axis_name)
   missing = found - varying_axes(state_leaf) - set(given)
   if missing:

@@ -1,16 +1,9 @@
-"""Numerics of loss scaling: the exact all-finite check, the norm and unscaling.
-
-One read of each gradient leaf decides everything a step needs (Micikevicius et al. 2018,
-*Mixed Precision Training*): per leaf, a single variadic reduction gives the sum of its
-squares (the norm), the sum of the squares of its entries times 2**-100 (finite exactly
-when every entry is, where the plain squares of large finite entries overflow) and its
-largest magnitude (which decides exactly whether unscaling overflows the leaf's dtype).
-No conditional: nothing has to reach the host, and since the update waits for the flag,
-XLA cannot merge the optimizer's elementwise work into these reductions.
-"""
+"""Numerics of loss scaling (Micikevicius et al. 2018, *Mixed Precision Training*): the
+exact all-finite check, the gradient norm and unscaling, from one read of each leaf."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -70,22 +63,16 @@ def unscale(tree: Any, inv_scale: jax.typing.ArrayLike, params: Any = None) -> A
 
 def widened(tree: Any, params: Any) -> Any:
   """``tree`` with each real floating leaf in its parameter's dtype where that is a wider
-  real float (what :func:`unscale` gives it); ``tree`` itself where none widens or
-  ``params`` does not have its structure."""
-  if params is None:
-    return tree
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-  try:
-    matched = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
-  except (ValueError, TypeError):
-    return tree
+  real float (what :func:`unscale` gives it); ``tree`` itself where ``params`` is None or
+  does not have its structure."""
   real = lambda x: is_float(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
   size = lambda x: jnp.dtype(jnp.result_type(x)).itemsize
-  wide = lambda g, p: real(g) and real(p) and size(p) > size(g)
-  if not any(wide(g, p) for g, p in zip(leaves, matched, strict=True)):
+  wide = lambda g, p: g.astype(p.dtype) if real(g) and real(p) and size(p) > size(g) else g
+  try:
+    none = lambda x: x is None
+    return tree if params is None else jax.tree.map(wide, tree, params, is_leaf=none)
+  except (ValueError, TypeError):  # params of another structure
     return tree
-  cast = [g.astype(p.dtype) if wide(g, p) else g for g, p in zip(leaves, matched, strict=True)]
-  return jax.tree.unflatten(treedef, cast)
 
 
 def valid_scale(scale: jax.Array) -> jax.Array:
@@ -124,23 +111,17 @@ def _reads(x: jax.Array, tiny: jax.Array, fused: bool) -> tuple[jax.Array, ...]:
   """The reads of leaf ``x``, in its real compute dtype: the sum of ``|x|**2``, the sum of
   ``|x * tiny|**2`` and the largest real or imaginary magnitude; one variadic reduction when
   ``fused``, else three plain ones (which XLA all-reduces across a mesh; XLA drops those
-  whose results are not used)."""
-  ct = compute_dtype(x.dtype)
-  real = jnp.finfo(ct).dtype
-  x = _as(x, ct)
-  t = _as(tiny, real)
-  if jnp.issubdtype(ct, jnp.complexfloating):
-    abs2 = lambda v: jnp.real(v * jnp.conj(v))
-    top = lax.max(lax.abs(lax.real(x)), lax.abs(lax.imag(x)))
-    # Each part times the real factor: a complex product would make inf * 0 a NaN.
-    small = lax.complex(lax.mul(lax.real(x), t), lax.mul(lax.imag(x), t))
-  else:
-    abs2, top, small = (lambda v: lax.mul(v, v)), lax.abs(x), lax.mul(x, t)
-  zero, dims = jnp.zeros([], real), tuple(range(x.ndim))
-  operands, combines = (abs2(x), abs2(small), top), (lax.add, lax.add, lax.max)
+  whose results are not used). A complex leaf is read as its two real parts (a complex
+  product would make ``inf * 0`` a NaN)."""
+  x = _as(x, compute_dtype(x.dtype))
+  parts = [lax.real(x), lax.imag(x)] if jnp.iscomplexobj(x) else [x]
+  t = _as(tiny, parts[0].dtype)
+  squares = lambda vs: functools.reduce(lax.add, [lax.mul(v, v) for v in vs])
+  top = functools.reduce(lax.max, [lax.abs(v) for v in parts])
+  operands = (squares(parts), squares([lax.mul(v, t) for v in parts]), top)
+  combines, zero, dims = (lax.add, lax.add, lax.max), jnp.zeros([], t.dtype), tuple(range(x.ndim))
   if not fused:
-    pairs = zip(operands, combines, strict=True)
-    return tuple(lax.reduce(o, zero, f, dims) for o, f in pairs)
+    return tuple(lax.reduce(o, zero, f, dims) for o, f in zip(operands, combines, strict=True))
   combine = lambda a, b: tuple(f(u, v) for f, u, v in zip(combines, a, b, strict=True))
   return tuple(lax.reduce(operands, (zero,) * 3, combine, dims))
 
@@ -164,11 +145,10 @@ def check(
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)
-  every = float_leaves(grads)
-  leaves = [x for x in every if x.size]
+  leaves = float_leaves(grads)  # an empty leaf reads as zeros: finite
   if not leaves:
     zero = jnp.zeros([], jnp.float32)
-    return Check(valid, zero, jnp.zeros([len(every)], jnp.uint8), zero if want_amax else None)
+    return Check(valid, zero, jnp.zeros([0], jnp.uint8), zero if want_amax else None)
   reals = [jnp.dtype(jnp.finfo(compute_dtype(x.dtype)).dtype) for x in leaves]
   # The factor hidden from XLA, which would square it (inf * 0 = NaN).
   hidden = lambda r: lax.optimization_barrier(jnp.asarray(_TINY[r], r))
@@ -205,12 +185,10 @@ def check(
   norm = jnp.where(
     jnp.isfinite(total), jnp.sqrt(total) * inv, jnp.sqrt(tiny_total) * 2.0**50 * inv * 2.0**50
   )
-  if len(leaves) < len(every):  # empty leaves are finite: their codes in leaf order
-    at = np.asarray([i for i, x in enumerate(every) if x.size])
-    codes = jnp.zeros([len(every)], jnp.int32).at[at].set(codes)
   amax = None
   if want_amax:
-    top = jnp.max(jnp.stack([_as(jnp.max(jnp.abs(x)), jnp.float32) for x in leaves]))
+    tops = [_as(jnp.max(jnp.abs(x)), jnp.float32) for x in leaves if x.size]
+    top = jnp.max(jnp.stack(tops)) if tops else jnp.zeros([], jnp.float32)
     amax = top if axis_name is None else _multi_device.pmax(top, axis_name)
   return Check(valid & ~jnp.any(codes > 0), norm, codes.astype(jnp.uint8), amax)
 
@@ -218,28 +196,23 @@ def check(
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   """Returns whether every floating-point entry of ``tree`` is finite.
 
-  The check is exact: finite values of any size count as finite, and a single
-  inf, -inf or NaN in any leaf of dtype bfloat16, float16, float32 or float64
-  (or complex) makes the result False. Integer, bool and ``None`` leaves are
-  ignored. No host synchronisation: the result stays on the device. Cost: one
-  read of each leaf. NumPy float64 input is converted as JAX converts it:
-  without ``jax_enable_x64`` it becomes float32 first, where values beyond
-  about 3.4e38 are inf.
+  Exact: finite values of any size count as finite, and one inf, -inf or NaN in any
+  floating or complex leaf makes the result False; integer, bool and ``None`` leaves are
+  ignored. One read of each leaf, no host synchronisation. NumPy float64 input is
+  converted as JAX converts it: without ``jax_enable_x64``, to float32 first.
 
   Args:
     tree: a pytree of arrays of any shapes and dtypes.
-    axis_name: ``None`` (default), a mapped axis name, or a tuple of names.
-      Under ``pmap`` or ``shard_map`` the flag is reduced over these axes, so
-      every device gets the same answer. Leave ``None`` under ``jit`` with
-      ``NamedSharding``, where the reduction is already global.
+    axis_name: ``None`` (default), a mapped axis name, or a tuple of names: under
+      ``pmap`` or ``shard_map`` the flag is reduced over them (``None`` under ``jit``
+      with ``NamedSharding``, where the reduction is global already).
 
   Returns:
     A bool array of shape ``()``.
 
   Raises:
-    TypeError: a leaf of ``tree`` that is not an array or number (e.g. a
-      string), or an ``axis_name`` that is not None, a string or a tuple of
-      strings.
+    TypeError: a leaf of ``tree`` is not an array or number (a string, say), or
+      ``axis_name`` is not None, a string or a tuple of strings.
 
   Example:
     >>> import jax.numpy as jnp

@@ -29,13 +29,11 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling around any optax transformation.
 
-  Micikevicius et al. (2018), *Mixed Precision Training*: the loss is
-  multiplied by S before differentiation (see :func:`scale_loss`); this
-  transformation unscales the gradients, skips the step (zero updates, inner
-  state untouched) when any is non-finite and backs S off, and grows S after
-  ``growth_interval`` consecutive finite steps. Shorthand for
-  ``loss_scaled(inner, dynamic_policy(...), axis_name=..., skip_lowering=...,
-  labels=...)``.
+  Micikevicius et al. (2018), *Mixed Precision Training*: the loss is multiplied by S
+  before differentiation (:func:`scale_loss`); this transformation unscales the
+  gradients, skips the step (zero updates, inner state untouched) when any is not finite
+  and backs S off, and grows S after ``growth_interval`` consecutive finite steps.
+  Shorthand for ``loss_scaled(inner, dynamic_policy(...), axis_name=..., ...)``.
 
   Args:
     inner: the optax transformation to wrap, e.g. ``optax.adamw(3e-4)``.
@@ -55,8 +53,7 @@ def dynamic_loss_scale(
       Default 0.
     axis_name: as in :func:`loss_scaled`. Default None.
     skip_lowering: as in :func:`loss_scaled`. Default ``"auto"``.
-    labels: as in :func:`loss_scaled`: parameter groups whose non-finite steps
-      are counted. Default None.
+    labels: as in :func:`loss_scaled`. Default None.
 
   See :func:`dynamic_policy` for the rule these arguments set.
 
@@ -142,34 +139,22 @@ def no_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """No loss scaling (bf16 or fp32 training), with the same state layout.
 
-  Gradients go to ``inner`` multiplied by 1/S (S = 1), nothing is checked or
-  skipped, and the result is that of ``inner`` alone, at its cost: the product
-  fuses into the optimizer's read of the gradients (no buffer, no more bytes),
-  the state's counters are a few scalar operations, and donated, every buffer
-  of the state is reused in place (the bare optimizer's scratch memory, no
-  more copies). The product leaves each gradient as it is, but XLA contracts
-  the optimizer's multiply-adds around it otherwise than in the bare program:
-  with XLA's optimizations on, the results agree to rounding (a few units in
-  the last place). A state restored from a scaled run
-  (Orbax, flax, without ``tx=``) still holds that run's scale, which
-  :func:`scale_loss` multiplies the first loss by: the first update divides
-  the gradients by it (a product by 1/1, bit for bit, from then on) and
-  leaves the scale at 1. :func:`loss_scale` reads 1 and
-  :func:`metrics` still work, so one training loop serves fp16, bf16 and
-  fp32. :func:`value_and_grad` and the Flax helpers do not multiply the loss
-  by this scale (it is 1 by construction), so their steps are a plain
-  ``jax.value_and_grad`` step's bit for bit.
+  Gradients go to ``inner`` multiplied by 1/S (S = 1); nothing is checked or skipped, and
+  the updates are ``inner``'s to rounding (XLA may contract the optimizer's multiply-adds
+  otherwise than in the bare program), at its cost: the product fuses into the
+  optimizer's read of the gradients. A state restored from a scaled run still holds that
+  run's scale, which :func:`scale_loss` multiplies the first loss by: the first update
+  divides the gradients by it and sets the scale to 1. :func:`metrics` works as under
+  scaling, so one training loop serves fp16, bf16 and fp32; :func:`value_and_grad` and the
+  Flax helpers do not multiply the loss.
 
   Args:
     inner: the optax transformation to wrap.
     axis_name: as in :func:`loss_scaled`; here it only makes the ``grad_norm``
       metric the norm over every device.
-    track_grad_norm: bool, measure the global gradient norm for
-      :func:`metrics` (one more read of the gradients per step; nothing in the
-      step waits for it, so XLA's GPU backend merges that read with the
-      optimizer's elementwise work into reduction kernels: 1.072x bare Adam's
-      bytes at 1B parameters on an H100 target, 2.7 times the kernels, see the
-      performance guide). Default False: ``grad_norm`` stays NaN.
+    track_grad_norm: bool, measure the global gradient norm for :func:`metrics` (one
+      more read of the gradients per step, see the performance guide). Default False:
+      ``grad_norm`` stays NaN.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose loss scale is 1.

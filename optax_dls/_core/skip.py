@@ -57,9 +57,8 @@ def skipped(lowering: str, finite: jax.Array, apply: Callable, skip: Callable, *
   ``(skip(params, out), inner_state)`` in the types ``apply`` returns, lowered as
   ``lowering`` says."""
   if lowering == "auto":
-    cond = lambda f, *o: by_cond(f, apply, skip, *o)
-    where = lambda f, *o: by_where(f, apply, skip, *o)
-    return lax.platform_dependent(finite, *ops, cpu=cond, default=where)
+    by = lambda lowered: lambda f, *o: lowered(f, apply, skip, *o)
+    return lax.platform_dependent(finite, *ops, cpu=by(by_cond), default=by(by_where))
   return (by_cond if lowering == "cond" else by_where)(finite, apply, skip, *ops)
 
 
@@ -74,20 +73,11 @@ def by_cond(finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> An
 def by_where(
   finite: jax.Array, apply: Callable, skip: Callable, grads: Any, inner_state: Any, params: Any
 ) -> Any:
-  safe = jax.tree.map(lambda g: select(finite, g, jnp.zeros_like(g)), grads)
+  safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
   out, new_s = apply(safe, inner_state, params)
-  keep = lambda new, old: select(finite, new, like(old, new))
-  out = jax.tree.map(lambda n, o: select(finite, n, o), out, skip(params, out))
+  keep = lambda new, old: jnp.where(finite, new, like(old, new))
+  out = jax.tree.map(lambda n, o: jnp.where(finite, n, o), out, skip(params, out))
   return out, jax.tree.map(keep, new_s, inner_state)
-
-
-def select(pred: jax.Array, new: Any, old: Any) -> Any:
-  """``jnp.where(pred, new, old)`` for a bool ``()`` ``pred``: one ``lax.select_n`` where
-  ``new`` and ``old`` are arrays of one type."""
-  arrays = isinstance(new, jax.Array) and isinstance(old, jax.Array)
-  if arrays and (new.shape, new.dtype, weak(new)) == (old.shape, old.dtype, weak(old)):
-    return lax.select_n(pred, old, new)
-  return jnp.where(pred, new, old)
 
 
 def strong(x: Any) -> Any:

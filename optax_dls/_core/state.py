@@ -153,14 +153,3 @@ def _updated_state(inner: optax.GradientTransformationExtraArgs, state: Any, par
 
 def _types_of(tree: Any) -> list[Any]:
   return [(getattr(x, "dtype", None), _skip.weak(x)) for x in jax.tree.leaves(tree)]
-
-
-def with_scale(
-  state: LossScaleState, loss_scale: jax.Array, policy_state: Any, scale_range: Any
-) -> LossScaleState:
-  """``state`` with a new scale (kept within ``scale_range``) and policy state."""
-  low, high = (np.float32(x) for x in scale_range)
-  return state._replace(
-    loss_scale=jnp.clip(jnp.asarray(loss_scale, jnp.float32), low, high),
-    policy_state=policy_state,
-  )

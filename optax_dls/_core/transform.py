@@ -36,85 +36,66 @@ def loss_scaled(
   """Wraps ``inner`` with loss scaling driven by ``policy``.
 
   One ``update(grads, state, params=None, *, loss=None, **extra_args)`` does, with S the
-  loss scale the loss was multiplied by (Micikevicius et al. 2018, *Mixed
-  Precision Training*):
+  loss scale the loss was multiplied by (Micikevicius et al. 2018, *Mixed Precision
+  Training*):
 
-  1. unscale: ``u = grads * (1/S)`` in float32 (float64 for float64 leaves),
-     cast to each leaf's dtype, or to its parameter's where ``params`` are given
-     and the parameter is a wider real float (a float16 or bfloat16 gradient of a
-     float32 parameter is unscaled into float32, so the updates have the
-     parameter's dtype and nothing the scale saved is flushed again); a gradient
-     as narrow as its parameter, or with ``params=None``, keeps its own dtype;
-     integer, bool and ``None`` leaves pass through untouched;
-  2. check: ``finite`` when S is a valid scale (finite, > 0), every
-     floating entry of ``u`` is finite (exact) and, when ``loss`` is given,
-     the loss is finite too, reduced over ``axis_name``; a non-finite step
-     records which gradient leaves held an inf or a NaN and whether the loss
-     was not finite (:func:`nonfinite_leaves`, :func:`metrics`);
-  3. skip or apply: if finite, ``inner.update(u, inner_state, params,
-     **extra_args)``; otherwise the updates are negative zeros of exactly the
-     type the applied step returns (structure, dtype, sharding), so that
-     ``optax.apply_updates`` leaves every parameter bit for bit (``-0.0``
-     included; integer leaves get plain zeros), and ``inner_state`` is
-     returned unchanged (bit for bit, or widened where the inner optimizer
-     widens its own state), so its step count and learning-rate schedule do
-     not advance, and the inner optimizer never sees a non-finite value;
-  4. ``policy.update`` moves S for the next loss, kept within the policy's
-     ``[min_scale, max_scale]``. A loss scale that is not valid (NaN, inf,
-     0, negative: a corrupted checkpoint, a misbehaving policy) skips the
-     step and comes back as the policy's initial scale.
+  1. unscale: ``u = grads * (1/S)`` in float32 (float64 for float64 leaves), in each
+     leaf's dtype, or in its parameter's where that is a wider real float (a float16
+     gradient of a float32 parameter is unscaled into float32, so nothing the scale saved
+     is flushed again); integer, bool and ``None`` leaves pass through untouched;
+  2. check: ``finite`` when S is valid (finite, > 0), every floating entry of ``u`` is
+     finite (exact) and the ``loss``, when given, is finite, reduced over ``axis_name``;
+     a non-finite step records which leaves held an inf or a NaN and whether the loss
+     did (:func:`nonfinite_leaves`, :func:`metrics`);
+  3. skip or apply: if finite, ``inner.update(u, inner_state, params, **extra_args)``;
+     otherwise the updates are negative zeros of the applied step's type, so that
+     ``optax.apply_updates`` leaves every parameter bit for bit, and ``inner_state`` is
+     returned unchanged (its step count and schedule do not advance; the inner optimizer
+     never sees a non-finite value);
+  4. ``policy.update`` moves S for the next loss, within ``[min_scale, max_scale]``. A
+     scale that is not valid (NaN, inf, 0, negative) skips the step and comes back as the
+     policy's initial scale.
 
-  No host synchronisation. The state's types are a fixed point from ``init``
-  on (no retrace after the first step): ``init`` gives each inner state leaf
-  the dtype the inner updates settle on and their weak or strong type (traced
-  with ``jax.eval_shape``, an update that needs the loss given a float32
-  ``value=``). The one exception is an inner update that cannot be traced
-  without its other extra arguments (``value_fn=`` of ``optax.lbfgs``'s line
-  search, say): the state is made strongly typed, and a state such an
-  optimizer widens on its first update retraces once.
+  No host synchronisation. The state's types are a fixed point from ``init`` on (no
+  retrace after the first step): ``init`` gives each inner state leaf the dtype and weak
+  type the inner updates settle on (traced with ``jax.eval_shape``). An inner update that
+  cannot be traced without its other extra arguments (``optax.lbfgs``'s ``value_fn=``)
+  gets a strongly typed state, which retraces once if the optimizer widens it.
 
   Args:
-    inner: any optax ``GradientTransformation``; ``**extra_args`` of
-      ``update`` are forwarded to it. An ``optax.MultiSteps`` (gradient
-      accumulation) is accepted as is: a non-finite micro-batch is then
-      dropped before it reaches the accumulator.
+    inner: any optax ``GradientTransformation``; ``update``'s ``**extra_args`` are
+      forwarded to it. An ``optax.MultiSteps`` (gradient accumulation) is accepted as
+      is: a non-finite micro-batch is dropped before it reaches the accumulator.
     policy: a :class:`LossScalePolicy`, e.g. :func:`dynamic_policy`.
-    axis_name: ``None`` (default), a mapped axis name or a tuple of names.
-      Needed under ``pmap`` / ``shard_map``: the finite flag is reduced over
-      every named axis so that all devices skip together, and ``grad_norm``
-      becomes the same on every device. Name every axis the gradients are
-      sharded or computed over. Not needed under ``jit`` with
-      ``NamedSharding``. Under ``vmap`` with an axis name every member shares
-      one decision; without one each member keeps its own scale.
-    skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the
-      skip is compiled (a ``lax.cond``, or a ``jnp.where`` selection at the
-      end, which XLA's GPU backend fuses into the optimizer's kernels). Both
-      make the same skip decisions and scales; applied values agree to
-      float32 rounding (some entries may differ in the last bit); ``"auto"``
-      takes ``"cond"`` on the CPU (where a selection at the end makes XLA copy
-      the state) and ``"where"`` on GPUs, TPUs and every other platform.
-    labels: ``None`` (default), or parameter-group labels as in
-      :func:`underflow_stats` (a pytree of strings matching the parameters, or
-      a prefix of them, or a callable ``params -> such a pytree``; non-empty,
-      without ``/``): the state then counts, per label, the non-finite steps in
-      which some leaf of that group was not finite (:func:`metrics` reports
-      them as ``overflows/<label>``), e.g. LoRA adapters against base weights.
+    axis_name: ``None`` (default), a mapped axis name or a tuple of names. Needed under
+      ``pmap`` / ``shard_map``: the finite flag and ``grad_norm`` are reduced over every
+      named axis, so all devices skip together. Name every axis the gradients are sharded
+      or computed over; not needed under ``jit`` with ``NamedSharding``. Under ``vmap``
+      with an axis name every member shares one decision, without one each keeps its own.
+    skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the skip is
+      compiled (a ``lax.cond``, or a ``jnp.where`` selection that XLA's GPU backend fuses
+      into the optimizer's kernels). Both make the same decisions and scales; applied
+      values agree to float32 rounding. ``"auto"`` takes ``"cond"`` on the CPU and
+      ``"where"`` on every other platform.
+    labels: ``None`` (default), or parameter-group labels as in :func:`underflow_stats`
+      (a pytree of non-empty strings without ``/`` matching the parameters or a prefix,
+      or a callable ``params -> such a pytree``): the state then counts, per label, the
+      non-finite steps in which a leaf of that group was not finite (:func:`metrics`'
+      ``overflows/<label>``), e.g. LoRA adapters against base weights.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (``init``, ``update``: two closures, as
     optax's own transformations are) whose state is a :class:`LossScaleState`.
 
   Raises:
-    TypeError: ``inner`` is not an optax transformation, ``policy`` is not a
-      usable :class:`LossScalePolicy`, ``axis_name`` is not a string or tuple
-      of strings, ``skip_lowering`` is not a string, or a label is not a string.
-    ValueError: ``skip_lowering`` is not one of the three, the policy's
-      scales are out of range, or the labels are empty or malformed (at
-      ``init``: they do not match the parameters). At trace time, under ``shard_map`` (with
-      ``check_vma=True``), when the gradients vary over a mesh axis that
-      ``axis_name`` leaves out, or ``axis_name`` names an axis that is not
-      mapped where ``update`` runs; or when the state's policy state is not of
-      this transformation's policy (a state built or restored under another).
+    TypeError: ``inner`` is not an optax transformation, ``policy`` is not a usable
+      :class:`LossScalePolicy`, ``axis_name`` is not a string or tuple of strings, or
+      ``skip_lowering`` or a label is not a string.
+    ValueError: ``skip_lowering`` is not one of the three, the policy's scales are out of
+      range, or the labels are empty or malformed (at ``init``: they do not match the
+      parameters). At trace time: under ``shard_map(check_vma=True)`` the gradients vary
+      over a mesh axis ``axis_name`` leaves out, or ``axis_name`` names an axis not mapped
+      there; or the state's policy state is not of this transformation's policy.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -204,12 +185,12 @@ def build(  # noqa: C901 (the closures of one transformation)
       return (jnp.bool_(True), state) if backing_off else passed(updates, state, params, extra_args)
     if jax.tree.structure(state.policy_state) != policy_def:  # type: ignore[operator]
       raise ValueError(_other_policy(state, policy_kind))
-    loss = _checked_loss(loss)
     # Parameters whose gradient is None (an Equinox model's functions) and integer arrays
     # stay out of the skip and pass through untouched.
     plain = _plain(updates, params)
     held, kept, _ = (None, params, []) if plain else _model.held_apart(updates, params)
     read = _numerics.widened(updates if plain else _model.recorded(updates, params, held), params)
+    loss_code = _loss_code(loss, axis_name)
     leaves = _numerics.float_leaves((read, loss))
     _multi_device.check_axis_coverage(leaves, state.loss_scale, axis_name)
     check = _skip.check(lowering, read, state.loss_scale, axis_name, wants_amax)
@@ -220,7 +201,7 @@ def build(  # noqa: C901 (the closures of one transformation)
     # very step) and the step's number; the step is finite when all are 0.
     step = optax.safe_increment(state.num_steps)
     left = jnp.where(state.nonfinite[-1] == step, state.nonfinite[-2], 0)
-    loss_code = jnp.maximum(_loss_code(loss, axis_name), left)
+    loss_code = jnp.maximum(loss_code, left)
     finite = check.finite & (loss_code == 0)
     codes = [_leaf_codes(state, check, backing_off), jnp.stack([loss_code, step])]
     record = jnp.where(finite, state.nonfinite, jnp.concatenate(codes))
@@ -287,15 +268,16 @@ def _plain(grads: Any, params: Any) -> bool:
   """Whether every leaf of ``grads`` and of ``params`` is a floating array (no None, no
   integer array, no function): nothing to hold out of the step."""
   none = lambda x: x is None
-  leaves = jax.tree.leaves(grads, is_leaf=none)
-  leaves += [] if params is None else jax.tree.leaves(params, is_leaf=none)
+  leaves = jax.tree.leaves((grads, () if params is None else params), is_leaf=none)
   return all(hasattr(x, "dtype") and _numerics.is_float(x) for x in leaves)
 
 
-def _checked_loss(loss: Any) -> jax.Array | None:
-  """``loss`` as a real floating array (None stays None); TypeError naming it otherwise."""
+def _loss_code(loss: Any, axis_name: Any) -> jax.Array:
+  """int32 ``()``: 2 when ``loss`` holds a NaN, 1 an infinity, 0 otherwise or when not
+  given; the same on every device of ``axis_name``. TypeError naming ``loss`` unless it is
+  None or a real floating array."""
   if loss is None:
-    return None
+    return jnp.zeros([], jnp.int32)
   try:
     value = None if isinstance(loss, (str, bytes, dict)) else jnp.asarray(loss)
   except (TypeError, ValueError):
@@ -305,15 +287,7 @@ def _checked_loss(loss: Any) -> jax.Array | None:
       f"loss must be None or a real floating-point array (the loss of this step), got "
       f"{loss!r} of type {type(loss).__name__}."
     )
-  return value
-
-
-def _loss_code(loss: jax.Array | None, axis_name: Any) -> jax.Array:
-  """int32 ``()``: 2 when ``loss`` holds a NaN, 1 an infinity, 0 otherwise or when not
-  given; the same on every device of ``axis_name``."""
-  if loss is None:
-    return jnp.zeros([], jnp.int32)
-  code = jnp.where(jnp.any(jnp.isnan(loss)), 2, jnp.where(jnp.all(jnp.isfinite(loss)), 0, 1))
+  code = jnp.where(jnp.any(jnp.isnan(value)), 2, jnp.where(jnp.all(jnp.isfinite(value)), 0, 1))
   return _multi_device.pmax(code.astype(jnp.int32), axis_name)
 
 
@@ -337,16 +311,14 @@ def _unscaled(grads: Any, scale: Any) -> bool:
   eager step, gradients handed in as arguments or a JAX without such records tell
   nothing, and nothing is said."""
   trace = getattr(scale, "_trace", None)
-  leaves = [
-    g
-    for g in jax.tree.leaves(grads)
-    if trace is not None and getattr(g, "_trace", None) is trace and _numerics.is_float(g)
-  ]
-  roots: set[int] = set()
-  root = lambda x: roots.add(id(x)) if getattr(x, "parent", None) is None else None
-  root(scale)  # the arguments the scale is computed from (itself, for a state's own)
-  if not any(getattr(g, "parent", None) is not None for g in leaves):
+  parent = lambda x: getattr(x, "parent", None)
+  computed = lambda g: getattr(g, "_trace", None) is trace and parent(g) is not None
+  leaves = [g for g in jax.tree.leaves(grads) if computed(g) and _numerics.is_float(g)]
+  if trace is None or not leaves:
     return False
+  roots: set[int] = set()
+  root = lambda x: roots.add(id(x)) if parent(x) is None else None
+  root(scale)  # the arguments the scale is computed from (itself, for a state's own)
   if _walk([scale], root) is None:
     return False
   return _walk(leaves, lambda x: id(x) in roots) is False
