@@ -1,5 +1,4 @@
-"""Finding the one loss-scale state inside any optimizer state, and putting a new one in its
-place."""
+"""Finding the one loss-scale state inside any optimizer state, and replacing it."""
 
 from __future__ import annotations
 
@@ -38,12 +37,10 @@ def _unwrap(tree: Any) -> Any:
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
-  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or loss-scaled
-  ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an ``nnx.Optimizer`` or its
-  ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
-
   Args:
-    opt_state: any pytree holding the state of one loss-scaled transformation.
+    opt_state: the state or any pytree holding it: an ``optax.chain`` or loss-scaled
+      ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an ``nnx.Optimizer`` or its
+      ``opt_state``.
 
   Returns:
     That :class:`LossScaleState` (a new one, of arrays, where its leaves were ``nnx.Variable``);

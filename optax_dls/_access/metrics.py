@@ -15,8 +15,7 @@ from optax_dls._util import validation as _validation
 def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Array]:
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Every value is a 0-d array except the two bit sets; with ``scalars_only`` those are left out and
-  the bool flags are int32 0 or 1, for a trainer's metrics. The keys:
+  Every value is a 0-d array except the two bit sets. The keys:
 
   - ``loss_scale`` (float32): the scale for the next loss.
   - ``skipped`` (bool): whether the last step was skipped.
@@ -41,10 +40,9 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   ``recompute_tries`` (int32) with :func:`recompute_stats`.
 
   Args:
-    opt_state: an optimizer state holding exactly one :class:`LossScaleState` (any pytree around it,
-      as for :func:`find_state`).
+    opt_state: any pytree holding exactly one :class:`LossScaleState` (as for :func:`find_state`).
     scalars_only: bool, default False: leave out ``nonfinite_leaves`` and ``nonfinite_nan``, and
-      give the bool flags as int32 (a sum of bools is an or).
+      give the bool flags as int32 0 or 1 (for a trainer's metrics, summed over steps).
 
   Returns:
     A new ``dict`` from key to ``jax.Array``, as above.
@@ -85,7 +83,6 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   }
   out = {**out, **_feature_metrics((s.policy_state, s.inner_state))}
   if scalars_only:
-    # Summed over steps, a bool would be a logical or: count the flags instead.
     out = {k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v for k, v in out.items()}
     out = {k: v for k, v in out.items() if k not in ("nonfinite_leaves", "nonfinite_nan")}
   return out

@@ -1,7 +1,6 @@
-"""One run's logged rows: the summary numbers (steps, updates, skips, scales; ``None`` where
-the logged columns do not tell, see :func:`intervals`), and the loss-scaling
-problems they prove, with what to do about each: what happened between two logged rows is
-bounded, not guessed, so a sparser log may show less but never something false."""
+"""One run's summary numbers (``None`` where the logged columns do not tell) and the
+loss-scaling problems its rows prove, with what to do: what happened between two logged rows
+is bounded, not guessed, so a sparser log may show less but never something false."""
 
 from __future__ import annotations
 
@@ -14,9 +13,6 @@ from optax_dls._util import locate_report as _headroom
 
 Rows = list[dict[str, Any]]
 _Found = list[tuple[str, str]]
-
-# Columns and counters of logged rows (a missing or malformed value unknown: NaN, never 0),
-# and what the cumulative counters prove between two logged rows (intervals).
 
 
 def number(value: Any) -> float:
@@ -46,7 +42,7 @@ def updates(rows: Rows) -> np.ndarray:
 
 def skips(rows: Rows) -> np.ndarray:
   """Skipped updates at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``
-  where that float32 ratio gives it exactly (below 2**22 updates)."""
+  where exact (below 2**22 updates)."""
   s = counter(column(rows, "skip_count"))
   n = counter(column(rows, "num_steps"))
   with np.errstate(invalid="ignore"):
@@ -73,14 +69,10 @@ def last_known(x: np.ndarray) -> float | None:
 
 
 class Intervals(NamedTuple):
-  """What the counters prove between each logged row and the next (index i: rows i -> i + 1).
-
-  ``known``: both rows carry consistent counters; ``dn``, ``ds``: updates and skips in the
-  interval; ``octaves``: log2 of the scale ratio (NaN unknown); ``factor_two``: the scales
-  follow "a growth doubles, only a skip lowers, by one octave at most" as far as the rows
-  show; ``growth_ub``: an upper bound on the growths (the clean updates, and under that rule
-  also skips + octaves); ``excess``: ``ds - growth_ub``, skips no growth explains.
-  """
+  """What the counters prove between row i and row i + 1: ``known`` (consistent counters),
+  ``dn`` / ``ds`` (updates / skips), ``octaves`` (log2 of the scale ratio), ``factor_two`` (a
+  growth doubles, only a skip halves), ``growth_ub`` (a bound on the growths) and ``excess``
+  (``ds - growth_ub``, skips no growth explains)."""
 
   known: np.ndarray
   dn: np.ndarray
@@ -160,15 +152,9 @@ def _counts(rows: Rows, iv: Intervals) -> dict[str, Any]:
 
 
 def summarize(rows: Rows) -> dict[str, Any]:
-  """Summary numbers of one run's rows (at least one, sorted by step).
-
-  ``updates`` (``num_steps``, skipped ones included), ``applied_updates``, ``skips``,
-  ``update_ratio``, ``longest_skip_streak`` (the longest seen in the logged rows) and
-  ``fp32_fallback_steps`` are None where the columns do not tell. ``scale_min`` /
-  ``scale_median`` (the lower median, a logged value) / ``scale_max``,
-  ``steps_at_min_scale`` / ``steps_at_max_scale`` and ``scale_increases`` are over the
-  logged scales. Where the rows carry them: ``overflows_by_group`` and ``nonfinite``.
-  """
+  """Summary numbers of one run's rows (at least one, sorted by step): counts None where the
+  columns do not tell; ``scale_*`` (the median a logged value) and ``steps_at_*`` over the
+  logged scales; ``overflows_by_group`` and ``nonfinite`` where the rows carry them."""
   steps = column(rows, "step")
   scale = column(rows, "loss_scale")
   iv = intervals(rows)
@@ -203,15 +189,10 @@ def summarize(rows: Rows) -> dict[str, Any]:
 
 
 def nonfinite(rows: Rows) -> dict[str, Any] | None:
-  """Where the non-finite steps came from, as far as the rows record it; None without a
-  ``nonfinite_step`` column.
-
-  Returns ``{"numbering", "steps_seen", "steps_with_leaves", "by_parameter", "loss_steps",
-  "last"}``: ``"step"`` numbering where ``step - num_steps`` is the same at every row, else
-  ``"update"`` (update numbers from 1); the distinct non-finite steps; those recorded with
-  their leaves; per leaf name ``{"name", "steps", "inf", "nan"}`` (most steps first); the
-  steps whose loss was not finite; the last recorded ``{"step", "update", "leaves", "loss"}``.
-  """
+  """Where the non-finite steps came from, None without a ``nonfinite_step`` column: numbered
+  by ``"step"`` where ``step - num_steps`` is constant, else by ``"update"``; the steps seen,
+  those with leaves, per leaf ``{"name", "steps", "inf", "nan"}`` (most first), the steps with
+  a non-finite loss, and the last record."""
   if not present(rows, "nonfinite_step").any():
     return None
   d = column(rows, "step") - counter(column(rows, "num_steps"))
@@ -247,9 +228,8 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
 
 
 def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
-  """Updates, skips and update ratio over about the last ``window`` (>= 1) updates, from the
-  counters of the last row and of the latest row at least ``window`` updates before it (the
-  first when none is); None where the counters do not tell."""
+  """Updates, skips and update ratio since the latest row at least ``window`` (>= 1) updates
+  before the last (else the first); None where the counters do not tell."""
   n, s = updates(rows), skips(rows)
   known = np.flatnonzero(np.isfinite(n) & np.isfinite(s))
   if known.size < 2:
@@ -360,9 +340,8 @@ def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
 
 
 def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float] | None) -> _Found:
-  """Gradients flushed to zero in float16 show as exact zeros of the unscaled gradients: a
-  share that rises well above its early level, or stays well above ``floor`` (the run beside
-  it), proves lost signal; subnormal entries prove nothing (loss scaling lifts them)."""
+  """Underflow: a share of exactly-zero gradients rising well above its early level or above
+  ``floor`` (the run beside it); or the scale pinned at its top without a skip."""
   zero = column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
@@ -409,8 +388,7 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
 
 
 def _diverging(rows: Rows, iv: Intervals) -> _Found:
-  """Over the rows whose own update is proven applied (``skipped`` False,
-  ``consecutive_skips`` 0, or no skip since the row before)."""
+  """A loss rising or not finite over the rows whose own update is proven applied."""
   loss, steps = column(rows, "loss"), column(rows, "step")
   consec = counter(column(rows, "consecutive_skips"))
   clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
@@ -448,8 +426,7 @@ def _listing(items: list[Any], total: bool = False) -> str:
 
 def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
   """What the recorded non-finite values say, naming the parameters: NaN (a bad operation or
-  data) against infinities (a scale too high, or, ``at_minimum``, values that overflow
-  float16 unscaled); "" without a record."""
+  data) or infinities (a scale too high, or float16 overflow ``at_minimum``); "" if none."""
   by = (summary.get("nonfinite") or {}).get("by_parameter") or []
   nan = [d["name"] for d in sorted((d for d in by if d["nan"]), key=lambda d: -d["nan"])]
   inf = [d["name"] for d in by if not d["nan"]]
@@ -501,9 +478,8 @@ def _nan_skips(summary: dict[str, Any]) -> _Found:
 def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
-  """``[(symptom, what to do)]`` for the problems that ``rows`` (one run's, sorted by step)
-  prove, given their :func:`summarize` and what runs logged beside
-  them prove (:func:`zero_floor`)."""
+  """``[(symptom, what to do)]`` for the problems one run's ``rows`` prove, given their
+  :func:`summarize` and the :func:`zero_floor` of runs logged beside them."""
   iv = intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come
