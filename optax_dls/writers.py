@@ -100,38 +100,35 @@ def _words(name: str, value: Any) -> np.ndarray:
 class MetricsWriter:
   """Writes scalar metrics every ``every`` steps as JSON lines and TensorBoard events.
 
-  Each logged step is one unbuffered append to ``<logdir>/metrics.jsonl``: ``{"step": int,
-  "run": run_name (if given), <metric>: value, ...}``, non-finite floats as ``NaN`` /
-  ``Infinity`` (a resumed run continues the file, a cut-short last line is ended first;
-  writers may share a folder). With ``tensorboard=True`` each finite number is also a scalar
-  tagged by its key, in an event file of this writer's own; non-finite values, str and None
-  go to the JSON lines only.
+  Each logged step is one unbuffered append to ``<logdir>/metrics.jsonl``: ``{"step": int, "run":
+  run_name (if given), <metric>: value, ...}``, non-finite floats as ``NaN`` / ``Infinity`` (a
+  resumed run continues the file, a cut-short last line is ended first; writers may share a
+  folder). With ``tensorboard=True`` each finite number is also a scalar tagged by its key, in an
+  event file of this writer's own; non-finite values, str and None go to the JSON lines only.
 
-  The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics`
-  are written as ``"nonfinite_leaves": {name: "inf" | "nan"}`` (names as
-  :func:`optax_dls.nonfinite_leaves` gives them) on the first row and whenever
-  ``nonfinite_step`` (> 0) changed since the last row, so each row records only the last
-  non-finite step before it. TensorBoard also gets ``nonfinite_leaf_count`` and the names as
-  text tagged ``nonfinite_leaves``.
+  The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics` are
+  written as ``"nonfinite_leaves": {name: "inf" | "nan"}`` (as :func:`optax_dls.nonfinite_leaves`
+  names them) on the first row and whenever ``nonfinite_step`` (> 0) changed since the last row:
+  each row records the last non-finite step before it. TensorBoard also gets
+  ``nonfinite_leaf_count`` and the names as text tagged ``nonfinite_leaves``.
 
   Args:
     logdir: folder to write into (created if missing).
-    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the steps
-      with ``step % every == 0``. Default 1.
+    every: int >= 1 (Python, NumPy or 0-d array), log the steps with ``step % every == 0``.
+      Default 1.
     tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``). Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
     run_name: optional str stored in every JSON line under ``"run"``.
-    params: optional, names the non-finite record's leaves: the parameters (a pytree of
-      arrays or ``jax.ShapeDtypeStruct``, leaves named by key path, e.g. ``"dense/kernel"``),
-      or the list of leaf names. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
+    params: optional, names the non-finite record's leaves: the parameters (a pytree of arrays or
+      ``jax.ShapeDtypeStruct``, named by key path: ``"dense/kernel"``) or the list of leaf names.
+      Default None: ``"leaf 0"``, ``"leaf 1"``, ...
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
-    TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int,
-      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor None,
-      ``params`` neither a pytree of arrays nor a list of names.
-    ImportError: ``tensorboard=True`` without ``tensorboardX`` (a ``MissingExtraError``
-      naming the ``monitoring`` extra).
+    TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int, ``tensorboard`` /
+      ``jsonl`` not a bool, ``run_name`` neither a str nor None, ``params`` neither a pytree of
+      arrays nor a list of names.
+    ImportError: ``tensorboard=True`` without ``tensorboardX`` (a ``MissingExtraError``).
   """
 
   def __init__(
@@ -220,12 +217,12 @@ class MetricsWriter:
       True when the step was written.
 
     Raises:
-      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a mapping, a
-        name is not a str, a value not a real number, bool, str or None, or ``step`` or a
-        value is traced (``log`` called inside ``jax.jit``).
-      ValueError: the writer is closed, ``step`` < 0, a value (but the packed records) is not
-        a scalar, a metric is named ``"step"`` or ``"run"``, ``nonfinite_leaves`` comes
-        without ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit ``params``.
+      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a mapping, a name
+        is not a str, a value not a real number, bool, str or None, or ``step`` or a value is
+        traced (``log`` called inside ``jax.jit``).
+      ValueError: the writer is closed, ``step`` < 0, a value (but the packed records) is not a
+        scalar, a metric is named ``"step"`` or ``"run"``, ``nonfinite_leaves`` comes without
+        ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit ``params``.
     """
     self._check_open()
     _refuse_traced({**(metrics if isinstance(metrics, Mapping) else {}), **extra, "step": step})
@@ -280,7 +277,6 @@ class MetricsWriter:
       _write_all(self._jsonl, (json.dumps(row) + "\n").encode("utf-8"))
     if self._tb is not None:
       for key, value in {**row, **tb_only}.items():
-        # Non-finite values (grad_norm on a skipped step), str and None: the JSONL only.
         if key in ("step", _LEAVES) or value is None or isinstance(value, str):
           continue
         with contextlib.suppress(OverflowError):  # an int beyond the float range

@@ -74,8 +74,7 @@ def find_state(opt_state: Any) -> LossScaleState:
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in the dtype
-  and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
+  """``opt_state`` with its :class:`LossScaleState` replaced by ``new``, in the old dtypes."""
 
   def put(node: Any) -> Any:
     if not isinstance(node, LossScaleState):

@@ -23,20 +23,19 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   - ``consecutive_skips`` (int32): skipped steps since the last applied one.
   - ``num_steps`` (int32): updates so far, skipped included.
   - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1 before any).
-  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled gradients (NaN
-    before the first step, and with :func:`no_loss_scale` unless it tracks the norm).
+  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled gradients (NaN before the
+    first step, and with :func:`no_loss_scale` unless it tracks the norm).
   - ``nonfinite_step`` (int32): ``num_steps`` after the last non-finite step; 0 before any.
   - ``nonfinite_loss`` (bool): whether that step's loss was itself not finite (known when
     the loss is handed to ``update(..., loss=)`` or to :func:`value_and_grad`).
-  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, a bit per floating gradient
-    leaf, ``W = max(1, ceil(leaves / 32))``): the leaves not finite on that step, and those
-    that held a NaN; :func:`nonfinite_leaves` names them.
-  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in which some
-    leaf of that group was not finite.
+  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, ``W = max(1, ceil(leaves / 32))``): a
+    bit per floating gradient leaf not finite on that step / holding a NaN (:func:`nonfinite_leaves`
+    names them).
+  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps of that group.
 
   Features add: ``fp32_fallback`` (bool) and ``skips_at_min_scale`` (int32) with
-  :func:`fp32_fallback`; ``underflow/zero_frac``, ``underflow/subnormal_frac`` and
-  ``underflow/<label>/...`` (float32) with :func:`underflow_stats`; ``recomputed_steps`` and
+  :func:`fp32_fallback`; ``underflow/zero_frac``, ``underflow/subnormal_frac``,
+  ``underflow/<label>/...`` (float32) with :func:`underflow_stats`; ``recomputed_steps``,
   ``recompute_tries`` (int32) with :func:`recompute_stats`.
 
   Args:

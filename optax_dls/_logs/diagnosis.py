@@ -41,8 +41,7 @@ def updates(rows: Rows) -> np.ndarray:
 
 
 def skips(rows: Rows) -> np.ndarray:
-  """Skipped updates at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``
-  where exact (below 2**22 updates)."""
+  """Skipped updates: ``skip_count``, else ``num_steps * (1 - update_ratio)`` where exact."""
   s = counter(column(rows, "skip_count"))
   n = counter(column(rows, "num_steps"))
   with np.errstate(invalid="ignore"):
@@ -152,9 +151,7 @@ def _counts(rows: Rows, iv: Intervals) -> dict[str, Any]:
 
 
 def summarize(rows: Rows) -> dict[str, Any]:
-  """Summary numbers of one run's rows (at least one, sorted by step): counts None where the
-  columns do not tell; ``scale_*`` (the median a logged value) and ``steps_at_*`` over the
-  logged scales; ``overflows_by_group`` and ``nonfinite`` where the rows carry them."""
+  """Summary numbers of one run's rows (at least one, sorted by step); None where unknown."""
   steps = column(rows, "step")
   scale = column(rows, "loss_scale")
   iv = intervals(rows)
@@ -228,8 +225,7 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
 
 
 def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
-  """Updates, skips and update ratio since the latest row at least ``window`` (>= 1) updates
-  before the last (else the first); None where the counters do not tell."""
+  """Updates, skips and update ratio over about the last ``window`` updates; None if unknown."""
   n, s = updates(rows), skips(rows)
   known = np.flatnonzero(np.isfinite(n) & np.isfinite(s))
   if known.size < 2:
@@ -243,7 +239,6 @@ def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
   return {"updates": dn, "skips": ds, "update_ratio": (dn - ds) / dn}
 
 
-# Diagnosis thresholds.
 OVERFLOW_RATE = 0.01  # provable excess skips per update, second half of the logged rows
 NO_GROWTH_UPDATES = 1000  # updates proven without any growth before "never grows"
 ZERO_RISE = 0.10  # rise of the share of exactly-zero unscaled gradients over the run
@@ -278,8 +273,7 @@ _ADVICE = {
 
 
 def _frequent_overflow(rows: Rows, iv: Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
-  """Excess skips over the second half of the rows; per run of known intervals one skip is
-  given back (it may be the probe of a growth made before it)."""
+  """Excess skips over the second half of the rows, one given back per run of known intervals."""
   steps = column(rows, "step")
   excess = updates = 0
   first = last = None
@@ -299,8 +293,7 @@ def _frequent_overflow(rows: Rows, iv: Intervals, stuck: bool, summary: dict[str
 
 
 def _skips_at_scale_at_most_1(rows: Rows, iv: Intervals) -> int:
-  """Skips proven to have run at a scale <= 1: an interval from scale S with at most g
-  growths never runs above S * 2**g (without the factor-two rule: above S when g = 0)."""
+  """Skips proven to have run at a scale <= 1 (from scale S, g growths reach S * 2**g)."""
   scale = column(rows, "loss_scale")[:-1]
   growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
   with np.errstate(invalid="ignore", over="ignore"):
@@ -326,8 +319,7 @@ def _never_grows(rows: Rows, iv: Intervals, summary: dict[str, Any]) -> _Found:
 
 
 def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
-  """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest such
-  share (runs logged side by side train the same model), or None with fewer than two."""
+  """``(run, median zero share)`` of the run with the fewest zero gradients; None below two."""
   medians = {}
   for name, rows in runs.items():
     zero = column(rows, "underflow/zero_frac")
@@ -340,8 +332,7 @@ def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
 
 
 def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float] | None) -> _Found:
-  """Underflow: a share of exactly-zero gradients rising well above its early level or above
-  ``floor`` (the run beside it); or the scale pinned at its top without a skip."""
+  """Zero gradients rising above their early level or ``floor``, or the scale pinned at the top."""
   zero = column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
@@ -425,8 +416,7 @@ def _listing(items: list[Any], total: bool = False) -> str:
 
 
 def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
-  """What the recorded non-finite values say, naming the parameters: NaN (a bad operation or
-  data) or infinities (a scale too high, or float16 overflow ``at_minimum``); "" if none."""
+  """What the recorded non-finite values say of the parameters (NaN or inf); "" if none."""
   by = (summary.get("nonfinite") or {}).get("by_parameter") or []
   nan = [d["name"] for d in sorted((d for d in by if d["nan"]), key=lambda d: -d["nan"])]
   inf = [d["name"] for d in by if not d["nan"]]
@@ -478,8 +468,7 @@ def _nan_skips(summary: dict[str, Any]) -> _Found:
 def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
-  """``[(symptom, what to do)]`` for the problems one run's ``rows`` prove, given their
-  :func:`summarize` and the :func:`zero_floor` of runs logged beside them."""
+  """``[(symptom, what to do)]`` for the problems one run's ``rows`` prove."""
   iv = intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come

@@ -105,8 +105,7 @@ def follow(
   out: TextIO | None = None,
   err: TextIO | None = None,
 ) -> int:
-  """Shows every run under ``run_dir`` every ``interval`` seconds until Ctrl-C (or after
-  ``refreshes``); 0. Status to ``out`` (stdout), warnings to ``err`` (stderr)."""
+  """Shows every run under ``run_dir`` every ``interval`` s until Ctrl-C (or ``refreshes``); 0."""
   out = sys.stdout if out is None else out
   err = sys.stderr if err is None else err
   follower = Follower(run_dir)
@@ -126,8 +125,7 @@ def follow(
 
 @contextlib.contextmanager
 def _ctrl_c_interrupts() -> Iterator[None]:
-  """Ctrl-C raises ``KeyboardInterrupt`` inside the block, also where SIGINT was ignored (a
-  background job); a program's own handler is kept."""
+  """Ctrl-C raises ``KeyboardInterrupt`` in the block, also where SIGINT was ignored."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return

@@ -76,8 +76,7 @@ def _parse_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def _event_values(payload: bytes) -> tuple[int, dict[str, Any]] | None:
-  """``(step, {tag: value})`` of a serialised ``Event`` (None when not one): its scalars and
-  the ``nonfinite_leaves`` text summary as a dict."""
+  """``(step, {tag: value})`` of a serialised ``Event``, None when not one."""
   from google.protobuf.message import DecodeError
   from tensorboard.compat.proto import event_pb2
   from tensorboard.util import tensor_util
@@ -115,8 +114,7 @@ def _leaves(text: Any) -> dict[str, str] | None:
 
 
 class LogFile:
-  """One log file, ``kind`` ``"jsonl"`` or ``"events"``, read as it grows into :attr:`rows`
-  by :meth:`poll`; the bytes after a corrupt event record are reported once it stops growing."""
+  """A ``"jsonl"`` or ``"events"`` log file, read as it grows into :attr:`rows` by :meth:`poll`."""
 
   def __init__(self, path: str, kind: str) -> None:
     self.path, self.kind = path, kind
@@ -130,8 +128,7 @@ class LogFile:
     self._error: str | None = None
 
   def read(self, final: bool = False) -> tuple[Rows, Bad, bool]:
-    """``(new rows, bad parts, whether the file started over)``; ``final`` takes a last line
-    without its newline and reports unread event bytes at once. OSError, MissingExtraError."""
+    """``(new rows, bad parts, restarted)``; ``final`` also takes a last line without newline."""
     module = None
     if self.kind == "events":
       what = "reading TensorBoard event files"
@@ -222,8 +219,7 @@ class LogFile:
 
 
 def _merged(rows: Rows) -> Rows:
-  """One row per step, sorted, the later values winning; only rows with loss-scale metrics
-  (not validation rows) where some have them."""
+  """One row per step, the later winning; the rows with loss-scale metrics where some have them."""
   by_step: dict[int, dict[str, Any]] = {}
   for row in [r for r in rows if "loss_scale" in r or "skipped" in r] or rows:
     by_step.setdefault(row["step"], {}).update(row)
@@ -244,8 +240,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
-  """Whether ``events_rows`` are a (perhaps lagging) copy of ``jsonl_rows``: same metrics at
-  every step, at least one value compared."""
+  """Whether ``events_rows`` are a (perhaps lagging) copy of ``jsonl_rows``."""
   by_step = {r["step"]: r for r in jsonl_rows}
   compared = 0
   for row in events_rows:
@@ -261,8 +256,7 @@ def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
 
 
 class LogSet:
-  """The logs under a run folder (which may not exist yet), found again at each :meth:`poll`;
-  event files unread for want of ``tensorboard``: ``missing`` the error, ``unread`` the paths."""
+  """The logs under a run folder (which may not exist yet), found again at each :meth:`poll`."""
 
   def __init__(self, run_dir: str) -> None:
     self.run_dir = run_dir
@@ -303,8 +297,7 @@ class LogSet:
     return folder if folder != "." else os.path.basename(os.path.abspath(self.run_dir))
 
   def runs(self) -> dict[str, Rows]:
-    """``{run name: rows}``, named by the rows' ``run`` else by folder, merged per step
-    (:func:`_merged`), a TensorBoard copy of a JSONL run left out."""
+    """``{run name: rows}``, by the rows' ``run`` else by folder, a TensorBoard copy left out."""
     runs: dict[str, Rows] = {}
     from_events = set()
     for path, log in self.files.items():

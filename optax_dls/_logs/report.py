@@ -21,9 +21,7 @@ Rows = list[dict[str, Any]]
 def inspect(
   run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
 ) -> str:
-  """What ``optax-dls inspect`` prints: each run's summary and diagnosis, the saved
-  ``locate.json`` reports and the plot's path (drawn into ``plot_path``); or, ``as_json``, the
-  summaries and diagnoses as JSON. NoLogsError, TypeError, MissingExtraError."""
+  """What ``optax-dls inspect`` prints (``as_json``: JSON), the plot drawn into ``plot_path``."""
   runs = _read.load_runs(run_dir)
   report = build(runs)
   if plot_path is not None:
@@ -35,8 +33,7 @@ def inspect(
 
 
 def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
-  """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` of ``runs``
-  (``{name: rows sorted by step}``)."""
+  """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` of ``runs``."""
   floor = _diagnosis.zero_floor(runs)
   report = {}
   for name, rows in runs.items():
@@ -188,8 +185,7 @@ def _rises(x: np.ndarray) -> np.ndarray:
 
 
 def plot(runs: dict[str, Rows], out: str) -> None:
-  """Draws each logged quantity of ``runs`` in a panel over the steps into the image ``out``,
-  skipped steps marked with a cross on the scale, recomputed ones with a circle."""
+  """Draws each logged quantity of ``runs`` over the steps, skips and recomputes marked."""
   _matplotlib("matplotlib").use("Agg")
   plt = _matplotlib("matplotlib.pyplot")
   line2d = _matplotlib("matplotlib.lines").Line2D
@@ -205,7 +201,6 @@ def plot(runs: dict[str, Rows], out: str) -> None:
   for i, (name, rows) in enumerate(runs.items()):
     color, steps = colors[i % len(colors)], _diagnosis.column(rows, "step")
     for ax, (key, _, _) in zip(axes, panels):
-      # Values hold from one logged step to the next: drawn as steps, not ramps.
       ax.step(steps, _values(rows, key), where="post", color=color, label=name, lw=1.2)
     handles.append(axes[0].lines[-1])
     scale = _values(rows, "loss_scale")
