@@ -2,17 +2,15 @@
 summarise and diagnose a run's loss-scale logs, once or live.
 
 Reads, per folder under ``RUN_DIR``, the ``*.jsonl`` files of
-:class:`optax_dls.writers.MetricsWriter` (any JSON lines with a ``step``), else its
-TensorBoard event files. Prints per run the steps, updates, skips, update ratio, longest
-logged skip streak, lowest / median / highest logged scale (``2^k``) and the steps at them,
-overflows per group and non-finite steps by parameter, then the problems found with what to
-do. ``--plot`` draws a panel per logged quantity, skipped and recomputed steps marked;
-``--json`` prints JSON; ``--follow`` (every 2 s) or ``--watch SECONDS`` shows each run's
-state until Ctrl-C. Sparse logs are read through their cumulative counters: a problem is
-reported only where the rows prove it; a missing column is unknown, without ``num_steps``
-each step is one update, a step logged twice is merged (the later wins). Bad lines and
-records and unreadable files are skipped with a warning on stderr (a corrupt event record
-ends its file, naming the byte). Exit codes: :func:`main`.
+:class:`optax_dls.writers.MetricsWriter` (any JSON lines with a ``step``), else its TensorBoard
+event files. Prints per run the steps, updates, skips, update ratio, longest skip streak, lowest /
+median / highest scale and the steps at them, overflows per group and non-finite steps by
+parameter, then each problem with what to do.
+``--plot`` draws a panel per logged quantity; ``--json`` prints JSON; ``--follow`` (every 2 s) or
+``--watch SECONDS`` shows each run's state until Ctrl-C. A problem is reported only where the rows
+prove it (sparse logs through their counters); a missing column is unknown, without ``num_steps``
+a step is an update, a step logged twice is merged. Bad lines, records and files are skipped with
+a warning on stderr. Exit codes: :func:`main`.
 """
 
 from __future__ import annotations

@@ -234,10 +234,8 @@ class MetricsWriter:
       return False
     values = jax.device_get(_checked_values(metrics, extra))
     record = self._nonfinite(values)  # takes the packed records out of values
-    row: dict[str, Any] = {"step": step}
-    if self.run_name is not None:
-      row["run"] = self.run_name
-    row.update({k: _to_python(k, v) for k, v in values.items()})
+    run = {} if self.run_name is None else {"run": self.run_name}
+    row: dict[str, Any] = {"step": step, **run, **{k: _to_python(k, v) for k, v in values.items()}}
     tb_only = {}
     if record is not None:
       nonfinite_step, leaves = record

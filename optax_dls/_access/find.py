@@ -43,12 +43,10 @@ def find_state(opt_state: Any) -> LossScaleState:
       ``opt_state``.
 
   Returns:
-    That :class:`LossScaleState` (a new one, of arrays, where its leaves were ``nnx.Variable``);
-    reading it does not change ``opt_state``.
+    That :class:`LossScaleState` (``nnx.Variable`` leaves as arrays); ``opt_state`` is unchanged.
 
   Raises:
-    ValueError: there is no loss-scale state in ``opt_state``, or more than one, or it sits inside
-      ``optax.MultiSteps`` (unsupported order; the message says what to do instead).
+    ValueError: no or several loss-scale states in ``opt_state``, or one in ``optax.MultiSteps``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

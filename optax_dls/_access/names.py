@@ -29,8 +29,7 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
       read), or the list of leaf names.
 
   Returns:
-    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"`` where it held only
-    infinities; empty before any non-finite step.
+    ``{name: "inf" | "nan"}`` (``"nan"`` where it held a NaN); empty before any non-finite step.
 
   Raises:
     TypeError: ``params`` is neither a pytree of arrays nor a list of names.

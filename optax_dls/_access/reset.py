@@ -31,8 +31,7 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
     TypeError: ``value`` not a real number.
 
   Returns:
-    A new ``opt_state`` of the same structure and dtypes (each leaf in the wrapper it had, e.g. an
-    ``nnx.Variable``); ``opt_state`` itself is not changed.
+    A new ``opt_state`` of the same structure, dtypes and wrappers; ``opt_state`` is unchanged.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

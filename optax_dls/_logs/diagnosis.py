@@ -68,10 +68,8 @@ def last_known(x: np.ndarray) -> float | None:
 
 
 class Intervals(NamedTuple):
-  """What the counters prove between row i and row i + 1: ``known`` (consistent counters),
-  ``dn`` / ``ds`` (updates / skips), ``octaves`` (log2 of the scale ratio), ``factor_two`` (a
-  growth doubles, only a skip halves), ``growth_ub`` (a bound on the growths) and ``excess``
-  (``ds - growth_ub``, skips no growth explains)."""
+  """What the counters prove between rows i and i + 1: ``dn`` updates, ``ds`` skips, ``octaves``
+  of scale, at most ``growth_ub`` growths, ``excess`` skips; ``factor_two``: growths double."""
 
   known: np.ndarray
   dn: np.ndarray
@@ -186,10 +184,8 @@ def summarize(rows: Rows) -> dict[str, Any]:
 
 
 def nonfinite(rows: Rows) -> dict[str, Any] | None:
-  """Where the non-finite steps came from, None without a ``nonfinite_step`` column: numbered
-  by ``"step"`` where ``step - num_steps`` is constant, else by ``"update"``; the steps seen,
-  those with leaves, per leaf ``{"name", "steps", "inf", "nan"}`` (most first), the steps with
-  a non-finite loss, and the last record."""
+  """Where the non-finite steps came from (per leaf, the loss, the last), numbered by ``"step"``
+  where ``step - num_steps`` is constant, else by ``"update"``; None without the column."""
   if not present(rows, "nonfinite_step").any():
     return None
   d = column(rows, "step") - counter(column(rows, "num_steps"))

@@ -327,13 +327,7 @@ def warn(path: str, what: str) -> None:
 
 
 def load_runs(run_dir: str | os.PathLike) -> dict[str, Rows]:
-  """:meth:`LogSet.runs` of the logs under ``run_dir``, read once; skipped parts warned of.
-
-  Raises:
-    NoLogsError: ``run_dir`` is missing, holds no logs, or only unreadable ones.
-    TypeError: ``run_dir`` is not a str or ``os.PathLike``.
-    MissingExtraError: event files, no ``tensorboard``, and no run read from JSON lines.
-  """
+  """:meth:`LogSet.runs` of the logs under ``run_dir``, read once; NoLogsError without any."""
   run_dir = check_path("run_dir", run_dir)
   if not os.path.isdir(run_dir):
     raise NoLogsError(f"{run_dir!r} is not a folder.")
