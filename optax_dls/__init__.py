@@ -5,8 +5,7 @@ Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 Public submodules: :mod:`optax_dls.config` (presets), :mod:`optax_dls.checkpoint` (Orbax
 restore), :mod:`optax_dls.writers` (logging), :mod:`optax_dls.group_scale` (per-group
 scaling), and, imported on first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
-:mod:`optax_dls.flax` (needs flax).
-"""
+:mod:`optax_dls.flax` (needs flax)."""
 
 from optax_dls._util import versions as _versions
 

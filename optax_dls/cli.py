@@ -10,8 +10,7 @@ parameter, then each problem with what to do.
 ``--watch SECONDS`` shows each run's state until Ctrl-C. A problem is reported only where the rows
 prove it (sparse logs through their counters); a missing column is unknown, without ``num_steps``
 a step is an update, a step logged twice is merged. Bad lines, records and files are skipped with
-a warning on stderr. Exit codes: :func:`main`.
-"""
+a warning on stderr. Exit codes: :func:`main`."""
 
 from __future__ import annotations
 
@@ -91,10 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after the program name; default None: ``sys.argv[1:]``.
 
   Returns:
-    The exit code, an ``int``: 0 success (also ``--help``, and Ctrl-C ending ``--follow``); 1
-    the output was closed early (``| head``); 2 no readable logs, a missing optional
-    dependency (naming ``pip install "optax_dls[monitoring]"``), or a usage error (e.g.
-    ``--plot`` into a missing folder or with an unknown extension, ``--watch 0``).
+    The exit code, an ``int``: 0 success (also ``--help``, and Ctrl-C ending ``--follow``); 1 the
+    output was closed early (``| head``); 2 no readable logs, a missing optional dependency (naming
+    ``pip install "optax_dls[monitoring]"``), or a usage error (a bad ``--plot``, ``--watch 0``).
   """
   try:
     return _main(argv)

@@ -1,5 +1,4 @@
-"""Writing loss-scale metrics to JSONL and TensorBoard every ``k`` steps (the values move to
-the host only on a logged step), for ``optax-dls inspect`` to read.
+"""Writing loss-scale metrics to JSONL and TensorBoard every ``k`` steps, for ``optax-dls inspect``.
 
 Example::
 
@@ -107,9 +106,8 @@ class MetricsWriter:
   event file of this writer's own; non-finite values, str and None go to the JSON lines only.
 
   The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics` are
-  written as ``"nonfinite_leaves": {name: "inf" | "nan"}`` (as :func:`optax_dls.nonfinite_leaves`
-  names them) on the first row and whenever ``nonfinite_step`` (> 0) changed since the last row:
-  each row records the last non-finite step before it. TensorBoard also gets
+  written as ``"nonfinite_leaves": {name: "inf" | "nan"}`` on the first row and whenever
+  ``nonfinite_step`` (> 0) changed since the last row; TensorBoard also gets
   ``nonfinite_leaf_count`` and the names as text tagged ``nonfinite_leaves``.
 
   Args:
@@ -175,8 +173,7 @@ class MetricsWriter:
       self._jsonl = f
 
   def write_locate(self, report: Any, step: int | None = None) -> str:
-    """Saves a :func:`optax_dls.locate` report as ``<logdir>/locate.json`` (replacing one),
-    which ``optax-dls inspect`` shows.
+    """Saves a :func:`optax_dls.locate` report as ``<logdir>/locate.json``, for ``inspect``.
 
     Args:
       report: what :func:`optax_dls.locate` returned.
@@ -205,12 +202,11 @@ class MetricsWriter:
       )
 
   def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> bool:
-    """Writes ``metrics`` and ``extra`` for ``step`` if ``step % every == 0``.
+    """Writes ``metrics`` and ``extra`` for ``step`` if ``step % every == 0`` (only then to host).
 
     Args:
       step: a Python int (or NumPy integer) >= 0, the training step; not a JAX array.
-      metrics: a mapping of scalars (JAX or NumPy arrays, numbers, bools, str, None), e.g.
-        :func:`optax_dls.metrics` of the optimizer state.
+      metrics: a mapping of scalars (arrays, numbers, bools, str, None): :func:`optax_dls.metrics`.
       **extra: more scalars to write, e.g. ``loss=loss``.
 
     Returns:

@@ -60,7 +60,6 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   else:
     value = _validation.scale("value", value, low, high)
   scale = jnp.asarray(value, jnp.float32)
-  # A traced value outside the range becomes NaN (clamped, a negative would train at 2**-126).
   ok = (scale >= np.float32(low)) & (scale <= np.float32(high))
   scale = jnp.where(ok, scale, jnp.float32(jnp.nan))
   scale = jnp.broadcast_to(scale, shape)

@@ -1,6 +1,5 @@
-"""One run's summary numbers (``None`` where the logged columns do not tell) and the
-loss-scaling problems its rows prove, with what to do: what happened between two logged rows
-is bounded, not guessed, so a sparser log may show less but never something false."""
+"""One run's summary and the loss-scaling problems its rows prove, with what to do: what happened
+between two logged rows is bounded, not guessed, so a sparse log shows less but nothing false."""
 
 from __future__ import annotations
 
@@ -8,10 +7,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_dls._logs.read import whole
+from optax_dls._logs.read import Rows, whole
 from optax_dls._util import locate_report as _headroom
 
-Rows = list[dict[str, Any]]
 _Found = list[tuple[str, str]]
 
 
@@ -242,7 +240,6 @@ STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
 DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
 _NAMED = 3  # parameters and steps named in a diagnosis
 
-# What to do about each symptom: the first step, then the page that explains the rest.
 _T = "See docs/troubleshooting.md#"
 _ADVICE = {
   "frequent overflow": "Lower the learning rate or add warm-up, clip gradients inside the "

@@ -1,6 +1,5 @@
-"""``optax-dls inspect RUN_DIR --follow``: each run's step, scale, skips (also over the last
-:data:`RECENT` updates), last non-finite step and diagnoses, redrawn in place on a terminal,
-else a line per changed run."""
+"""``optax-dls inspect --follow``: each run's step, scale, skips (also over the last :data:`RECENT`
+updates), last non-finite step and diagnoses; redrawn on a terminal, else a line per change."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Reading a run folder's metrics logs (``*.jsonl``, else TensorBoard event files), once or as
-they grow: a half-written end waits, a file truncated or replaced starts over, bad parts are
-skipped with a warning."""
+"""Reading a run folder's ``*.jsonl`` or TensorBoard logs, once or as they grow: a half-written
+end waits, a file truncated or replaced starts over, bad parts are skipped with a warning."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from optax_dls._util import optional as _optional
 Rows = list[dict[str, Any]]
 Bad = list[tuple[int, str]]  # (line number or byte offset, why)
 
-# The metrics, matched by the last part of a tag.
 KEYS = (
   *("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio"),
   *("grad_norm", "fp32_fallback", "recomputed_steps", "recompute_tries", "skips_at_min_scale"),

@@ -1,5 +1,4 @@
-"""The report of ``optax-dls inspect``: each run's summary and diagnosis (text or JSON), the
-saved :func:`optax_dls.locate` reports, and the plot (``--plot``)."""
+"""The report of ``optax-dls inspect``: summaries, diagnoses, saved locate reports, the plot."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from optax_dls._logs import diagnosis as _diagnosis
 from optax_dls._logs import read as _read
 from optax_dls._util import locate_report as _headroom
 from optax_dls._util import optional as _optional
-
-Rows = list[dict[str, Any]]
 
 
 def inspect(
@@ -32,7 +29,7 @@ def inspect(
   return out + f"\nplot written to {os.fspath(plot_path)}" if plot_path is not None else out
 
 
-def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
+def build(runs: dict[str, _read.Rows]) -> dict[str, dict[str, Any]]:
   """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` of ``runs``."""
   floor = _diagnosis.zero_floor(runs)
   report = {}
@@ -172,7 +169,7 @@ def check_path(path: str) -> str | None:
   return None
 
 
-def _values(rows: Rows, key: str) -> np.ndarray:
+def _values(rows: _read.Rows, key: str) -> np.ndarray:
   """The column drawn in the panel of ``key`` (the skips as the summary counts them)."""
   x = _diagnosis.skips(rows) if key == "skip_count" else _diagnosis.column(rows, key)
   return np.where(np.isfinite(x), x, np.nan)  # a gap where a value is missing or not finite
@@ -184,7 +181,7 @@ def _rises(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[False], np.diff(x) > 0])
 
 
-def plot(runs: dict[str, Rows], out: str) -> None:
+def plot(runs: dict[str, _read.Rows], out: str) -> None:
   """Draws each logged quantity of ``runs`` over the steps, skips and recomputes marked."""
   _matplotlib("matplotlib").use("Agg")
   plt = _matplotlib("matplotlib.pyplot")

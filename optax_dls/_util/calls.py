@@ -1,5 +1,4 @@
-"""Checks and helpers for wrapping a user's function: ``(loss, aux)``, ``argnums``, argument
-order, shared dtypes, array arguments."""
+"""Helpers for wrapping a user's function: ``(loss, aux)``, ``argnums``, order, dtypes, arrays."""
 
 from __future__ import annotations
 

@@ -134,7 +134,6 @@ class Accumulator:
       for out in outputs:
         info = np.finfo(out.dtype)
         values = np.abs(out.astype(np.float64))
-        # An entry at exactly the largest finite value is a sentinel (a mask's finfo.min).
         measured = np.isfinite(values) & (values != float(info.max))
         largest = float(values[measured].max()) if measured.any() else 0.0
         fraction = largest / float(info.max)

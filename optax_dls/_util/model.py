@@ -1,5 +1,4 @@
-"""Parameters with leaves that are not floating arrays (an Equinox module's functions, scalars,
-integer arrays): held out of the step or passed through, as ``eqx.apply_updates`` does."""
+"""Leaves that are not floating arrays (Equinox functions, integers): held out or passed through."""
 
 from __future__ import annotations
 

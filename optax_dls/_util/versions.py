@@ -1,5 +1,4 @@
-"""The oldest Python, JAX, jaxlib, optax and flax supported (as in ``pyproject.toml``), checked
-at import."""
+"""The oldest Python, JAX, jaxlib, optax and flax supported (as ``pyproject.toml``), checked."""
 
 from __future__ import annotations
 
