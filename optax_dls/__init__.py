@@ -2,12 +2,10 @@
 
 Method: Micikevicius et al. (2018), *Mixed Precision Training*, ICLR.
 
-Public submodules: :mod:`optax_dls.config` (presets and configuration files),
-:mod:`optax_dls.checkpoint` (Orbax restore), :mod:`optax_dls.writers` (JSONL /
-TensorBoard logging), :mod:`optax_dls.group_scale` (per-group gradient scaling),
-and, imported on first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
-:mod:`optax_dls.flax` (Flax helpers; needs flax).
-"""
+Public submodules: :mod:`optax_dls.config` (presets), :mod:`optax_dls.checkpoint` (Orbax
+restore), :mod:`optax_dls.writers` (logging), :mod:`optax_dls.group_scale` (per-group
+scaling), and, imported on first use, :mod:`optax_dls.cli` (the ``optax-dls`` command) and
+:mod:`optax_dls.flax` (needs flax)."""
 
 from optax_dls._util import versions as _versions
 
@@ -61,9 +59,7 @@ __all__ = [
   "value_and_grad",
 ]
 
-# Public submodules imported on first use, so that importing optax_dls needs neither flax
-# nor the command line's dependencies: ``optax_dls.flax`` works without ``import
-# optax_dls.flax`` (and names the extra to install when flax is missing).
+# Imported on first use: importing optax_dls needs neither flax nor the command line's imports.
 _ON_USE = ("cli", "flax")
 
 

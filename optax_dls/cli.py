@@ -1,24 +1,16 @@
-"""``optax-dls inspect RUN_DIR``: summarise and diagnose a run's loss-scale logs, once or live.
+"""``optax-dls inspect RUN_DIR [--plot OUT.png | --json | --follow | --watch SECONDS]``:
+summarise and diagnose a run's loss-scale logs, once or live.
 
 Reads, per folder under ``RUN_DIR``, the ``*.jsonl`` files of
-:class:`optax_dls.writers.MetricsWriter` (any JSON lines with a ``step``), or else its
-TensorBoard event files (a run's TensorBoard copy beside its JSON lines is read once).
-Prints per run: steps, updates (applied and skipped), skips, update ratio, longest logged
-skip streak, the lowest / median / highest logged scale (``2^k``; ``2^x`` with two decimals
-between two powers) and the steps at them, the overflows per group and the non-finite
-steps by parameter, then the problems found with what to do. ``--plot out.png`` draws a
-panel per logged quantity, skipped and recomputed steps marked; ``--json`` prints JSON;
-``--follow`` (every 2 s) or ``--watch SECONDS`` shows each run's state until Ctrl-C.
-
-Logs written every ``k`` steps are read through their cumulative counters and logged
-scales: a problem is reported only where the rows prove it. The bounds take a growth to
-double the scale and a skip to halve it at most; where the scales show another rule, only
-the counters are used. A missing column is unknown; without ``num_steps`` each step is one
-update; rows logged twice for one step are merged, the later winning. Bad lines, malformed
-steps, undecodable records and unreadable files are skipped, counted in a warning on
-stderr; a corrupt event record stops its file there, the warning naming the byte. Exit
-codes: :func:`main`.
-"""
+:class:`optax_dls.writers.MetricsWriter` (any JSON lines with a ``step``), else its TensorBoard
+event files. Prints per run the steps, updates, skips, update ratio, longest skip streak, lowest /
+median / highest scale and the steps at them, overflows per group and non-finite steps by
+parameter, then each problem with what to do.
+``--plot`` draws a panel per logged quantity; ``--json`` prints JSON; ``--follow`` (every 2 s) or
+``--watch SECONDS`` shows each run's state until Ctrl-C. A problem is reported only where the rows
+prove it (sparse logs through their counters); a missing column is unknown, without ``num_steps``
+a step is an update, a step logged twice is merged. Bad lines, records and files are skipped with
+a warning on stderr. Exit codes: :func:`main`."""
 
 from __future__ import annotations
 
@@ -98,11 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after the program name; default None: ``sys.argv[1:]``.
 
   Returns:
-    The exit code, an ``int``: 0 success (also ``--help``, and Ctrl-C ending ``--follow``); 1
-    the output was closed early (e.g. ``| head``); 2 no logs, only unreadable logs, a missing
-    optional dependency (one line naming ``pip install "optax_dls[monitoring]"``), or a usage
-    error, argparse's message on stderr (an unknown command, a bad argument, e.g. ``--plot``
-    into a missing folder or with an unknown extension, ``--watch 0``).
+    The exit code, an ``int``: 0 success (also ``--help``, and Ctrl-C ending ``--follow``); 1 the
+    output was closed early (``| head``); 2 no readable logs, a missing optional dependency (naming
+    ``pip install "optax_dls[monitoring]"``), or a usage error (a bad ``--plot``, ``--watch 0``).
   """
   try:
     return _main(argv)

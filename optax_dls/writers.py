@@ -1,6 +1,4 @@
-"""Writing loss-scale metrics to JSONL and TensorBoard every ``k`` steps: ``log`` decides on
-a Python ``int`` whether to write, and only then moves the values to the host. The files
-are what ``optax-dls inspect`` reads.
+"""Writing loss-scale metrics to JSONL and TensorBoard every ``k`` steps, for ``optax-dls inspect``.
 
 Example::
 
@@ -34,15 +32,14 @@ from optax_dls._util import validation as _validation
 __all__ = ["MetricsWriter"]
 
 JSONL_NAME = "metrics.jsonl"
-LOCATE_NAME = "locate.json"  # the saved report of optax_dls.locate, shown by optax-dls inspect
+LOCATE_NAME = _read.LOCATE_NAME
 _RESERVED = ("step", "run")
 _LEAVES, _NAN = "nonfinite_leaves", "nonfinite_nan"  # packed records, never written
 _DIGEST = "nonfinite_names_digest"  # the checksum of the state's leaf names, never written
 
 
 def _to_python(name: str, value: Any) -> Any:
-  """A host scalar (Python, NumPy or JAX, any real dtype: int4, bfloat16, float8, ...) as a
-  bool, int, float, str or None."""
+  """A host scalar (Python, NumPy or JAX, any real dtype) as a bool, int, float, str or None."""
   if value is None or isinstance(value, (str, bool)):
     return value
   if isinstance(value, int):
@@ -102,41 +99,34 @@ def _words(name: str, value: Any) -> np.ndarray:
 class MetricsWriter:
   """Writes scalar metrics every ``every`` steps as JSON lines and TensorBoard events.
 
-  A JSON object per logged step goes to ``<logdir>/metrics.jsonl``: ``{"step": int, "run":
-  run_name (if given), <metric>: value, ...}``, non-finite floats as ``NaN`` /
-  ``Infinity``; each row is one unbuffered append (a resumed run continues the file, a last
-  line cut short is ended first; several writers may share a folder).
+  Each logged step is one unbuffered append to ``<logdir>/metrics.jsonl``: ``{"step": int, "run":
+  run_name (if given), <metric>: value, ...}``, non-finite floats as ``NaN`` / ``Infinity`` (a
+  resumed run continues the file, a cut-short last line is ended first; writers may share a
+  folder). With ``tensorboard=True`` each finite number is also a scalar tagged by its key, in an
+  event file of this writer's own; non-finite values, str and None go to the JSON lines only.
 
-  With ``tensorboard=True`` every finite number is also a TensorBoard scalar (tag = the
-  metric key, e.g. ``underflow/zero_frac``) in an event file of this writer's own (process
-  id and a random suffix); non-finite values, strings and None stay in the JSON lines.
-
-  The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics`
-  are written as names: on the first row, and whenever ``nonfinite_step`` (> 0) differs
-  from the last row's, the row gets ``"nonfinite_leaves": {name: "inf" | "nan"}``, as
-  :func:`optax_dls.nonfinite_leaves` gives them (logging every ``k`` steps records the last
-  non-finite step before each row only). TensorBoard also gets ``nonfinite_leaf_count``,
-  and the names as a text summary tagged ``nonfinite_leaves``.
+  The packed records ``nonfinite_leaves`` / ``nonfinite_nan`` of :func:`optax_dls.metrics` are
+  written as ``"nonfinite_leaves": {name: "inf" | "nan"}`` on the first row and whenever
+  ``nonfinite_step`` (> 0) changed since the last row; TensorBoard also gets
+  ``nonfinite_leaf_count`` and the names as text tagged ``nonfinite_leaves``.
 
   Args:
     logdir: folder to write into (created if missing).
-    every: int >= 1 (a Python or NumPy integer, or a 0-d integer array), log the steps
-      with ``step % every == 0``. Default 1.
+    every: int >= 1 (Python, NumPy or 0-d array), log the steps with ``step % every == 0``.
+      Default 1.
     tensorboard: bool, also write TensorBoard events (needs ``tensorboardX``). Default True.
     jsonl: bool, write ``metrics.jsonl``. Default True.
     run_name: optional str stored in every JSON line under ``"run"``.
-    params: optional, names the leaves of the non-finite record: the parameters (a pytree
-      of arrays or ``jax.ShapeDtypeStruct``; their floating leaves in ``jax.tree.leaves``
-      order, named by key path as ``"decoder/layers_3/attn/query/kernel"``), or a list of
-      leaf names in that order. Default None: ``"leaf 0"``, ``"leaf 1"``, ...
+    params: optional, names the non-finite record's leaves: the parameters (a pytree of arrays or
+      ``jax.ShapeDtypeStruct``, named by key path: ``"dense/kernel"``) or the list of leaf names.
+      Default None: ``"leaf 0"``, ``"leaf 1"``, ...
 
   Raises:
     ValueError: ``every`` < 1, or both outputs off.
-    TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int,
-      ``tensorboard`` / ``jsonl`` not a bool, ``run_name`` neither a str nor None,
-      ``params`` neither a pytree of arrays nor a list of names.
-    ImportError: ``tensorboard=True`` without ``tensorboardX`` (a ``MissingExtraError``
-      naming the ``monitoring`` extra).
+    TypeError: ``logdir`` not a str or ``os.PathLike``, ``every`` not an int, ``tensorboard`` /
+      ``jsonl`` not a bool, ``run_name`` neither a str nor None, ``params`` neither a pytree of
+      arrays nor a list of names.
+    ImportError: ``tensorboard=True`` without ``tensorboardX`` (a ``MissingExtraError``).
   """
 
   def __init__(
@@ -183,8 +173,7 @@ class MetricsWriter:
       self._jsonl = f
 
   def write_locate(self, report: Any, step: int | None = None) -> str:
-    """Saves a :func:`optax_dls.locate` report as ``<logdir>/locate.json``, replacing
-    an earlier one; ``optax-dls inspect`` shows it under the run's report.
+    """Saves a :func:`optax_dls.locate` report as ``<logdir>/locate.json``, for ``inspect``.
 
     Args:
       report: what :func:`optax_dls.locate` returned.
@@ -213,28 +202,23 @@ class MetricsWriter:
       )
 
   def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> bool:
-    """Writes ``metrics`` and ``extra`` for ``step`` if ``step % every == 0``.
+    """Writes ``metrics`` and ``extra`` for ``step`` if ``step % every == 0`` (only then to host).
 
     Args:
-      step: a Python int (or NumPy integer), the training step; a JAX array is refused (a
-        device-to-host transfer on every step).
-      metrics: a mapping of scalars (JAX or NumPy arrays, numbers, bools; a ``str`` or None
-        goes to the JSON lines only), e.g. :func:`optax_dls.metrics` of the optimizer
-        state, its packed records written as names (see the class docstring).
+      step: a Python int (or NumPy integer) >= 0, the training step; not a JAX array.
+      metrics: a mapping of scalars (arrays, numbers, bools, str, None): :func:`optax_dls.metrics`.
       **extra: more scalars to write, e.g. ``loss=loss``.
 
     Returns:
       True when the step was written.
 
     Raises:
-      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a mapping, a
-        metric name is not a str, a value is not a real number, bool, str or None, or
-        ``step`` or a value is traced (``log`` called inside ``jax.jit``: call it outside,
-        with the step's metrics).
-      ValueError: the writer is closed, ``step`` < 0, a value is not a scalar (but the packed
-        records), a metric is named ``"step"`` or ``"run"`` (reserved), ``nonfinite_leaves``
-        comes without ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit
-        ``params``.
+      TypeError: ``step`` is not a Python / NumPy integer, ``metrics`` is not a mapping, a name
+        is not a str, a value not a real number, bool, str or None, or ``step`` or a value is
+        traced (``log`` called inside ``jax.jit``).
+      ValueError: the writer is closed, ``step`` < 0, a value (but the packed records) is not a
+        scalar, a metric is named ``"step"`` or ``"run"``, ``nonfinite_leaves`` comes without
+        ``nonfinite_nan`` or ``nonfinite_step``, or its bits do not fit ``params``.
     """
     self._check_open()
     _refuse_traced({**(metrics if isinstance(metrics, Mapping) else {}), **extra, "step": step})
@@ -246,10 +230,8 @@ class MetricsWriter:
       return False
     values = jax.device_get(_checked_values(metrics, extra))
     record = self._nonfinite(values)  # takes the packed records out of values
-    row: dict[str, Any] = {"step": step}
-    if self.run_name is not None:
-      row["run"] = self.run_name
-    row.update({k: _to_python(k, v) for k, v in values.items()})
+    run = {} if self.run_name is None else {"run": self.run_name}
+    row: dict[str, Any] = {"step": step, **run, **{k: _to_python(k, v) for k, v in values.items()}}
     tb_only = {}
     if record is not None:
       nonfinite_step, leaves = record
@@ -262,8 +244,7 @@ class MetricsWriter:
     return True
 
   def _nonfinite(self, values: dict[str, Any]) -> tuple[int, dict[str, str]] | None:
-    """``(nonfinite_step, {leaf name: "inf" | "nan"})``, the packed records popped from
-    ``values``; None without them."""
+    """``(nonfinite_step, {leaf name: "inf" | "nan"})`` of the records popped from ``values``."""
     digest = values.pop(_DIGEST, None)  # checks the names of params, never written
     if _LEAVES not in values and _NAN not in values:
       return None
@@ -290,7 +271,6 @@ class MetricsWriter:
       _write_all(self._jsonl, (json.dumps(row) + "\n").encode("utf-8"))
     if self._tb is not None:
       for key, value in {**row, **tb_only}.items():
-        # Non-finite values (grad_norm on a skipped step), str and None: the JSONL only.
         if key in ("step", _LEAVES) or value is None or isinstance(value, str):
           continue
         with contextlib.suppress(OverflowError):  # an int beyond the float range
@@ -306,8 +286,7 @@ class MetricsWriter:
       self._tb.flush()
 
   def close(self) -> None:
-    """Closes both outputs (a second close does nothing); then ``log`` and ``flush`` raise
-    ``ValueError``."""
+    """Closes both outputs (again: nothing); then ``log`` and ``flush`` raise ``ValueError``."""
     if self._closed:
       return
     self._closed = True

@@ -1,5 +1,4 @@
-"""Finding the one loss-scale state inside any optimizer state, and putting a new one in its
-place."""
+"""Finding the one loss-scale state inside any optimizer state, and replacing it."""
 
 from __future__ import annotations
 
@@ -38,20 +37,16 @@ def _unwrap(tree: Any) -> Any:
 def find_state(opt_state: Any) -> LossScaleState:
   """Returns the one :class:`LossScaleState` inside ``opt_state``.
 
-  ``opt_state`` may be the state or any pytree holding it: an ``optax.chain`` or loss-scaled
-  ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an ``nnx.Optimizer`` or its
-  ``opt_state`` (``nnx.Variable`` leaves come back as arrays).
-
   Args:
-    opt_state: any pytree holding the state of one loss-scaled transformation.
+    opt_state: the state or any pytree holding it: an ``optax.chain`` or loss-scaled
+      ``optax.MultiSteps`` state, a dict, a flax ``TrainState``, an ``nnx.Optimizer`` or its
+      ``opt_state``.
 
   Returns:
-    That :class:`LossScaleState` (a new one, of arrays, where its leaves were ``nnx.Variable``);
-    reading it does not change ``opt_state``.
+    That :class:`LossScaleState` (``nnx.Variable`` leaves as arrays); ``opt_state`` is unchanged.
 
   Raises:
-    ValueError: there is no loss-scale state in ``opt_state``, or more than one, or it sits inside
-      ``optax.MultiSteps`` (unsupported order; the message says what to do instead).
+    ValueError: no or several loss-scale states in ``opt_state``, or one in ``optax.MultiSteps``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -77,8 +72,7 @@ def find_state(opt_state: Any) -> LossScaleState:
 
 
 def replace_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``, each leaf in the dtype
-  and wrapper (an ``nnx.Variable``) of the leaf it replaces."""
+  """``opt_state`` with its :class:`LossScaleState` replaced by ``new``, in the old dtypes."""
 
   def put(node: Any) -> Any:
     if not isinstance(node, LossScaleState):

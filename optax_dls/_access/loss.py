@@ -15,9 +15,6 @@ from optax_dls._util import frames as _frames
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   """Multiplies ``loss`` by the current loss scale S, before differentiation.
 
-  Micikevicius et al. (2018), *Mixed Precision Training*: every gradient is scaled by S, out of
-  float16's underflow range; the loss-scaled optimizer divides them by S.
-
   Args:
     loss: a floating array of any shape (usually the scalar loss, float32); bfloat16 and float16 are
       promoted to float32. A float16 loss warns: its backward pass starts at S in float16, inf from
@@ -42,8 +39,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
-  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError for a loss not
-  floating."""
+  """``loss * scale`` in ``promote_types(loss.dtype, float32)``; TypeError unless floating."""
   if loss is None or isinstance(loss, (str, bytes)):
     raise TypeError(
       f"loss must be a floating-point array, got {loss!r} of type {type(loss).__name__}."

@@ -15,8 +15,7 @@ from optax_dls._util import validation as _validation
 def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Array]:
   """What the loss scaler did, as a dict of device arrays (no host transfer).
 
-  Every value is a 0-d array except the two bit sets; with ``scalars_only`` those are left out and
-  the bool flags are int32 0 or 1, for a trainer's metrics. The keys:
+  Every value is a 0-d array except the two bit sets. The keys:
 
   - ``loss_scale`` (float32): the scale for the next loss.
   - ``skipped`` (bool): whether the last step was skipped.
@@ -24,27 +23,25 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   - ``consecutive_skips`` (int32): skipped steps since the last applied one.
   - ``num_steps`` (int32): updates so far, skipped included.
   - ``update_ratio`` (float32): applied steps over all steps, in [0, 1] (1 before any).
-  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled gradients (NaN
-    before the first step, and with :func:`no_loss_scale` unless it tracks the norm).
+  - ``grad_norm`` (float32): global L2 norm of the last step's unscaled gradients (NaN before the
+    first step, and with :func:`no_loss_scale` unless it tracks the norm).
   - ``nonfinite_step`` (int32): ``num_steps`` after the last non-finite step; 0 before any.
   - ``nonfinite_loss`` (bool): whether that step's loss was itself not finite (known when
     the loss is handed to ``update(..., loss=)`` or to :func:`value_and_grad`).
-  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, a bit per floating gradient
-    leaf, ``W = max(1, ceil(leaves / 32))``): the leaves not finite on that step, and those
-    that held a NaN; :func:`nonfinite_leaves` names them.
-  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps in which some
-    leaf of that group was not finite.
+  - ``nonfinite_leaves``, ``nonfinite_nan`` (uint32 ``[W]``, ``W = max(1, ceil(leaves / 32))``): a
+    bit per floating gradient leaf not finite on that step / holding a NaN (:func:`nonfinite_leaves`
+    names them).
+  - ``overflows/<label>`` (int32): with ``labels=``, the non-finite steps of that group.
 
   Features add: ``fp32_fallback`` (bool) and ``skips_at_min_scale`` (int32) with
-  :func:`fp32_fallback`; ``underflow/zero_frac``, ``underflow/subnormal_frac`` and
-  ``underflow/<label>/...`` (float32) with :func:`underflow_stats`; ``recomputed_steps`` and
+  :func:`fp32_fallback`; ``underflow/zero_frac``, ``underflow/subnormal_frac``,
+  ``underflow/<label>/...`` (float32) with :func:`underflow_stats`; ``recomputed_steps``,
   ``recompute_tries`` (int32) with :func:`recompute_stats`.
 
   Args:
-    opt_state: an optimizer state holding exactly one :class:`LossScaleState` (any pytree around it,
-      as for :func:`find_state`).
+    opt_state: any pytree holding exactly one :class:`LossScaleState` (as for :func:`find_state`).
     scalars_only: bool, default False: leave out ``nonfinite_leaves`` and ``nonfinite_nan``, and
-      give the bool flags as int32 (a sum of bools is an or).
+      give the bool flags as int32 0 or 1 (for a trainer's metrics, summed over steps).
 
   Returns:
     A new ``dict`` from key to ``jax.Array``, as above.
@@ -85,7 +82,6 @@ def metrics(opt_state: Any, *, scalars_only: bool = False) -> dict[str, jax.Arra
   }
   out = {**out, **_feature_metrics((s.policy_state, s.inner_state))}
   if scalars_only:
-    # Summed over steps, a bool would be a logical or: count the flags instead.
     out = {k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v for k, v in out.items()}
     out = {k: v for k, v in out.items() if k not in ("nonfinite_leaves", "nonfinite_nan")}
   return out

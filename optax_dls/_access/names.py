@@ -16,14 +16,11 @@ from optax_dls._util import model as _model
 def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
   """Names the gradient leaves that were not finite on the last non-finite step.
 
-  Host side: reads the record's two bit sets from the device. A name is the key path joined by ``/``
-  (``"params/decoder/layers_3/attn/query/kernel"``), in leaf order, as the metrics writer writes it;
-  every floating or complex leaf has one. An nnx ``Variable`` and a linen axis-metadata box are
-  named without ``/value`` (``"linear/kernel"``); an Equinox module's leaves by attribute path
-  (``"layers/0/weight"``), its functions and other non-arrays (``Dropout.p``) unnamed, so the whole
-  model and its arrays name the same leaves. Names are unique: a ``/`` inside a key is written
-  ``\\/`` (a ``\\`` as ``\\\\``), and a name still repeating an earlier one gets ``#k``, ``k`` its
-  leaf index.
+  Host side. Every floating or complex leaf is named, in leaf order, by its key path joined by
+  ``/`` (``"decoder/layers_3/attn/query/kernel"``), as the metrics writer writes it; an nnx
+  ``Variable`` or linen box adds no ``/value``; an Equinox module's arrays are named by attribute
+  path (``"layers/0/weight"``), its other leaves unnamed. A ``/`` inside a key is written ``\\/``
+  (``\\`` as ``\\\\``); a name repeating an earlier one gets ``#k``, ``k`` its leaf index.
 
   Args:
     opt_state: an optimizer state holding one :class:`LossScaleState`, or the dict :func:`metrics`
@@ -32,16 +29,13 @@ def nonfinite_leaves(opt_state: Any, params: Any) -> dict[str, str]:
       read), or the list of leaf names.
 
   Returns:
-    ``{name: "inf" | "nan"}``: ``"nan"`` where the leaf held a NaN, ``"inf"`` where it held only
-    infinities; empty before any non-finite step.
+    ``{name: "inf" | "nan"}`` (``"nan"`` where it held a NaN); empty before any non-finite step.
 
   Raises:
     TypeError: ``params`` is neither a pytree of arrays nor a list of names.
     ValueError: ``opt_state`` holds none or several loss-scale states; ``params`` has another number
-      of floating leaves than the state was built for (for a dict of :func:`metrics`, as far as its
-      bits tell: as many 32-bit words, a leaf per bit set); or the state is stacked
-      (``jax.vmap(tx.init)``): name one member's leaves,
-      ``jax.tree.map(lambda x: x[i], opt_state)``.
+      of floating leaves than the state was built for (for a :func:`metrics` dict: as many 32-bit
+      words, a leaf per bit set); or the state is stacked (``jax.vmap(tx.init)``).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -108,6 +102,5 @@ def _names_of(params: Any) -> list[str]:
 
 
 def leaf_names(params: Any) -> list[str]:
-  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``, in the
-  record's bit order (the rules are in its docstring)."""
+  """The names :func:`~optax_dls.nonfinite_leaves` gives the floating leaves of ``params``."""
   return _labels.leaf_names(_model.arrays_of_modules(params))

@@ -15,12 +15,10 @@ from optax_dls._util import validation as _validation
 def reset_scale(opt_state: Any, value: Any) -> Any:
   """Returns ``opt_state`` with the loss scale set to ``value``.
 
-  Each policy-state node defining ``after_scale_reset()`` restarts its growth count; every other
-  field is kept. ``value`` is only checked to be a valid scale: the next update keeps the scale
-  within the transformation's range (that step's loss is scaled and unscaled by ``value``). A traced
-  value that is not a valid scale (NaN, inf, 0, negative, outside ``[2**-126, 2**126]``) is stored
-  as NaN: the next step skips and restarts from the initial scale. A state stacked by
-  ``jax.vmap(tx.init)`` takes one ``value`` for all or one per member.
+  Each policy-state node with ``after_scale_reset()`` restarts its growth count; all else is kept.
+  The next update brings the scale into the transformation's range (that step uses ``value``). A
+  traced ``value`` that is not a valid scale is stored as NaN: the next step skips and restarts
+  from the initial scale. A state stacked by ``jax.vmap(tx.init)`` takes one ``value`` or one each.
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`.
@@ -33,8 +31,7 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
     TypeError: ``value`` not a real number.
 
   Returns:
-    A new ``opt_state`` of the same structure and dtypes (each leaf in the wrapper it had, e.g. an
-    ``nnx.Variable``); ``opt_state`` itself is not changed.
+    A new ``opt_state`` of the same structure, dtypes and wrappers; ``opt_state`` is unchanged.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -63,8 +60,6 @@ def reset_scale(opt_state: Any, value: Any) -> Any:
   else:
     value = _validation.scale("value", value, low, high)
   scale = jnp.asarray(value, jnp.float32)
-  # A traced value outside the valid range is not a scale: NaN, which the next update skips
-  # on and restarts from the initial scale (clamped, a negative would train at 2**-126).
   ok = (scale >= np.float32(low)) & (scale <= np.float32(high))
   scale = jnp.where(ok, scale, jnp.float32(jnp.nan))
   scale = jnp.broadcast_to(scale, shape)

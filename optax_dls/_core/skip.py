@@ -73,10 +73,11 @@ def by_cond(finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> An
 def by_where(
   finite: jax.Array, apply: Callable, skip: Callable, grads: Any, inner_state: Any, params: Any
 ) -> Any:
-  safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  # The same types on both sides: one select each (jnp.where would also broadcast).
+  safe = jax.tree.map(lambda g: lax.select_n(finite, jnp.zeros_like(g), g), grads)
   out, new_s = apply(safe, inner_state, params)
   keep = lambda new, old: jnp.where(finite, new, like(old, new))
-  out = jax.tree.map(lambda n, o: jnp.where(finite, n, o), out, skip(params, out))
+  out = jax.tree.map(lambda n, o: lax.select_n(finite, o, n), out, skip(params, out))
   return out, jax.tree.map(keep, new_s, inner_state)
 
 

@@ -1,4 +1,2 @@
-"""Reading and reporting the logs that ``optax-dls inspect`` shows: reading, columns,
-summary, diagnosis, the printed report, the plot and the live view. No module here imports
-JAX, optax or flax; may import only ``_logs`` itself and the JAX-free helpers of ``_util``
-(``optional``, ``locate_report``)."""
+"""Reading the logs ``optax-dls inspect`` shows: summary, diagnosis, report, plot and live view.
+May import only ``_logs`` and ``_util``'s ``optional``, ``locate_report`` (no JAX, optax, flax)."""

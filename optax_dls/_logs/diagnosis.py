@@ -1,7 +1,5 @@
-"""One run's logged rows: the summary numbers (steps, updates, skips, scales; ``None`` where
-the logged columns do not tell, see :func:`intervals`), and the loss-scaling
-problems they prove, with what to do about each: what happened between two logged rows is
-bounded, not guessed, so a sparser log may show less but never something false."""
+"""One run's summary and the loss-scaling problems its rows prove, with what to do: what happened
+between two logged rows is bounded, not guessed, so a sparse log shows less but nothing false."""
 
 from __future__ import annotations
 
@@ -9,14 +7,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_dls._logs.read import whole
+from optax_dls._logs.read import Rows, whole
 from optax_dls._util import locate_report as _headroom
 
-Rows = list[dict[str, Any]]
 _Found = list[tuple[str, str]]
-
-# Columns and counters of logged rows (a missing or malformed value unknown: NaN, never 0),
-# and what the cumulative counters prove between two logged rows (intervals).
 
 
 def number(value: Any) -> float:
@@ -45,8 +39,7 @@ def updates(rows: Rows) -> np.ndarray:
 
 
 def skips(rows: Rows) -> np.ndarray:
-  """Skipped updates at each row: ``skip_count``, else ``num_steps * (1 - update_ratio)``
-  where that float32 ratio gives it exactly (below 2**22 updates)."""
+  """Skipped updates: ``skip_count``, else ``num_steps * (1 - update_ratio)`` where exact."""
   s = counter(column(rows, "skip_count"))
   n = counter(column(rows, "num_steps"))
   with np.errstate(invalid="ignore"):
@@ -73,14 +66,8 @@ def last_known(x: np.ndarray) -> float | None:
 
 
 class Intervals(NamedTuple):
-  """What the counters prove between each logged row and the next (index i: rows i -> i + 1).
-
-  ``known``: both rows carry consistent counters; ``dn``, ``ds``: updates and skips in the
-  interval; ``octaves``: log2 of the scale ratio (NaN unknown); ``factor_two``: the scales
-  follow "a growth doubles, only a skip lowers, by one octave at most" as far as the rows
-  show; ``growth_ub``: an upper bound on the growths (the clean updates, and under that rule
-  also skips + octaves); ``excess``: ``ds - growth_ub``, skips no growth explains.
-  """
+  """What the counters prove between rows i and i + 1: ``dn`` updates, ``ds`` skips, ``octaves``
+  of scale, at most ``growth_ub`` growths, ``excess`` skips; ``factor_two``: growths double."""
 
   known: np.ndarray
   dn: np.ndarray
@@ -160,15 +147,7 @@ def _counts(rows: Rows, iv: Intervals) -> dict[str, Any]:
 
 
 def summarize(rows: Rows) -> dict[str, Any]:
-  """Summary numbers of one run's rows (at least one, sorted by step).
-
-  ``updates`` (``num_steps``, skipped ones included), ``applied_updates``, ``skips``,
-  ``update_ratio``, ``longest_skip_streak`` (the longest seen in the logged rows) and
-  ``fp32_fallback_steps`` are None where the columns do not tell. ``scale_min`` /
-  ``scale_median`` (the lower median, a logged value) / ``scale_max``,
-  ``steps_at_min_scale`` / ``steps_at_max_scale`` and ``scale_increases`` are over the
-  logged scales. Where the rows carry them: ``overflows_by_group`` and ``nonfinite``.
-  """
+  """Summary numbers of one run's rows (at least one, sorted by step); None where unknown."""
   steps = column(rows, "step")
   scale = column(rows, "loss_scale")
   iv = intervals(rows)
@@ -203,15 +182,8 @@ def summarize(rows: Rows) -> dict[str, Any]:
 
 
 def nonfinite(rows: Rows) -> dict[str, Any] | None:
-  """Where the non-finite steps came from, as far as the rows record it; None without a
-  ``nonfinite_step`` column.
-
-  Returns ``{"numbering", "steps_seen", "steps_with_leaves", "by_parameter", "loss_steps",
-  "last"}``: ``"step"`` numbering where ``step - num_steps`` is the same at every row, else
-  ``"update"`` (update numbers from 1); the distinct non-finite steps; those recorded with
-  their leaves; per leaf name ``{"name", "steps", "inf", "nan"}`` (most steps first); the
-  steps whose loss was not finite; the last recorded ``{"step", "update", "leaves", "loss"}``.
-  """
+  """Where the non-finite steps came from (per leaf, the loss, the last), numbered by ``"step"``
+  where ``step - num_steps`` is constant, else by ``"update"``; None without the column."""
   if not present(rows, "nonfinite_step").any():
     return None
   d = column(rows, "step") - counter(column(rows, "num_steps"))
@@ -247,9 +219,7 @@ def nonfinite(rows: Rows) -> dict[str, Any] | None:
 
 
 def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
-  """Updates, skips and update ratio over about the last ``window`` (>= 1) updates, from the
-  counters of the last row and of the latest row at least ``window`` updates before it (the
-  first when none is); None where the counters do not tell."""
+  """Updates, skips and update ratio over about the last ``window`` updates; None if unknown."""
   n, s = updates(rows), skips(rows)
   known = np.flatnonzero(np.isfinite(n) & np.isfinite(s))
   if known.size < 2:
@@ -263,7 +233,6 @@ def recent(rows: Rows, window: int = 100) -> dict[str, Any] | None:
   return {"updates": dn, "skips": ds, "update_ratio": (dn - ds) / dn}
 
 
-# Diagnosis thresholds.
 OVERFLOW_RATE = 0.01  # provable excess skips per update, second half of the logged rows
 NO_GROWTH_UPDATES = 1000  # updates proven without any growth before "never grows"
 ZERO_RISE = 0.10  # rise of the share of exactly-zero unscaled gradients over the run
@@ -271,7 +240,6 @@ STUCK_MIN_SKIPS = 3  # steps proven skipped at a loss scale <= 1
 DIVERGE_FACTOR = 1.5  # last-tenth mean loss over first-tenth mean loss
 _NAMED = 3  # parameters and steps named in a diagnosis
 
-# What to do about each symptom: the first step, then the page that explains the rest.
 _T = "See docs/troubleshooting.md#"
 _ADVICE = {
   "frequent overflow": "Lower the learning rate or add warm-up, clip gradients inside the "
@@ -298,8 +266,7 @@ _ADVICE = {
 
 
 def _frequent_overflow(rows: Rows, iv: Intervals, stuck: bool, summary: dict[str, Any]) -> _Found:
-  """Excess skips over the second half of the rows; per run of known intervals one skip is
-  given back (it may be the probe of a growth made before it)."""
+  """Excess skips over the second half of the rows, one given back per run of known intervals."""
   steps = column(rows, "step")
   excess = updates = 0
   first = last = None
@@ -319,8 +286,7 @@ def _frequent_overflow(rows: Rows, iv: Intervals, stuck: bool, summary: dict[str
 
 
 def _skips_at_scale_at_most_1(rows: Rows, iv: Intervals) -> int:
-  """Skips proven to have run at a scale <= 1: an interval from scale S with at most g
-  growths never runs above S * 2**g (without the factor-two rule: above S when g = 0)."""
+  """Skips proven to have run at a scale <= 1 (from scale S, g growths reach S * 2**g)."""
   scale = column(rows, "loss_scale")[:-1]
   growths = iv.growth_ub if iv.factor_two else np.where(iv.growth_ub == 0, 0.0, np.inf)
   with np.errstate(invalid="ignore", over="ignore"):
@@ -346,8 +312,7 @@ def _never_grows(rows: Rows, iv: Intervals, summary: dict[str, Any]) -> _Found:
 
 
 def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
-  """``(run, median share of exactly-zero gradient entries)`` of the run with the lowest such
-  share (runs logged side by side train the same model), or None with fewer than two."""
+  """``(run, median zero share)`` of the run with the fewest zero gradients; None below two."""
   medians = {}
   for name, rows in runs.items():
     zero = column(rows, "underflow/zero_frac")
@@ -360,9 +325,7 @@ def zero_floor(runs: dict[str, Rows]) -> tuple[str, float] | None:
 
 
 def _lost_gradients(rows: Rows, summary: dict[str, Any], floor: tuple[str, float] | None) -> _Found:
-  """Gradients flushed to zero in float16 show as exact zeros of the unscaled gradients: a
-  share that rises well above its early level, or stays well above ``floor`` (the run beside
-  it), proves lost signal; subnormal entries prove nothing (loss scaling lifts them)."""
+  """Zero gradients rising above their early level or ``floor``, or the scale pinned at the top."""
   zero = column(rows, "underflow/zero_frac")
   known = np.flatnonzero(np.isfinite(zero))
   if len(known) >= 4:
@@ -409,8 +372,7 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
 
 
 def _diverging(rows: Rows, iv: Intervals) -> _Found:
-  """Over the rows whose own update is proven applied (``skipped`` False,
-  ``consecutive_skips`` 0, or no skip since the row before)."""
+  """A loss rising or not finite over the rows whose own update is proven applied."""
   loss, steps = column(rows, "loss"), column(rows, "step")
   consec = counter(column(rows, "consecutive_skips"))
   clean_since = np.concatenate([[False], iv.known & (iv.ds == 0) & (iv.dn >= 1)])
@@ -447,9 +409,7 @@ def _listing(items: list[Any], total: bool = False) -> str:
 
 
 def where_advice(summary: dict[str, Any], at_minimum: bool = False) -> str:
-  """What the recorded non-finite values say, naming the parameters: NaN (a bad operation or
-  data) against infinities (a scale too high, or, ``at_minimum``, values that overflow
-  float16 unscaled); "" without a record."""
+  """What the recorded non-finite values say of the parameters (NaN or inf); "" if none."""
   by = (summary.get("nonfinite") or {}).get("by_parameter") or []
   nan = [d["name"] for d in sorted((d for d in by if d["nan"]), key=lambda d: -d["nan"])]
   inf = [d["name"] for d in by if not d["nan"]]
@@ -501,9 +461,7 @@ def _nan_skips(summary: dict[str, Any]) -> _Found:
 def diagnose(
   rows: Rows, summary: dict[str, Any], zero_floor: tuple[str, float] | None = None
 ) -> list[tuple[str, str]]:
-  """``[(symptom, what to do)]`` for the problems that ``rows`` (one run's, sorted by step)
-  prove, given their :func:`summarize` and what runs logged beside
-  them prove (:func:`zero_floor`)."""
+  """``[(symptom, what to do)]`` for the problems one run's ``rows`` prove."""
   iv = intervals(rows)
   stuck = _skips_at_scale_at_most_1(rows, iv)
   nan = _nan_skips(summary)  # then the skips are no overflow, however often they come

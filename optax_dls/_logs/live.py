@@ -1,6 +1,5 @@
-"""``optax-dls inspect RUN_DIR --follow``: each run's step, scale, skips (overall and over
-the last :data:`RECENT` updates), last non-finite step and diagnoses, while the runs go on:
-redrawn in place on a terminal, a line per changed run to a file or a pipe."""
+"""``optax-dls inspect --follow``: each run's step, scale, skips (also over the last :data:`RECENT`
+updates), last non-finite step and diagnoses; redrawn on a terminal, else a line per change."""
 
 from __future__ import annotations
 
@@ -105,9 +104,7 @@ def follow(
   out: TextIO | None = None,
   err: TextIO | None = None,
 ) -> int:
-  """Shows every run under ``run_dir`` every ``interval`` seconds until Ctrl-C (or after
-  ``refreshes``); returns 0. Status to ``out`` (default stdout; a terminal redrawn in place),
-  warnings to ``err`` (default stderr). BrokenPipeError when the reader went away."""
+  """Shows every run under ``run_dir`` every ``interval`` s until Ctrl-C (or ``refreshes``); 0."""
   out = sys.stdout if out is None else out
   err = sys.stderr if err is None else err
   follower = Follower(run_dir)
@@ -127,8 +124,7 @@ def follow(
 
 @contextlib.contextmanager
 def _ctrl_c_interrupts() -> Iterator[None]:
-  """Ctrl-C raises ``KeyboardInterrupt`` inside the block, also where SIGINT was ignored (a
-  shell's background job), or nothing would end the view; a program's own handler is kept."""
+  """Ctrl-C raises ``KeyboardInterrupt`` in the block, also where SIGINT was ignored."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return

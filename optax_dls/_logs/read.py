@@ -1,6 +1,5 @@
-"""Finding and reading a run folder's metrics logs (``*.jsonl``, else TensorBoard event files
-through TensorBoard's loader), once or as they grow: a half-written last line or record
-waits, a file truncated or replaced starts over, bad parts are skipped with a warning."""
+"""Reading a run folder's ``*.jsonl`` or TensorBoard logs, once or as they grow: a half-written
+end waits, a file truncated or replaced starts over, bad parts are skipped with a warning."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from optax_dls._util import optional as _optional
 Rows = list[dict[str, Any]]
 Bad = list[tuple[int, str]]  # (line number or byte offset, why)
 
-# The metrics, matched by the last part of a tag.
 KEYS = (
   *("loss_scale", "skipped", "skip_count", "consecutive_skips", "num_steps", "update_ratio"),
   *("grad_norm", "fp32_fallback", "recomputed_steps", "recompute_tries", "skips_at_min_scale"),
@@ -25,7 +23,8 @@ KEYS = (
 )
 _PREFIXES = ("underflow/", "overflows/")  # per-group keys, kept whole
 LEAVES_TAG = "nonfinite_leaves"  # the text summary naming a non-finite step's leaves
-_SHOWN = 5  # line numbers, folders listed in a warning
+LOCATE_NAME = "locate.json"  # a saved optax_dls.locate report
+SHOWN = 5  # items listed in a warning or a report
 _MARK = 32  # bytes before the offset that must not change while a file only grows
 _FRAMING = 16  # a TFRecord's length, length CRC and data CRC
 
@@ -75,8 +74,7 @@ def _parse_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def _event_values(payload: bytes) -> tuple[int, dict[str, Any]] | None:
-  """``(step, {tag: value})`` of a serialised ``Event`` (None when not one): its scalars and
-  the ``nonfinite_leaves`` text summary as a dict; other summaries are ignored."""
+  """``(step, {tag: value})`` of a serialised ``Event``, None when not one."""
   from google.protobuf.message import DecodeError
   from tensorboard.compat.proto import event_pb2
   from tensorboard.util import tensor_util
@@ -114,9 +112,7 @@ def _leaves(text: Any) -> dict[str, str] | None:
 
 
 class LogFile:
-  """One log file, ``kind`` ``"jsonl"`` or ``"events"``, read as it grows into :attr:`rows`
-  (canonical keys) by :meth:`poll`. The bytes after a corrupt event record are reported once
-  (at once with ``final``, else once the file stops growing)."""
+  """A ``"jsonl"`` or ``"events"`` log file, read as it grows into :attr:`rows` by :meth:`poll`."""
 
   def __init__(self, path: str, kind: str) -> None:
     self.path, self.kind = path, kind
@@ -130,13 +126,7 @@ class LogFile:
     self._error: str | None = None
 
   def read(self, final: bool = False) -> tuple[Rows, Bad, bool]:
-    """``(new rows, bad parts, whether the file started over)``; ``final`` takes a last line
-    without its newline and reports an event file's unread bytes at once.
-
-    Raises:
-      OSError: the file cannot be read.
-      MissingExtraError: an event file, and no ``tensorboard``.
-    """
+    """``(new rows, bad parts, restarted)``; ``final`` also takes a last line without newline."""
     module = None
     if self.kind == "events":
       what = "reading TensorBoard event files"
@@ -211,7 +201,7 @@ class LogFile:
     self.rows = [] if restarted else self.rows
     warnings = [f"at byte {w}: {why}" for w, why in bad] if self.kind == "events" else []
     if bad and self.kind == "jsonl":
-      lines = ", ".join(str(w) for w, _ in bad[:_SHOWN]) + (", ..." if len(bad) > _SHOWN else "")
+      lines = listed([w for w, _ in bad])
       warnings.append(
         f"skipped {len(bad)} line(s) that are not JSON objects with a 'step' (line {lines})"
       )
@@ -227,8 +217,7 @@ class LogFile:
 
 
 def _merged(rows: Rows) -> Rows:
-  """The rows with loss-scale metrics (not validation rows), or all if none has them; one row
-  per step, sorted, a step logged twice keeping the later values."""
+  """One row per step, the later winning; the rows with loss-scale metrics where some have them."""
   by_step: dict[int, dict[str, Any]] = {}
   for row in [r for r in rows if "loss_scale" in r or "skipped" in r] or rows:
     by_step.setdefault(row["step"], {}).update(row)
@@ -249,8 +238,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
-  """Whether every step of ``events_rows`` is in ``jsonl_rows`` with the same metrics (the
-  run's TensorBoard copy, perhaps behind), at least one value compared."""
+  """Whether ``events_rows`` are a (perhaps lagging) copy of ``jsonl_rows``."""
   by_step = {r["step"]: r for r in jsonl_rows}
   compared = 0
   for row in events_rows:
@@ -266,9 +254,7 @@ def _is_copy(events_rows: Rows, jsonl_rows: Rows) -> bool:
 
 
 class LogSet:
-  """The logs under a run folder (it need not exist yet), read again at each :meth:`poll`:
-  new files are found, a file gone takes its rows with it. Without ``tensorboard`` the event
-  files stay unread: ``missing`` holds the error, ``unread`` their paths."""
+  """The logs under a run folder (which may not exist yet), found again at each :meth:`poll`."""
 
   def __init__(self, run_dir: str) -> None:
     self.run_dir = run_dir
@@ -301,7 +287,7 @@ class LogSet:
     if not self.unread:
       return None
     folders = sorted({self._name(p) for p in self.unread})
-    shown = ", ".join(folders[:_SHOWN]) + (", ..." if len(folders) > _SHOWN else "")
+    shown = listed(folders)
     return f"the event files of {len(folders)} folder(s) are not read ({shown}): {self.missing}"
 
   def _name(self, path: str) -> str:
@@ -309,8 +295,7 @@ class LogSet:
     return folder if folder != "." else os.path.basename(os.path.abspath(self.run_dir))
 
   def runs(self) -> dict[str, Rows]:
-    """``{run name: rows sorted by step}``, named by the rows' ``run`` (a str) else by folder;
-    rows merged per step (:func:`_merged`), a TensorBoard copy of a JSONL run left out."""
+    """``{run name: rows}``, by the rows' ``run`` else by folder, a TensorBoard copy left out."""
     runs: dict[str, Rows] = {}
     from_events = set()
     for path, log in self.files.items():
@@ -330,19 +315,17 @@ class LogSet:
     return sorted({self._name(p) for p in self.files} - with_rows)
 
 
+def listed(items: list[Any], n: int = SHOWN) -> str:
+  """The first ``n`` of ``items``, comma-separated, then ``", ..."`` when there are more."""
+  return ", ".join(str(x) for x in items[:n]) + (", ..." if len(items) > n else "")
+
+
 def warn(path: str, what: str) -> None:
   print(f"optax-dls inspect: warning: {path}: {what}", file=sys.stderr)
 
 
 def load_runs(run_dir: str | os.PathLike) -> dict[str, Rows]:
-  """``{run name: rows sorted by step}`` from the logs under ``run_dir``, read once (see
-  :meth:`LogSet.runs`); what is skipped gets a warning on stderr.
-
-  Raises:
-    NoLogsError: ``run_dir`` is missing, holds no logs, or only unreadable ones.
-    TypeError: ``run_dir`` is not a str or ``os.PathLike``.
-    MissingExtraError: event files, no ``tensorboard``, and no run read from JSON lines.
-  """
+  """:meth:`LogSet.runs` of the logs under ``run_dir``, read once; NoLogsError without any."""
   run_dir = check_path("run_dir", run_dir)
   if not os.path.isdir(run_dir):
     raise NoLogsError(f"{run_dir!r} is not a folder.")
@@ -358,8 +341,7 @@ def load_runs(run_dir: str | os.PathLike) -> dict[str, Rows]:
   if not runs and files:
     raise NoLogsError(
       f"the logs under {run_dir!r} exist but are unreadable: none of {len(files)} file(s) "
-      f"({', '.join(files[:3])}{', ...' if len(files) > 3 else ''}) holds a row "
-      "with a whole-number 'step'."
+      f"({listed(files, 3)}) holds a row with a whole-number 'step'."
     )
   if not runs:
     raise NoLogsError(

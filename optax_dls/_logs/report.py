@@ -1,6 +1,4 @@
-"""The report of ``optax-dls inspect``: each run's summary and diagnosis, as text or as JSON,
-the saved :func:`optax_dls.locate` reports of the run folder, and the plot (``--plot``: a
-panel for each logged quantity, with matplotlib)."""
+"""The report of ``optax-dls inspect``: summaries, diagnoses, saved locate reports, the plot."""
 
 from __future__ import annotations
 
@@ -16,23 +14,11 @@ from optax_dls._logs import read as _read
 from optax_dls._util import locate_report as _headroom
 from optax_dls._util import optional as _optional
 
-Rows = list[dict[str, Any]]
-LOCATE_NAME = "locate.json"  # as optax_dls.writers.LOCATE_NAME
-_SHOWN = 5  # parameters listed
-
 
 def inspect(
   run_dir: str | os.PathLike, plot_path: str | os.PathLike | None = None, as_json: bool = False
 ) -> str:
-  """What ``optax-dls inspect`` prints: each run's summary and diagnosis, then the saved
-  ``locate.json`` reports under ``run_dir``, then the plot's path when one was drawn (into
-  ``plot_path``); or, ``as_json``, the summaries and diagnoses as JSON.
-
-  Raises:
-    NoLogsError: no readable logs under ``run_dir``.
-    TypeError: ``run_dir`` is not a path.
-    MissingExtraError: ``tensorboard`` for event files, ``matplotlib`` for the plot.
-  """
+  """What ``optax-dls inspect`` prints (``as_json``: JSON), the plot drawn into ``plot_path``."""
   runs = _read.load_runs(run_dir)
   report = build(runs)
   if plot_path is not None:
@@ -43,9 +29,8 @@ def inspect(
   return out + f"\nplot written to {os.fspath(plot_path)}" if plot_path is not None else out
 
 
-def build(runs: dict[str, Rows]) -> dict[str, dict[str, Any]]:
-  """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` of ``runs``
-  (``{name: rows sorted by step}``), compared for their shares of zero gradients."""
+def build(runs: dict[str, _read.Rows]) -> dict[str, dict[str, Any]]:
+  """``{run: {"summary": ..., "diagnosis": [{"symptom": ..., "advice": ...}]}}`` of ``runs``."""
   floor = _diagnosis.zero_floor(runs)
   report = {}
   for name, rows in runs.items():
@@ -101,19 +86,18 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
   of = f", of {s['skips']} skipped" if s["skips"] is not None and n < s["skips"] else ""
   lines.append(f"  non-finite steps by parameter (the {n} the logs record{of}):")
-  for e in where["by_parameter"][:_SHOWN]:
+  for e in where["by_parameter"][: _read.SHOWN]:
     kind = "nan" if e["nan"] else "inf"
     if e["nan"] and e["inf"]:
       kind = f"nan on {e['nan']}, inf on {e['inf']}"
     lines.append(f"    {e['name']}  {e['steps']} of {n} ({kind})")
-  if len(where["by_parameter"]) > _SHOWN:
-    lines.append(f"    ... and {len(where['by_parameter']) - _SHOWN} more")
+  if len(where["by_parameter"]) > _read.SHOWN:
+    lines.append(f"    ... and {len(where['by_parameter']) - _read.SHOWN} more")
   return lines + [f"  last non-finite {last_nonfinite(s)}"]
 
 
-def last_nonfinite(summary: dict[str, Any], shown: int = _SHOWN) -> str | None:
-  """The last recorded non-finite step and its leaves, e.g. ``"step 117: dense/kernel (inf)"``,
-  or None."""
+def last_nonfinite(summary: dict[str, Any], shown: int = _read.SHOWN) -> str | None:
+  """The last recorded non-finite step and its leaves (``"step 117: dense/kernel (inf)"``)."""
   last = (summary.get("nonfinite") or {}).get("last")
   if not last:
     return None
@@ -140,10 +124,9 @@ def text(report: dict[str, dict[str, Any]]) -> str:
 
 
 def saved_locate_text(run_dir: str | os.PathLike) -> str:
-  """The saved reports under ``run_dir`` (searched recursively) as text, ``""`` when none; a
-  file that is not a report is named with the reason."""
+  """The saved reports under ``run_dir`` (recursively) as text; a bad file named with why."""
   parts = []
-  for path in sorted(pathlib.Path(run_dir).rglob(LOCATE_NAME)):
+  for path in sorted(pathlib.Path(run_dir).rglob(_read.LOCATE_NAME)):
     try:
       data = json.loads(path.read_text(encoding="utf-8"))
       shown = str(_headroom.LocateReport.from_dict(data))
@@ -171,8 +154,7 @@ def _matplotlib(module: str) -> Any:
 
 
 def check_path(path: str) -> str | None:
-  """Why ``path`` cannot take the plot (a missing folder, an unknown extension), or None;
-  MissingExtraError without matplotlib."""
+  """Why ``path`` cannot take the plot (a missing folder, an unknown extension), or None."""
   canvas = _matplotlib("matplotlib.backend_bases").FigureCanvasBase
   folder = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(folder):
@@ -187,7 +169,7 @@ def check_path(path: str) -> str | None:
   return None
 
 
-def _values(rows: Rows, key: str) -> np.ndarray:
+def _values(rows: _read.Rows, key: str) -> np.ndarray:
   """The column drawn in the panel of ``key`` (the skips as the summary counts them)."""
   x = _diagnosis.skips(rows) if key == "skip_count" else _diagnosis.column(rows, key)
   return np.where(np.isfinite(x), x, np.nan)  # a gap where a value is missing or not finite
@@ -199,10 +181,8 @@ def _rises(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[False], np.diff(x) > 0])
 
 
-def plot(runs: dict[str, Rows], out: str) -> None:
-  """Draws each logged quantity of ``runs`` (``{name: rows}``) in a panel over a shared step
-  axis into the image ``out``; skipped steps (the flag, or a rise of the skip count) marked
-  with a cross on the scale, recomputed steps with a circle. OSError, MissingExtraError."""
+def plot(runs: dict[str, _read.Rows], out: str) -> None:
+  """Draws each logged quantity of ``runs`` over the steps, skips and recomputes marked."""
   _matplotlib("matplotlib").use("Agg")
   plt = _matplotlib("matplotlib.pyplot")
   line2d = _matplotlib("matplotlib.lines").Line2D
@@ -218,7 +198,6 @@ def plot(runs: dict[str, Rows], out: str) -> None:
   for i, (name, rows) in enumerate(runs.items()):
     color, steps = colors[i % len(colors)], _diagnosis.column(rows, "step")
     for ax, (key, _, _) in zip(axes, panels):
-      # Values hold from one logged step to the next: drawn as steps, not ramps.
       ax.step(steps, _values(rows, key), where="post", color=color, label=name, lw=1.2)
     handles.append(axes[0].lines[-1])
     scale = _values(rows, "loss_scale")

@@ -1,5 +1,4 @@
-"""What the wrappers of a user's function check and share: the ``(loss, aux)`` pair, ``argnums``'
-reach, the calling order, shared dtypes, and the array arguments."""
+"""Helpers for wrapping a user's function: ``(loss, aux)``, ``argnums``, order, dtypes, arrays."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def check_reach(argnums: int | tuple[int, ...], args: tuple[Any, ...], first: st
 def order_error(
   first: str, expected: str, lacks: str, has: str, got: Any, swapped: int | None
 ) -> str:
-  """The message for a ``grad_fn(first, *args)`` whose first argument is not ``expected``;
-  ``swapped``: the position in ``args`` of one that is."""
+  """The message for a ``grad_fn(first, *args)`` whose first argument is not ``expected``."""
   message = (
     f"grad_fn takes {expected} first and fun's arguments after it, grad_fn({first}, *args); "
     f"the first argument given {lacks}: got a {type(got).__name__}."
@@ -59,8 +57,7 @@ def first_index(args: tuple[Any, ...], test: Callable[[Any], bool]) -> int | Non
 
 
 def promoted(out_a: Any, out_b: Any, names: tuple[str, str]) -> Any:
-  """``out_a``'s shapes with dtypes promoted with ``out_b``'s (of the same structure: the caller
-  checks it); ValueError where they differ in shape."""
+  """``out_a``'s shapes with dtypes promoted with ``out_b``'s; ValueError where shapes differ."""
   leaves_a, leaves_b = jax.tree_util.tree_leaves_with_path(out_a), jax.tree.leaves(out_b)
   for (path, a), b in zip(leaves_a, leaves_b):
     if a.shape != b.shape:

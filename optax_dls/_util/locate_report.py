@@ -18,8 +18,7 @@ class Operation:
     phase: ``"forward"`` (computing ``S * fun(*args)``) or ``"backward"`` (its gradient).
     primitive: the JAX primitive, e.g. ``"dot_general"``.
     source: ``"file:line"`` of the user's code that wrote it (``"?"`` when unknown).
-    scope: its named scope, the block instance's path (``"blocks/2"``), or else the qualified name
-      of the user's function that wrote it.
+    scope: its named scope, block path (``"blocks/2"``) or else the user's function's name.
     kind: ``"inf"`` or ``"nan"`` (``"nan"`` when its output holds any NaN).
     dtype: its output's dtype, e.g. ``"float16"``.
     input_max: the largest finite ``|value|`` among its inputs (0.0 when none).
@@ -41,13 +40,10 @@ class ScopeHeadroom:
 
   Attributes:
     scope: the scope's name (``"(top level)"`` outside any).
-    forward_fraction / backward_fraction: the largest finite ``|activation|`` / ``|cotangent|`` as a
-      fraction of the dtype's largest finite value, entries at exactly that value (a mask's
-      ``finfo.min``) left out; 0.0 when none.
-    forward_overflow / backward_overflow: an operation of the scope made an inf or NaN from finite
-      inputs in that pass.
-    underflow_share: the share of its floating output entries, both passes, nonzero and
-      below the dtype's smallest normal."""
+    forward_fraction / backward_fraction: the largest finite ``|activation|`` / ``|cotangent|`` over
+      the dtype's largest finite value (entries at exactly that value, a mask's, left out).
+    forward_overflow / backward_overflow: an operation made an inf or NaN from finite inputs.
+    underflow_share: the share of its floating output entries that are subnormal."""
 
   scope: str
   forward_fraction: float = 0.0
@@ -67,9 +63,8 @@ class ScopeHeadroom:
 
 @dataclasses.dataclass
 class LocateReport:
-  """What :func:`optax_dls.locate` found: the ``scale`` ``S``, the ``first`` :class:`Operation` that
-  made an inf or NaN (or ``None``), and one :class:`ScopeHeadroom` per scope in ``headroom``,
-  closest to overflow first (those that overflowed in order)."""
+  """What :func:`optax_dls.locate` found: the ``scale``, the ``first`` :class:`Operation` that made
+  an inf or NaN (or ``None``), and a :class:`ScopeHeadroom` per scope, closest to overflow first."""
 
   scale: float
   first: Operation | None
@@ -133,15 +128,12 @@ class Accumulator:
   def add(
     self, phase: str, scope: str, outputs: list[np.ndarray], ranged: bool, made: bool
   ) -> None:
-    """Records one operation's float outputs: their range where ``ranged`` (nothing non-finite
-    carried in), and the scope's overflow where ``made``."""
+    """Records one operation's float outputs: their range if ``ranged``, an overflow if ``made``."""
     h = self.scopes.setdefault(scope or "(top level)", ScopeHeadroom(scope or "(top level)"))
     if ranged:
       for out in outputs:
         info = np.finfo(out.dtype)
         values = np.abs(out.astype(np.float64))
-        # An entry at exactly the largest finite value is a sentinel (a mask's
-        # jnp.finfo(dtype).min), not an activation that came close to the limit.
         measured = np.isfinite(values) & (values != float(info.max))
         largest = float(values[measured].max()) if measured.any() else 0.0
         fraction = largest / float(info.max)
@@ -161,8 +153,7 @@ class Accumulator:
 
 
 def power_text(x: float) -> str:
-  """A loss scale as ``2^k`` when a power of two (1 as ``1``), else ``2^x.xx``; ``%g`` when not
-  finite and > 0.
+  """A loss scale as ``2^k`` (1 as ``1``), else ``2^x.xx``; ``%g`` unless finite and > 0.
 
   >>> from optax_dls._util.locate_report import power_text
   >>> power_text(2.0**21), power_text(2.0**-126), power_text(1.0), power_text(1500.0)

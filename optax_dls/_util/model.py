@@ -1,6 +1,4 @@
-"""Models whose pytree holds leaves that are not floating arrays (an Equinox module's functions,
-Python scalars, integer arrays): held out of the step or passed through untouched, as
-``eqx.apply_updates`` does."""
+"""Leaves that are not floating arrays (Equinox functions, integers): held out or passed through."""
 
 from __future__ import annotations
 
@@ -17,17 +15,14 @@ def _NONE(x: Any) -> bool:
 
 
 def _zip(grads: Any, *trees: Any) -> tuple[Any, list[tuple[Any, ...]]]:
-  """``(treedef, rows)``: the structure of ``grads`` (None leaves included) and per leaf, the
-  gradient and the subtree of each of ``trees`` there (ValueError / TypeError where one does not
-  match)."""
+  """``(treedef of grads, [(gradient, subtree of each of trees)] per leaf)``."""
   leaves, treedef = jax.tree.flatten(grads, is_leaf=_NONE)
   subs = [treedef.flatten_up_to(tree) for tree in trees]  # type: ignore[attr-defined]
   return treedef, list(zip(leaves, *subs, strict=True))
 
 
 def _places(grads: Any, params: Any, pick: Any) -> list[bool] | None:
-  """``pick(gradient, parameter subtree)`` per leaf of ``grads``; None when nothing is picked, or
-  ``params`` does not match."""
+  """``pick(gradient, parameter subtree)`` per leaf of ``grads``; None if none or no match."""
   try:
     places = [pick(*row) for row in _zip(grads, params)[1]]
   except (ValueError, TypeError):
@@ -51,9 +46,7 @@ def trained(params: Any) -> Any:
 
 
 def inner_update(update: Any, grads: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-  """``update(grads, *args, params, **kwargs)`` without the integer and bool parameters (by the
-  gradient's dtype without ``params``): their gradient, untouched, is their update (zeros for a
-  ``float0`` one)."""
+  """``update(grads, *args, params, **kwargs)`` without the integer and bool parameters."""
   tree = grads if params is None else params
   places = _places(grads, tree, lambda g, p: g is not None and _not_trained(p))
   if places is None:
@@ -78,8 +71,7 @@ def _passed(grad: Any, param: Any) -> Any:
 
 
 def recorded(grads: Any, params: Any, held: list[bool] | None) -> Any:
-  """``grads`` with zeros where a floating parameter's gradient is None (frozen), so that the record
-  has a bit for every floating parameter; ``held`` is :func:`held_apart`'s."""
+  """``grads`` with zeros where a floating parameter's gradient is None (frozen)."""
   if held is None:
     return grads
   treedef, rows = _zip(grads, params)
@@ -92,9 +84,7 @@ def recorded(grads: Any, params: Any, held: list[bool] | None) -> Any:
 
 
 def held_apart(grads: Any, params: Any) -> tuple[list[bool] | None, Any, list[Any]]:
-  """``(held, kept, out)``: per leaf of ``grads``, whether it is None (its parameter subtree held
-  out; ``held`` None when nothing is or ``params`` does not match), ``params`` with None at those
-  places, and the held-out subtrees."""
+  """``(held, kept, out)``: which gradients are None, ``params`` without them, the held-out."""
   held = None if params is None else _places(grads, params, lambda g, p: g is None)
   if held is None:
     return None, params, []
@@ -112,8 +102,7 @@ def _is_array(x: Any) -> bool:
 
 
 def arrays_of_modules(tree: Any) -> Any:
-  """``tree`` with None at every leaf of an Equinox module that is not an array, as
-  ``eqx.filter(model, eqx.is_array)``."""
+  """``tree`` with None at an Equinox module's leaves that are not arrays (``eqx.filter``)."""
   if sys.modules.get("equinox") is None:
     return tree
   arrays = lambda node: jax.tree.map(lambda x: x if _is_array(x) else None, node)
@@ -121,8 +110,7 @@ def arrays_of_modules(tree: Any) -> Any:
 
 
 def check_init_params(params: Any) -> None:
-  """TypeError naming the leaf where ``params`` holds a function, a string, or an Equinox module's
-  leaf that is not an array: ``init`` takes the arrays alone."""
+  """TypeError naming a function, a string or an Equinox module's non-array in ``params``."""
   marked = jax.tree.map(
     lambda n: jax.tree.map(lambda _: True, n) if _is_module(n) else False,
     params,

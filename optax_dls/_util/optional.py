@@ -1,5 +1,4 @@
-"""The optional dependencies (``PACKAGES``: the module, the package pip installs, the extra
-that brings it), and the one-line error that names the extra when one is missing."""
+"""The optional dependencies (module: pip package, extra) and the error naming the extra."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def install(extra: str) -> str:
 
 
 def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
-  """Imports ``module``, which ``feature`` needs; MissingExtraError naming the extra (and
-  ``otherwise``, what else the user can do) when it cannot be imported."""
+  """Imports ``module`` for ``feature``; else MissingExtraError naming the extra, ``otherwise``."""
   try:
     return importlib.import_module(module)
   except ImportError as e:

@@ -23,9 +23,7 @@ def live_path(keys: tuple[Any, ...]) -> Path:
 
 
 def stored_leaves(tree: Any, path: Path = ()) -> dict[Path, Any]:
-  """The leaves by path of a tree as Orbax or flax's serialisation stores it (NamedTuples and
-  dataclasses as dicts, tuples as lists or dicts of ``'0'``..., empty nodes as None), or as it is in
-  memory."""
+  """The leaves by path of a stored (Orbax, flax) or in-memory tree."""
   items = None if tree is None else children(tree)
   if items is None:
     return {} if tree is None else {path: tree}
@@ -107,8 +105,7 @@ def _dtype(leaf: Any) -> Any:
 
 
 def is_variable(x: Any) -> bool:
-  """Whether ``x`` is a flax nnx ``Variable`` or a linen axis-metadata box, told without importing
-  flax."""
+  """Whether ``x`` is a flax nnx ``Variable`` or a linen box (flax not imported)."""
   return any(
     (c.__name__ == "Variable" and c.__module__.startswith("flax.nnx"))
     or (c.__name__ == "AxisMetadata" and c.__module__.startswith("flax.core"))
@@ -122,6 +119,5 @@ def unboxed(x: Any) -> Any:
     return x
   if not hasattr(x, "get_raw_value") and not hasattr(x, "raw_value"):
     return x.value  # a linen box
-  # flax >= 0.12 reads it with get_raw_value (raw_value is deprecated there); 0.11 has only
-  # raw_value (its get_value expects a wrapped value).
+  # flax >= 0.12: get_raw_value (raw_value deprecated); 0.11: raw_value only.
   return x.get_raw_value() if hasattr(x, "get_raw_value") else x.raw_value

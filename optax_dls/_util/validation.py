@@ -106,13 +106,11 @@ def scale_range(
   lo, hi = scale(lo_name, lo), scale(hi_name, hi)
   check(lo <= hi, hi_name, hi, f"{hi_name} >= {lo_name}={lo!r}")
   i = scale(i_name, i)
-  check(
-    lo <= i <= hi,
-    i_name,
-    i,
+  rule = (
     f"{lo_name}={lo!r} <= {i_name} <= {hi_name}={hi!r} (pass {i_name} within the range when "
-    f"you change {lo_name} or {hi_name}: it has a default of its own)",
+    f"you change {lo_name} or {hi_name}: it has a default of its own)"
   )
+  check(lo <= i <= hi, i_name, i, rule)
   return i, lo, hi
 
 

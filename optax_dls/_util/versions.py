@@ -1,5 +1,4 @@
-"""The oldest Python, JAX, jaxlib, optax and flax supported (as ``pyproject.toml`` declares);
-:func:`check` runs at import so that too old a JAX fails with a clear message."""
+"""The oldest Python, JAX, jaxlib, optax and flax supported (as ``pyproject.toml``), checked."""
 
 from __future__ import annotations
 
