@@ -1,11 +1,6 @@
 """Multi-device reductions: axis names, variance over mesh axes, and the coverage check.
-
-Under ``pmap`` and ``shard_map`` each device computes on its own shard, so a
-skip decision must be reduced over every mapped axis the gradients vary over,
-or the devices would decide alone and their loss-scale states would drift
-apart. Under ``jit`` with ``NamedSharding`` reductions are global already and
-nothing here is used.
-"""
+Under ``pmap`` and ``shard_map`` a skip decision is reduced over every mapped axis the
+gradients vary over, or each device would decide alone."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """The skip: a ``jnp.where`` selection or a ``lax.cond``, and matching one value's type to
 another's (dtype, weak type, sharding, the mesh axes it varies over).
 
-Both make the same skip decisions, keep the same scales and counters, and leave
-everything untouched on a skipped step bit for bit; applied values agree to float32
-rounding (XLA may contract the optimizer's arithmetic differently in the two programs).
-
-* ``"where"``: the inner update always runs, on zeros where the step is not finite, and
-  ``jnp.where`` at the end keeps the old value of every output. XLA's GPU backend fuses
-  each selection into the optimizer's own kernels (one extra read of the gradients in
-  all), and no predicate has to reach the host.
-* ``"cond"``: the inner update runs only on a finite step. XLA's CPU backend copies the
-  state for a selection at the end; a conditional costs it nothing.
-
-``"auto"`` takes ``"cond"`` on the CPU and ``"where"`` everywhere else, with
-``lax.platform_dependent``: the platform is the one the program is lowered for.
+Both make the same decisions and leave a skipped step's state untouched bit for bit;
+applied values agree to float32 rounding. ``"where"`` runs the inner update on zeros where
+the step is not finite and keeps the old values with selections, which XLA's GPU backend
+fuses into the optimizer's kernels; ``"cond"`` runs it only on a finite step (XLA's CPU
+backend would copy the state for a selection). ``"auto"`` takes ``"cond"`` on the CPU and
+``"where"`` elsewhere, by ``lax.platform_dependent`` (the platform lowered for).
 """
 
 from __future__ import annotations

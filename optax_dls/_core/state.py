@@ -101,20 +101,12 @@ _SETTLE_TRIES = 4
 
 
 def settled_inner_init(inner: optax.GradientTransformationExtraArgs, params: Any) -> Any:
-  """``inner.init(params)`` in the types the inner state keeps from then on, so that
-  the loss-scaled state's types are a fixed point from ``init`` (no retrace, and a
-  ``lax.scan`` carry keeps its type).
-
-  Each leaf is given the type the inner updates give it: the dtype they widen it to
-  and the strong type where they return it strongly typed (traced with
-  ``jax.eval_shape``, repeated until the types stop changing); values are unchanged
-  (widening is exact). An update that needs the loss as ``value=``
-  (``optax.contrib.momo``, ``reduce_on_plateau``) is traced with a float32 ``()`` one.
-  Where the inner update cannot be traced without its other extra arguments
-  (``value_fn=`` of ``optax.lbfgs``'s line search, say), the leaves are only made
-  strongly typed, as updates return them: a state that such an optimizer widens on
-  its first update then retraces once.
-  """
+  """``inner.init(params)`` in the types the inner updates give each leaf (the dtype they
+  widen it to, strong where they return it strongly typed; traced with ``jax.eval_shape``
+  until the types stop changing, the loss as a float32 ``value=`` where the update needs
+  it), so the state's types are a fixed point from ``init``. Where the update cannot be
+  traced without its other extra arguments (``optax.lbfgs``), the leaves are only made
+  strongly typed."""
   state = jax.tree.map(_as_array, inner.init(params))
   for _ in range(_SETTLE_TRIES):
     try:
