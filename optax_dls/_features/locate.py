@@ -1,11 +1,5 @@
-"""``locate``: the operation that made an inf or NaN, and every scope's headroom.
-
-``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the pullback of
-1), each evaluated equation by equation on the CPU under one ``jax.jit`` that returns every value
-(eagerly when it holds a ``cond``). Call-like equations and a ``cond``'s taken branch are entered; a
-``scan`` or ``while`` is run whole. Which values are constants is followed, so an inf made from a
-literal beyond the range (:func:`jax_source.watching`) is told from an explicit one.
-"""
+"""``locate``: the operation that made an inf or NaN, and every scope's headroom, from the forward
+and backward jaxprs of ``S * fun(*args)`` evaluated equation by equation on the CPU."""
 
 from __future__ import annotations
 
@@ -41,12 +35,10 @@ def locate(
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
   Runs outside the training step, on the CPU, holding every intermediate value in host memory: call
-  it once, on a micro-batch of a skipped step. An operation is named by its scope (a linen module
-  path, a ``jax.named_scope``), in a repeated block by the block's path as
-  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``, one headroom row per instance), else
-  by the user's function. A float16 constant beyond 65504 (``jnp.float16(1e5)``) is found as a
-  constant; an explicit ``-jnp.inf`` (a mask) is taken as meant, reported only where nothing else
-  is. See ``docs/guide/locate.md``.
+  it on a micro-batch of a skipped step. An operation is named by its scope (a linen module path, a
+  ``jax.named_scope``; a repeated block's instance by its path, ``"blocks/2"``), else by the user's
+  function. A float16 literal beyond 65504 is reported; an explicit ``-jnp.inf`` (a mask) only
+  where nothing else is. See ``docs/guide/locate.md``.
 
   Args:
     fun: the loss function, as given to ``jax.grad``, not yet multiplied by the scale; returns a
@@ -171,8 +163,7 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
 
 
 def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _jax_source.Watch) -> list[Any]:
-  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a ``cond``
-  needs its concrete index."""
+  """Evaluates ``closed``, recording every operation: compiled once, or eagerly with a ``cond``."""
 
   now = functools.partial(_record, phase=phase, acc=acc, seen=seen)
   if _has_cond(closed.jaxpr):
@@ -234,8 +225,7 @@ def _eval(
   record: Callable[..., None],
   outer: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[bool]]:
-  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every operation with
-  its inputs, outputs, constant flags and the scopes of the calls around."""
+  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` sees every operation."""
   env: dict[Any, Any] = {}
   constant: set[Any] = set(jaxpr.constvars)
 
