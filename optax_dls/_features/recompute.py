@@ -245,13 +245,6 @@ def _grads_of(
   f: Callable[..., Any], has_aux: bool, argnums: int | tuple[int, ...]
 ) -> Callable[..., Any]:
   """``jax.grad`` of ``S * loss``: ``(scale, /, *args, **kwargs) -> (grads, out)``."""
-
-  def scaled(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    out = f(*args, **kwargs)
-    loss, _ = _calls.loss_and_aux(f, has_aux, out)
-    times = _loss.times_scale(loss, scale)  # checks the loss: a floating array
-    return times, out
-
   nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
   which = argnums if isinstance(argnums, tuple) else (argnums,)
 
@@ -261,7 +254,9 @@ def _grads_of(
 
     def whole(scale: jax.Array, /, *dyn: Any, **kw: Any) -> tuple[Any, Any]:
       full = [_model.combine(a, parts[i][1]) if i in parts else a for i, a in enumerate(dyn)]
-      return scaled(scale, *full, **kw)
+      out = f(*full, **kw)
+      loss, _ = _calls.loss_and_aux(f, has_aux, out)
+      return _loss.times_scale(loss, scale), out  # checks the loss: a floating array
 
     dyn = [parts[i][0] if i in parts else a for i, a in enumerate(args)]
     return jax.grad(whole, argnums=nums, has_aux=True)(scale, *dyn, **kwargs)
