@@ -76,9 +76,8 @@ class SkipAlerts:
     if consecutive >= self.alert_after and self._episode["skips"] != episode:
       self._episode["skips"] = episode
       messages.append(
-        f"optax_dls: {consecutive} consecutive skipped steps (non-finite gradients) "
-        f"at step {step}; "
-        f"loss scale now {scale:g}. See docs/observability.md for what to check."
+        f"optax_dls: {consecutive} consecutive skipped steps (non-finite gradients) at step "
+        f"{step}; loss scale now {scale:g}. See docs/observability.md for what to check."
       )
     if int(m.get("skips_at_min_scale", 0)) >= 1 and self._episode["at_min"] != episode:
       self._episode["at_min"] = episode

@@ -128,11 +128,9 @@ class CastPolicy:
 
 
 def _parse_dtype(policy_name: str, value: str) -> Any:
-  if value == "half":
-    return half_dtype()
-  if value not in _DTYPES:
+  if value != "half" and value not in _DTYPES:
     raise ValueError(f"Unknown dtype {value!r} in cast policy {policy_name!r}; expected {_FORMS}.")
-  return _DTYPES[value]
+  return _floating_dtype("", value)
 
 
 def cast_policy(policy_name: str) -> CastPolicy:
