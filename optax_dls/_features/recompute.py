@@ -126,20 +126,13 @@ def value_and_grad(
   gradients go to the policy as an overflow (S backs off, as on a skipped step) and are computed
   again at the new scale, for the same arguments, up to ``max_tries`` times, then once with
   ``fp32_fun`` if given; if every try overflowed, ``tx.update`` skips the step. Each failed try
-  counts for growth and hysteresis as a skipped step. The result equals a step run directly at the
-  final scale (to the rounding of non-power-of-two scales). See ``docs/guide/recompute.md``.
-
-  Float16 retries stop early after a back-off that left S unchanged, or at a non-finite loss (no
-  back-off: the state records the loss as the cause, ``tx.update`` skips and backs off once,
-  :func:`metrics` reports ``nonfinite_loss``); ``fp32_fun`` still runs. With :func:`no_loss_scale`
-  nothing is retried. Chain :func:`recompute_stats` inside ``tx`` to count the retries.
-
-  Without an overflow it costs one forward and backward pass and one read of the gradients; the
-  retries run in a ``lax.while_loop`` behind a ``lax.cond``, in one compiled step. On the CPU, when
-  a retry can run, the gradients are pinned to row-major (a ``LayoutConstraint`` custom call: give
-  ``jax.export`` its ``DisabledSafetyCheck.custom_call("LayoutConstraint")``). Under ``shard_map`` /
-  ``pmap`` the check is reduced over ``tx``'s ``axis_name``; under ``optax.MultiSteps`` each
-  micro-batch is recomputed.
+  counts as a skipped step for growth and hysteresis; the result equals a step run at the final
+  scale. Float16 retries stop after a back-off that left S unchanged, or at a non-finite loss (then
+  ``tx.update`` skips and backs off once, :func:`metrics` reports ``nonfinite_loss``). Without an
+  overflow it costs one pass and one read of the gradients; the retries run in a
+  ``lax.while_loop`` behind a ``lax.cond``. On the CPU the gradients are then pinned to row-major
+  (for ``jax.export``: ``DisabledSafetyCheck.custom_call("LayoutConstraint")``). Chain
+  :func:`recompute_stats` inside ``tx`` to count retries. See ``docs/guide/recompute.md``.
 
   Args:
     fun: the loss function, returning the unscaled floating scalar loss (float16 is promoted to
@@ -165,8 +158,8 @@ def value_and_grad(
       ``(loss, aux)`` pair with ``has_aux``, fewer positional arguments than ``argnums``.
     ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``tx`` an
       ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first argument
-      holding no loss-scale state (the message gives the order) or several, ``fun`` and ``fp32_fun``
-      outputs differing in structure or shape, or more than one :func:`recompute_stats` in ``tx``.
+      holding no loss-scale state or several, ``fun`` and ``fp32_fun`` outputs differing in
+      structure or shape, or more than one :func:`recompute_stats` in ``tx``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
