@@ -179,9 +179,8 @@ def cast_policy(policy_name: str) -> CastPolicy:
 def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = None) -> Any:
   """Runs ``fn`` in float32 inside a half-precision model: softmax, normalisation, the loss.
 
-  Casts the floating array arguments to float32, calls ``fn`` and casts the output's floating
-  arrays back; ``jax.grad`` goes through the casts. Use it as ``@full_precision``,
-  ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
+  Casts the floating array arguments to float32 and the output's back; ``jax.grad`` goes through.
+  Use it as ``@full_precision``, ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
 
   Args:
     fn: the function; any pytrees in and out. Omitted, a decorator is returned.

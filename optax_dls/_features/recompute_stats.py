@@ -15,10 +15,9 @@ class RecomputeState(NamedTuple):
   """State of :func:`recompute_stats`.
 
   Attributes:
-    recomputed_steps: int32 ``()``. Steps whose gradients :func:`optax_dls.value_and_grad`
-      recomputed after an overflow. Saturates at ``2**31 - 1``.
-    recompute_tries: int32 ``()``. The extra forward and backward passes those steps took, the
-      float32 last resort included. Saturating.
+    recomputed_steps: int32 ``()``, steps :func:`optax_dls.value_and_grad` recomputed.
+    recompute_tries: int32 ``()``, the extra passes they took, float32 included. Both saturate at
+      ``2**31 - 1``.
   """
 
   recomputed_steps: jax.Array

@@ -26,9 +26,8 @@ def target_states(tree: Any) -> list[_tree_paths.Path]:
 def into_loss_scaled(restored: Any, target: Any) -> Any:
   """Puts a checkpoint saved without loss scaling into a loss-scaled target.
 
-  Each leaf of ``restored`` goes to its place in ``target`` (the old optimizer state to the
-  loss-scale state's ``inner_state``), converted to the target leaf's dtype and sharding; the
-  loss-scale fields keep the target's values (the scale at ``init_scale``, the counters at 0).
+  The old optimizer state goes to ``inner_state``; the loss-scale fields keep the target's values
+  (the scale at ``init_scale``, the counters at 0).
 
   Args:
     restored: a checkpoint tree whose optimizer state has no :class:`~optax_dls.LossScaleState`,
