@@ -1,11 +1,6 @@
-"""Flax integration: loss-scaled ``value_and_grad`` for a linen ``TrainState`` and an
-``nnx.Optimizer``, and the port from flax's ``DynamicScale``.
-
-Importing it imports flax (the ``flax`` extra). The optimizer needs nothing flax-specific:
-``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` unscale, check, skip and adapt. Their
-``step`` counts skipped steps too; the applied ones are
-``metrics(...)['num_steps'] - metrics(...)['skip_count']``.
-"""
+"""Flax integration (the ``flax`` extra): loss-scaled ``value_and_grad`` for a linen ``TrainState``
+and an ``nnx.Optimizer``, and the port from flax's ``DynamicScale``. Their ``step`` counts skipped
+steps too: the applied ones are ``num_steps - skip_count`` in ``metrics``."""
 
 from __future__ import annotations
 
@@ -44,27 +39,16 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """:func:`optax_dls.value_and_grad` for a linen ``TrainState`` or an ``nnx.Optimizer``.
 
-  ``grad_fn(state, *args, **kwargs)`` takes the ``TrainState`` or ``nnx.Optimizer`` first, reads its
-  loss scale S when called, and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius et al.
-  2018, *Mixed Precision Training*). It returns the loss as ``fun`` returned it (a float16 loss is
-  scaled in float32; its scaled value past float16's range is no overflow), the *scaled* gradients
-  (``state.apply_gradients`` / ``optimizer.update`` unscale them) and the state to apply them to.
-  ``fun`` may take any keyword. What differs from :func:`optax_dls.value_and_grad`, which describes
-  the retries, their cost, counts and layouts (see also ``docs/guide/flax.md``):
+  ``grad_fn(state, *args, **kwargs)`` reads the loss scale S of the ``TrainState`` or
+  ``nnx.Optimizer`` and differentiates ``S * fun(*args, **kwargs)`` (Micikevicius et al. 2018,
+  *Mixed Precision Training*) as :func:`optax_dls.value_and_grad` does (see also
+  ``docs/guide/flax.md``); ``state.apply_gradients`` / ``optimizer.update`` unscale the gradients.
 
-  * An ``nnx.Module`` argument is differentiated with respect to the optimizer's ``wrt`` variables
-    (``nnx.Param`` by default), split with ``nnx.split`` and merged back: ``fun`` must not change
-    its structure (``sow``, a new ``Variable`` or attribute; a ``ValueError`` names what changed).
-  * **A skipped step leaves the model as it was**: the modules' non-``wrt`` variables
-    (``BatchStat``; the RNG state advances) take ``fun``'s values only where the gradients are
-    finite. For linen, keep ``batch_stats`` where ``metrics(new.opt_state)["skipped"]``.
-  * Recomputing only when ``max_tries`` is given; the state returned carries the new S (a new
-    ``TrainState``; the ``nnx.Optimizer`` updated in place), every try starting from the arguments
-    as given. Without it the state is ``state``, but for a non-finite loss being recorded.
-  * ``axis_name``: under ``pmap`` / ``shard_map`` every pass's gradients are averaged with
-    ``lax.pmean`` (not the loss), as flax's ``DynamicScale`` does; not needed under ``jit`` with
-    ``NamedSharding``. Under ``shard_map(check_vma=True)`` JAX's transpose has already summed a
-    replicated parameter's gradient: average the loss in ``fun`` there.
+  An ``nnx.Module`` argument is differentiated with respect to the optimizer's ``wrt`` variables
+  (``nnx.Param`` by default) and merged back: ``fun`` must not change its structure (``sow``, a
+  new ``Variable`` or attribute). **A skipped step leaves the model as it was**: non-``wrt``
+  variables (``BatchStat``) take ``fun``'s values only where the gradients are finite; the RNG
+  state advances. For linen, keep ``batch_stats`` where ``metrics(new.opt_state)["skipped"]``.
 
   Args:
     fun: the loss function; its arguments are those of ``grad_fn`` after ``state``.
@@ -72,12 +56,16 @@ def value_and_grad(
     argnums: int or tuple of ints, the positional arguments of ``fun`` to differentiate, counted in
       ``args`` (after ``state``). Default 0.
     has_aux: whether ``fun`` returns ``(loss, aux)``. Default False.
-    max_tries: None (default: no recomputation) or an int in [0, 64], the float16 recomputations
-      after the first pass.
+    max_tries: None (default: no recomputation; ``state`` comes back as it was, but for a
+      non-finite loss recorded) or an int in [0, 64], the float16 recomputations after the first
+      pass, each from the arguments as given; the state returned then carries the new S (a new
+      ``TrainState``; the ``nnx.Optimizer`` updated in place).
     fp32_fun: optional, ``fun`` computed in float32, the last resort when every float16 try
       overflowed (same signature and outputs); needs ``max_tries``. Default None.
-    axis_name: None (default), a mapped axis name or a tuple of names: the gradients are averaged
-      over it.
+    axis_name: None (default), a mapped axis name or a tuple of names: under ``pmap`` /
+      ``shard_map`` every pass's gradients (not the loss) are averaged over it, as flax's
+      ``DynamicScale`` does. Under ``shard_map(check_vma=True)`` JAX has already summed a
+      replicated parameter's gradient: average the loss in ``fun`` there.
 
   Returns:
     ``grad_fn(state, *args, **kwargs) -> ((value, grads), state)``, ``value`` the loss
@@ -164,8 +152,7 @@ def _is_optimizer(state: Any, args: tuple[Any, ...]) -> bool:
 
 
 class _Modules(NamedTuple):
-  """The ``nnx.Module`` arguments of one call as pure states: the differentiated ones, the RNG
-  state, and the other variables (kept as they were on a skipped step)."""
+  """The ``nnx.Module`` arguments of one call as pure states: differentiated, RNG and other."""
 
   modules: tuple[Any, ...]
   where: tuple[int, ...]  # their positions among the arguments
@@ -195,8 +182,7 @@ class _Modules(NamedTuple):
     return tuple(out)
 
   def pure(self, f: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-    """``f`` on the pure arguments, returning ``(loss, (aux, after))``, ``after`` the RNG and other
-    states the call leaves in the modules."""
+    """``f`` on the pure arguments: ``(loss, (aux, after))``, ``after`` the RNG and other states."""
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
       merged = self._merged(args)
@@ -229,8 +215,7 @@ class _Modules(NamedTuple):
     return nnx.merge(self.graphdef, self.rng, self.other, *parts, **_MERGE_COPY)
 
   def update(self, after: Any, finite: jax.Array) -> None:
-    """Writes ``after`` into the modules: the RNG state, and the other variables where the gradients
-    are ``finite``."""
+    """Writes ``after``'s RNG state into the modules, its other variables where ``finite``."""
     if not self.where:
       return
     rng, other = after
@@ -252,8 +237,7 @@ _MERGE_COPY = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameter
 
 
 def _write_in_place(opt_state: Any, new: Any) -> None:
-  """Writes ``new``'s leaves into the ``nnx.Variable`` leaves of ``opt_state``'s LossScaleState,
-  each in its own dtype."""
+  """Writes ``new`` into the ``nnx.Variable`` leaves of ``opt_state``'s LossScaleState."""
   (node,) = _find.find_all(opt_state)
   for var, value in zip(
     jax.tree.leaves(node, is_leaf=_find.is_variable), jax.tree.leaves(new), strict=True

@@ -17,15 +17,10 @@ logger = logging.getLogger("optax_dls")
 class SkipAlerts:
   """Logs a warning when skipped steps pile up, read from :func:`optax_dls.metrics`.
 
-  Two alerts, each once per run of consecutive skips (an *episode*), on the ``optax_dls`` logger at
-  WARNING, on process 0 only:
-
-  * ``alert_after`` consecutive skipped steps: float16 keeps overflowing;
-  * a skip at the policy's minimum scale (needs the :func:`fp32_fallback` wrapper, whose
-    ``skips_at_min_scale`` :func:`metrics` reports): backing off cannot help.
-
-  With sparse calls an episode shorter than the gap between two calls can go unseen. When it warns,
-  :func:`optax_dls.locate` on that step's batch names the operation that overflowed.
+  Warns (``optax_dls`` logger, process 0 only) once per run of consecutive skips: after
+  ``alert_after`` of them, and at a skip at the policy's minimum scale (reported by the
+  :func:`fp32_fallback` wrapper's ``skips_at_min_scale``). A run shorter than the gap between two
+  calls can go unseen. :func:`optax_dls.locate` on that step's batch names what overflowed.
 
   Args:
     alert_after: int in [1, 2**31 - 1], consecutive skips that raise the first alert. Default 3.
@@ -58,8 +53,7 @@ class SkipAlerts:
 
     Args:
       step: int, the training step the metrics belong to (shown in the message).
-      metrics: :func:`optax_dls.metrics` of the optimizer state after that step (device arrays are
-        moved to the host here).
+      metrics: :func:`optax_dls.metrics` of the optimizer state after that step.
 
     Returns:
       The messages logged by this call (also appended to ``self.fired``).
@@ -82,9 +76,8 @@ class SkipAlerts:
     if consecutive >= self.alert_after and self._episode["skips"] != episode:
       self._episode["skips"] = episode
       messages.append(
-        f"optax_dls: {consecutive} consecutive skipped steps (non-finite gradients) "
-        f"at step {step}; "
-        f"loss scale now {scale:g}. See docs/observability.md for what to check."
+        f"optax_dls: {consecutive} consecutive skipped steps (non-finite gradients) at step "
+        f"{step}; loss scale now {scale:g}. See docs/observability.md for what to check."
       )
     if int(m.get("skips_at_min_scale", 0)) >= 1 and self._episode["at_min"] != episode:
       self._episode["at_min"] = episode

@@ -45,7 +45,7 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
 
 
 def _floating_dtype(name: str, value: Any) -> Any:
-  """``value`` as a floating dtype: a dtype or a jmp name (NumPy reads 'f16' as float128)."""
+  """``value``, a dtype or jmp name (NumPy reads 'f16' as float128), as a floating dtype."""
   if isinstance(value, str) and (value in _DTYPES or value == "half"):
     return half_dtype() if value == "half" else _DTYPES[value]
   if value is None:
@@ -68,10 +68,9 @@ def _floating_dtype(name: str, value: Any) -> Any:
 class CastPolicy:
   """The parameter, compute and output dtypes of a mixed-precision model.
 
-  jmp's ``Policy`` methods (``cast_to_param``, ``cast_to_compute``, ``cast_to_output``,
-  ``with_output_dtype``, ``str`` in jmp's form). Each cast changes only the floating JAX and NumPy
-  arrays of a pytree; every other leaf is left alone. Frozen and hashable (a static argument of
-  ``jax.jit``). What :func:`~optax_dls.cast_policy` returns.
+  What :func:`~optax_dls.cast_policy` returns, with jmp's ``Policy`` methods and ``str`` form.
+  Each cast changes only a pytree's floating JAX and NumPy arrays. Frozen and hashable (a static
+  argument of ``jax.jit``).
 
   Args:
     param_dtype: the dtype the parameters (master weights) are kept in. Default float32.
@@ -129,24 +128,20 @@ class CastPolicy:
 
 
 def _parse_dtype(policy_name: str, value: str) -> Any:
-  if value == "half":
-    return half_dtype()
-  if value not in _DTYPES:
+  if value != "half" and value not in _DTYPES:
     raise ValueError(f"Unknown dtype {value!r} in cast policy {policy_name!r}; expected {_FORMS}.")
-  return _DTYPES[value]
+  return _floating_dtype("", value)
 
 
 def cast_policy(policy_name: str) -> CastPolicy:
   """A :class:`~optax_dls._features.casting.CastPolicy` from jmp's string form.
 
-  One dtype name for all three, or comma-separated ``key=dtype`` pairs (keys ``params``/``p``,
-  ``compute``/``c``, ``output``/``o``; a repeated key takes its last value). As in jmp, params
-  default to float32, compute to params, output to compute. Dtype names: ``bf16``, ``f16``,
-  ``full``/``f32``, ``f64``, the long names, and ``half`` (bfloat16 on TPU, float16 elsewhere).
-
   Args:
-    policy_name: the string, e.g. ``"params=float32,compute=float16,output=float32"`` or
-      ``"p=f32,c=f16,o=f32"``.
+    policy_name: one dtype name for all three, or comma-separated ``key=dtype`` pairs (keys
+      ``params``/``p``, ``compute``/``c``, ``output``/``o``; a repeated key takes its last value),
+      e.g. ``"p=f32,c=f16,o=f32"``. As in jmp, params default to float32, compute to params,
+      output to compute. Dtype names: ``bf16``, ``f16``, ``full``/``f32``, ``f64``, the long
+      names, and ``half`` (bfloat16 on TPU, float16 elsewhere).
 
   Returns:
     The policy; ``str`` of it gives jmp's form back.
@@ -184,16 +179,14 @@ def cast_policy(policy_name: str) -> CastPolicy:
 def full_precision(fn: Callable[..., Any] | None = None, *, output_dtype: Any = None) -> Any:
   """Runs ``fn`` in float32 inside a half-precision model: softmax, normalisation, the loss.
 
-  Casts the floating array arguments to float32 (others pass as they are), calls ``fn``, and casts
-  the output's floating arrays to ``output_dtype``, else to the arguments' promoted floating dtype,
-  else leaves them float32. Around the loss pass ``output_dtype=jnp.float32`` (a float16 loss makes
-  :func:`scale_loss` warn). ``jax.grad`` goes through the casts. Use it as ``@full_precision``,
-  ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
+  Casts the floating array arguments to float32 and the output's back; ``jax.grad`` goes through.
+  Use it as ``@full_precision``, ``@full_precision(output_dtype=...)`` or ``full_precision(fn)``.
 
   Args:
     fn: the function; any pytrees in and out. Omitted, a decorator is returned.
     output_dtype: the dtype of the output's floating arrays. Default ``None``: the arguments'
-      promoted floating dtype, as above.
+      promoted floating dtype, or float32 if they have none. Around the loss pass ``jnp.float32``
+      (a float16 loss makes :func:`scale_loss` warn).
 
   Returns:
     The wrapped function (``functools.wraps`` of ``fn``), or a decorator.

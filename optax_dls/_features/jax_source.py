@@ -1,9 +1,5 @@
-"""Where a jaxpr equation came from: the user's ``file:line``, function and named scope, and, while
-:func:`watching`, which call made it and where a constant overflowed.
-
-The only reader of JAX's private ``source_info_util``: without it, source is ``"?"`` and no call is
-told apart; named scopes still work.
-"""
+"""Where a jaxpr equation came from (the user's ``file:line``, function, scope, call) and where a
+constant overflowed; the only reader of JAX's private ``source_info_util``."""
 
 from __future__ import annotations
 
@@ -68,8 +64,7 @@ _TYPE_SCOPES = ("eqx.",)
 
 
 def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
-  """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (those of the call whose body
-  holds it), without transforms."""
+  """The named scopes ``eqn`` ran in, outermost first, after ``outer`` (its caller's)."""
   stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
   return [*outer, *(s.name for s in stack if type(s).__name__ == "Scope")]
 
@@ -77,8 +72,7 @@ def scopes(eqn: Any, outer: Sequence[str] = ()) -> list[str]:
 def scope_of(
   eqn: Any, outer: Sequence[str] = (), instances: Mapping[str, str] | None = None
 ) -> str:
-  """The named scope ``eqn`` ran in, from the innermost block instance ``instances`` names (by its
-  path) inwards; ``""`` at the top level."""
+  """``eqn``'s scope from the innermost block instance (named by its path); ``""`` at the top."""
   parts: list[str] = []
   inside = False
   for name in scopes(eqn, outer):
@@ -93,15 +87,13 @@ def scope_of(
 
 @dataclasses.dataclass
 class Watch:
-  """What :func:`watching` saw: the scope each user call opened, in order (``calls``), what
-  ``describe`` said of each call's arguments (``given``), ``(file, function, line)`` where NumPy
-  overflowed making a constant (``overflows``); and the block instance each call is, by path
-  (``instances``, filled in by ``locate``)."""
+  """What :func:`watching` saw."""
 
-  calls: list[str] = dataclasses.field(default_factory=list)
-  given: dict[str, Any] = dataclasses.field(default_factory=dict)
+  calls: list[str] = dataclasses.field(default_factory=list)  # each user call's scope, in order
+  given: dict[str, Any] = dataclasses.field(default_factory=dict)  # describe(args) per call
+  # (file, function, line) where NumPy overflowed making a constant
   overflows: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
-  instances: dict[str, str] = dataclasses.field(default_factory=dict)
+  instances: dict[str, str] = dataclasses.field(default_factory=dict)  # call -> path, by locate
 
   def made_here(self, eqn: Any) -> bool:
     """Whether a constant overflowed in the function that wrote ``eqn``, at or before its line."""
@@ -119,9 +111,8 @@ _SITE = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "
 
 @contextlib.contextmanager
 def watching(describe: Callable[[list[Any]], Any] | None = None) -> Iterator[Watch]:
-  """While tracing, every user call (not a linen method: linen names its modules) opens a scope of
-  its own and ``describe`` gets its positional arguments; a NumPy overflow making a constant is
-  noted with the user's line. Under another profiler, calls are not told apart."""
+  """While tracing, each user call but a linen method opens a scope, ``describe`` getting its
+  positional arguments (not under another profiler), and NumPy overflows are noted."""
   watch = Watch()
   if _siu is None:
     yield watch
@@ -194,9 +185,8 @@ def _positional(frame: Any) -> list[Any]:
 
 
 def _eligible(code: Any) -> bool:
-  """A user function whose call opens a scope: not a generator (left at each ``yield``), an
-  ``__enter__``/``__exit__``, a module body, a comprehension, nor the import system's or the
-  standard library's."""
+  """A user function whose call opens a scope: no generator, ``__enter__``/``__exit__``, module
+  body, comprehension, nor the import system's or the standard library's."""
   name, function = code.co_filename, code.co_name
   skipped = bool(code.co_flags & _SKIPPED) or function in ("__enter__", "__exit__")
   skipped |= function.startswith("<") and function != "<lambda>"

@@ -1,11 +1,5 @@
-"""``locate``: the operation that made an inf or NaN, and every scope's headroom.
-
-``S * fun(*args)`` is traced to a forward jaxpr (``jax.vjp``) and a backward one (the pullback of
-1), each evaluated equation by equation on the CPU under one ``jax.jit`` that returns every value
-(eagerly when it holds a ``cond``). Call-like equations and a ``cond``'s taken branch are entered; a
-``scan`` or ``while`` is run whole. Which values are constants is followed, so an inf made from a
-literal beyond the range (:func:`jax_source.watching`) is told from an explicit one.
-"""
+"""``locate``: the operation that made an inf or NaN, and every scope's headroom, from the forward
+and backward jaxprs of ``S * fun(*args)`` evaluated equation by equation on the CPU."""
 
 from __future__ import annotations
 
@@ -40,35 +34,28 @@ def locate(
 ) -> _headroom.LocateReport:
   """Finds the first operation of ``S * fun(*args)`` or its gradient that is not finite.
 
-  Runs outside the training step, on the CPU, holding every intermediate value in host memory: call
-  it once, on a micro-batch of a skipped step. An operation is named by its scope (a linen module
-  path, a ``jax.named_scope``), in a repeated block by the block's path as
-  :func:`optax_dls.nonfinite_leaves` writes it (``"blocks/2"``, one headroom row per instance), else
-  by the user's function. A float16 constant beyond 65504 (``jnp.float16(1e5)``) is found as a
-  constant; an explicit ``-jnp.inf`` (a mask) is taken as meant, reported only where nothing else
-  is. See ``docs/guide/locate.md``.
+  Runs on the CPU, holding every intermediate value in host memory: call it on a micro-batch of a
+  skipped step. An operation is named by its scope (a linen module path, a ``jax.named_scope``, a
+  block instance's path such as ``"blocks/2"``), else by the user's function. An explicit
+  ``-jnp.inf`` (a mask) is reported only where nothing else is. See ``docs/guide/locate.md``.
 
   Args:
-    fun: the loss function, as given to ``jax.grad``, not yet multiplied by the scale; returns a
-      scalar (and an auxiliary value with ``has_aux=True``).
+    fun: the unscaled loss function, as given to ``jax.grad``.
     *args: its arguments, e.g. ``params, batch``; float16 leaves stay float16.
-    scale: the loss scale ``S``, multiplied in ``promote_types(loss.dtype, float32)`` as
-      :func:`optax_dls.scale_loss` does (e.g. ``float(optax_dls.find_state(state).loss_scale)``); in
-      ``[2**-126, 2**126]``. Default ``2.0**15``.
+    scale: the loss scale ``S`` in ``[2**-126, 2**126]``, multiplied in ``promote_types(loss.dtype,
+      float32)`` as :func:`optax_dls.scale_loss` does. Default ``2.0**15``.
     argnums: which argument the gradient is taken with respect to. Default 0.
     has_aux: ``fun`` returns ``(loss, aux)``. Default False.
 
   Returns:
     A :class:`~optax_dls._util.locate_report.LocateReport`: ``first`` (phase, primitive, source,
     scope, kind, dtype, input_max, note) or None when every value is finite, and ``headroom``, one
-    row per scope (per block instance), closest to overflow first. ``print(report)`` shows a table;
-    ``report.to_dict()`` is JSON-ready.
+    row per scope (per block instance), closest to overflow first.
 
   Raises:
     TypeError: ``fun`` is not callable; ``scale``, ``argnums`` or ``has_aux`` is not a number, an
-      int, a bool; the loss ``fun`` returns is not a real floating scalar (a tuple without
-      ``has_aux=True``, an integer or complex loss), or, with ``has_aux=True``, ``fun`` returns no
-      ``(loss, aux)`` pair.
+      int, a bool; the loss is not a real floating scalar (or a tuple without ``has_aux=True``),
+      or, with ``has_aux=True``, ``fun`` returns no ``(loss, aux)`` pair.
     ValueError: ``scale`` is outside ``[2**-126, 2**126]``, or ``argnums`` is not the index of one
       of ``args``.
 
@@ -171,8 +158,7 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
 
 
 def _run(closed: Any, args: list[Any], phase: str, acc: Any, seen: _jax_source.Watch) -> list[Any]:
-  """Evaluates ``closed``, recording every operation: compiled once, or eagerly where a ``cond``
-  needs its concrete index."""
+  """Evaluates ``closed``, recording every operation: compiled once, or eagerly with a ``cond``."""
 
   now = functools.partial(_record, phase=phase, acc=acc, seen=seen)
   if _has_cond(closed.jaxpr):
@@ -234,8 +220,7 @@ def _eval(
   record: Callable[..., None],
   outer: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[bool]]:
-  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` gets every operation with
-  its inputs, outputs, constant flags and the scopes of the calls around."""
+  """The outputs of ``jaxpr`` and whether each is a constant; ``record`` sees every operation."""
   env: dict[Any, Any] = {}
   constant: set[Any] = set(jaxpr.constvars)
 

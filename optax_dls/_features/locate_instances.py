@@ -1,11 +1,5 @@
-"""Which instance of a repeated block each operation of :func:`optax_dls.locate` ran in.
-
-Each user call opens a scope while ``locate`` traces. A parameter's path follows its value through
-operations reading nothing else but constants, and each call collects the parameters its operations
-apply to data; it is named by the path they share (``blocks/2``). A call applying every parameter,
-whose parameters share no path, or that JAX traced once and runs at several places
-(``jax.jit(block)``) is not named.
-"""
+"""Which instance of a repeated block each operation of :func:`optax_dls.locate` ran in: a user
+call is named by the path shared by the parameters it applies to data (``blocks/2``)."""
 
 from __future__ import annotations
 
@@ -36,8 +30,7 @@ def _named(path: Any) -> Path:
 
 
 def given_paths(args: Sequence[Any]) -> frozenset[Path]:
-  """The paths of the arrays inside a call's arguments (``linear1/weight`` in a block's ``self``):
-  ``blocks/2/linear1/weight`` applied there makes the call ``blocks/2``."""
+  """The paths of the arrays in a call's arguments (``linear1/weight`` in a block's ``self``)."""
   flat = [(path, leaf) for value in args for path, leaf in _flat(value) if path]
   is_array = lambda x: _tree_paths.is_variable(x) or isinstance(x, jax.Array)
   return frozenset(_named(path) for path, leaf in flat if is_array(leaf))
@@ -57,13 +50,11 @@ def names(
   given: Mapping[str, frozenset[Path]],
   body: Callable[[Any], tuple[Any, list[Any]] | None],
 ) -> dict[str, str]:
-  """``{call scope: path}`` for the ``calls`` that are a block instance; ``kinds`` per input of
-  ``closed``: a parameter's path or None (data); ``given`` per call: :func:`given_paths`; ``body``:
-  the jaxpr an equation enters."""
+  """``{call scope: path}`` for the ``calls`` that are a block instance, from each input's kind.
+  Not named: a call applying every parameter, or none sharing a path, or run at several places."""
   applied: dict[str, set[Path]] = {}
   every: set[Path] = set()
-  # Per call, the bodies whose equations it opened: a body run at several places shows one
-  # call in each.
+  # Per call, the bodies whose equations it opened: several when run at several places.
   bodies: dict[str, set[int]] = {}
 
   def walk(jaxpr: Any, kinds_in: Sequence[Kind], outer: Sequence[str], at: int) -> list[Kind]:

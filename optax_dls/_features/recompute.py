@@ -1,6 +1,5 @@
-"""Recomputing an overflowing step inside the same jitted step, so that no batch is lost: back off
-and compute the gradients again for the same batch, up to a bounded number of tries, then in float32
-if a float32 loss is given; only then is the step skipped."""
+"""Recomputing an overflowing step's gradients for the same batch inside the jitted step: backed
+off up to a bounded number of tries, then in float32 if given; only then is the step skipped."""
 
 from __future__ import annotations
 
@@ -123,30 +122,17 @@ def value_and_grad(
   """``jax.value_and_grad`` of a loss-scaled loss that recomputes an overflowing step.
 
   ``grad_fn(opt_state, *args, **kwargs)`` differentiates ``S * fun(*args, **kwargs)``, S the loss
-  scale in ``opt_state`` (Micikevicius et al. 2018, *Mixed Precision Training*). When the gradients
-  are not finite it hands them to the policy as an overflow (which backs S off, as a skipped step
-  would) and differentiates again at the new scale, for the same arguments, up to ``max_tries``
-  times; then once with ``fp32_fun``, if given. It returns the loss, the scaled gradients of the
-  last try and ``opt_state`` with the scale they were computed at, for ``tx.update``. The guide
-  (``docs/guide/recompute.md``) gives the details summed up here.
-
-  **Stops early** when no float16 pass can help: a non-finite loss (no retry, no back-off; the state
-  records the loss as the cause, ``tx.update`` skips and backs off once, :func:`metrics` reports
-  ``nonfinite_loss``), or a back-off that left the scale where it was. ``fp32_fun`` still runs.
-
-  **Cost.** One forward and backward pass plus one read of the gradients when nothing overflows;
-  the retries run in a ``lax.while_loop`` behind a ``lax.cond``, in one compiled step. Each failed
-  try counts for growth and hysteresis as a skipped step would; when every try overflowed,
-  ``tx.update`` skips the step. The result equals a step run directly at the final scale (to the
-  rounding of non-power-of-two scales). With :func:`no_loss_scale` nothing is retried.
-
-  **Counts.** Chain :func:`recompute_stats` inside ``tx`` for ``recomputed_steps`` and
-  ``recompute_tries`` in ``metrics``; without it nothing is counted.
-
-  **Layouts.** On the CPU, when a retry can run, the gradients are pinned to row-major (a
-  ``LayoutConstraint`` custom call: give ``jax.export`` its
-  ``DisabledSafetyCheck.custom_call("LayoutConstraint")``). Under ``shard_map`` / ``pmap`` the check
-  is reduced over ``tx``'s ``axis_name``; under ``optax.MultiSteps`` each micro-batch is recomputed.
+  scale in ``opt_state`` (Micikevicius et al. 2018, *Mixed Precision Training*). Non-finite
+  gradients go to the policy as an overflow (S backs off, as on a skipped step) and are computed
+  again at the new scale, for the same arguments, up to ``max_tries`` times, then once with
+  ``fp32_fun`` if given; if every try overflowed, ``tx.update`` skips the step. Each failed try
+  counts as a skipped step for growth and hysteresis; the result equals a step run at the final
+  scale. Float16 retries stop after a back-off that left S unchanged, or at a non-finite loss (then
+  ``tx.update`` skips and backs off once, :func:`metrics` reports ``nonfinite_loss``). Without an
+  overflow it costs one pass and one read of the gradients; the retries run in a
+  ``lax.while_loop`` behind a ``lax.cond``. On the CPU the gradients are then pinned to row-major
+  (for ``jax.export``: ``DisabledSafetyCheck.custom_call("LayoutConstraint")``). Chain
+  :func:`recompute_stats` inside ``tx`` to count retries. See ``docs/guide/recompute.md``.
 
   Args:
     fun: the loss function, returning the unscaled floating scalar loss (float16 is promoted to
@@ -163,7 +149,8 @@ def value_and_grad(
 
   Returns:
     ``grad_fn(opt_state, *args, **kwargs) -> ((value, grads), opt_state)``: ``value`` the loss
-    (``(loss, aux)`` with ``has_aux``), ``grads`` scaled by the new loss scale.
+    (``(loss, aux)`` with ``has_aux``), ``grads`` the last try's, scaled by the loss scale of the
+    ``opt_state`` returned.
 
   Raises:
     TypeError: ``fun`` / ``fp32_fun`` not callable, ``tx`` not loss-scaled, ``max_tries``,
@@ -171,8 +158,8 @@ def value_and_grad(
       ``(loss, aux)`` pair with ``has_aux``, fewer positional arguments than ``argnums``.
     ValueError: ``max_tries`` out of range, a negative or repeated ``argnums``, ``tx`` an
       ``optax.MultiSteps`` around a loss-scaled transformation; when called, a first argument
-      holding no loss-scale state (the message gives the order) or several, ``fun`` and ``fp32_fun``
-      outputs differing in structure or shape, or more than one :func:`recompute_stats` in ``tx``.
+      holding no loss-scale state or several, ``fun`` and ``fp32_fun`` outputs differing in
+      structure or shape, or more than one :func:`recompute_stats` in ``tx``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -251,13 +238,6 @@ def _grads_of(
   f: Callable[..., Any], has_aux: bool, argnums: int | tuple[int, ...]
 ) -> Callable[..., Any]:
   """``jax.grad`` of ``S * loss``: ``(scale, /, *args, **kwargs) -> (grads, out)``."""
-
-  def scaled(scale: jax.Array, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    out = f(*args, **kwargs)
-    loss, _ = _calls.loss_and_aux(f, has_aux, out)
-    times = _loss.times_scale(loss, scale)  # checks the loss: a floating array
-    return times, out
-
   nums = tuple(i + 1 for i in argnums) if isinstance(argnums, tuple) else argnums + 1
   which = argnums if isinstance(argnums, tuple) else (argnums,)
 
@@ -267,7 +247,9 @@ def _grads_of(
 
     def whole(scale: jax.Array, /, *dyn: Any, **kw: Any) -> tuple[Any, Any]:
       full = [_model.combine(a, parts[i][1]) if i in parts else a for i, a in enumerate(dyn)]
-      return scaled(scale, *full, **kw)
+      out = f(*full, **kw)
+      loss, _ = _calls.loss_and_aux(f, has_aux, out)
+      return _loss.times_scale(loss, scale), out  # checks the loss: a floating array
 
     dyn = [parts[i][0] if i in parts else a for i, a in enumerate(args)]
     return jax.grad(whole, argnums=nums, has_aux=True)(scale, *dyn, **kwargs)
@@ -278,8 +260,8 @@ def _grads_of(
 def _passes(
   plan: Plan, state: LossScaleState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Pass, Pass | None, Callable[[Any], Any]]:
-  """The float16 and float32 passes, returning ``(array leaves of the value, grads)`` in the types
-  both share, and the function that puts the value's other leaves back."""
+  """The float16 and float32 passes (``(value's array leaves, grads)`` in shared types) and the
+  function that puts the value's other leaves back."""
   statics: list[Callable[[Any], Any]] = []  # from the first trace: the same in every pass
   trees: dict[str, Any] = {}  # the tree structure of each function's whole output
 
@@ -329,8 +311,7 @@ def _try(plan: Plan, one_pass: Pass, at: LossScaleState, tries: jax.Array) -> Tr
 def _check(
   plan: Plan, grads: Any, at: LossScaleState, loss: jax.Array
 ) -> tuple[jax.Array, jax.Array, LossScaleState]:
-  """``(finite, loss_finite, backed_off)``: the transformation's check, whether the loss was finite,
-  and the state after the policy's move for an overflow."""
+  """The check, whether the loss was finite, and the state after an overflow's back-off."""
   finite, backed_off = plan.update(grads, at._replace(inner_state=_transform.BackOff()), loss=loss)
   backed_off = backed_off._replace(inner_state=at.inner_state)
   # The record is kept as it was by a finite check: only a non-finite one speaks of this loss.
@@ -346,8 +327,7 @@ def _again(plan: Plan, last: Try) -> jax.Array:
 
 
 def _row_major(grads: Any) -> Any:
-  """``grads`` pinned to row-major on the CPU, where XLA would otherwise give the retry branch's
-  transposed layouts to every step's gradients; other platforms left alone."""
+  """``grads`` pinned to row-major on the CPU, lest the retry branch's layouts reach every step."""
 
   def pin(g: jax.Array) -> jax.Array:  # jax.grad's leaves are floating arrays (no float0)
     return with_layout_constraint(g, Layout(tuple(range(g.ndim)))) if g.ndim >= 2 else g

@@ -15,31 +15,27 @@ class RecomputeState(NamedTuple):
   """State of :func:`recompute_stats`.
 
   Attributes:
-    recomputed_steps: int32 ``()``. Steps whose gradients :func:`optax_dls.value_and_grad`
-      recomputed after an overflow. Saturates at ``2**31 - 1``.
-    recompute_tries: int32 ``()``. The extra forward and backward passes those steps took, the
-      float32 last resort included. Saturating.
+    recomputed_steps: int32 ``()``, steps :func:`optax_dls.value_and_grad` recomputed.
+    recompute_tries: int32 ``()``, the extra passes they took, float32 included. Both saturate at
+      ``2**31 - 1``.
   """
 
   recomputed_steps: jax.Array
   recompute_tries: jax.Array
 
   def loss_scale_metrics(self) -> dict[str, jax.Array]:
-    """The keys :func:`optax_dls.metrics` reports for this state: both counters."""
+    """Both counters, for :func:`optax_dls.metrics`."""
     return {"recomputed_steps": self.recomputed_steps, "recompute_tries": self.recompute_tries}
 
 
 def recompute_stats() -> optax.GradientTransformation:
   """Counts what :func:`value_and_grad` recomputes, for :func:`metrics`.
 
-  An identity transformation, chained inside the loss-scaled transformation, whose state counts the
-  steps :func:`value_and_grad` recomputed after an overflow and the extra passes they took, for
-  ``recomputed_steps`` and ``recompute_tries`` in :func:`metrics`. Without it nothing is counted. A
-  skipped step keeps the counts of its recomputation.
+  An identity transformation to chain inside the loss-scaled one; :func:`metrics` then reports
+  ``recomputed_steps`` and ``recompute_tries`` (see ``RecomputeState``), also on skipped steps.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``RecomputeState`` (above), both counters 0
-    at ``init``.
+    An ``optax.GradientTransformation`` whose state is a ``RecomputeState``, zero at ``init``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

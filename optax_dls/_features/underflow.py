@@ -1,5 +1,4 @@
-"""Gradient-underflow statistics: an identity transformation chained inside the loss scaler,
-recording the fractions of zero and float16-subnormal unscaled gradient entries."""
+"""Gradient-underflow statistics: the fractions of zero and float16-subnormal gradient entries."""
 
 from __future__ import annotations
 
@@ -61,22 +60,18 @@ def underflow_stats(
 ) -> optax.GradientTransformation:
   """Records the fractions of zero and of float16-subnormal gradient entries.
 
-  An identity transformation recording, for the last applied step, the fraction of floating entries
-  exactly 0 (``zero_frac``) and float16-subnormal, ``0 < |x| < 2**-14`` (``subnormal_frac``),
-  overall and per label. Chain it first inside the loss-scaled transformation, where it sees the
-  unscaled gradients (skipped steps leave it untouched); :func:`metrics` reports
-  ``underflow/zero_frac``, ``underflow/subnormal_frac`` and ``underflow/<label>/...``. It costs one
-  more read of the gradients per step (``benchmarks/gpu_program.py``): chain it in to look.
+  An identity transformation: chained first inside the loss-scaled one (skipped steps leave it as
+  it was), :func:`metrics` reports ``underflow/zero_frac``, ``underflow/subnormal_frac``
+  (``0 < |x| < 2**-14``) and ``underflow/<label>/...``. It costs one more read of the gradients.
 
   Args:
     labels: None (default: overall fractions only), a pytree of string labels matching the gradients
       (or a prefix of them), or a callable ``params -> labels``, as in ``optax.multi_transform``.
       Labels are non-empty, without ``/``, and not ``zero_frac`` / ``subnormal_frac``.
-    axis_name: as in :func:`loss_scaled`: under ``pmap`` / ``shard_map`` the counts are summed over
-      these axes, so every device holds the same fractions. Default None.
+    axis_name: as in :func:`loss_scaled`: the axes the counts are summed over. Default None.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is an ``UnderflowState`` (above).
+    An ``optax.GradientTransformation`` whose state is an ``UnderflowState``.
 
   Raises:
     TypeError: a label that is not a string, or a bad ``axis_name``.

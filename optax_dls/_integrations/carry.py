@@ -1,6 +1,5 @@
-"""A state saved without loss scaling carried into a loss-scaled target, and the port from
-flax's ``DynamicScale`` (public as :func:`optax_dls.flax.from_dynamic_scale`; flax itself is
-not imported)."""
+"""A state saved without loss scaling carried into a loss-scaled target, and the port from flax's
+``DynamicScale`` (public as :func:`optax_dls.flax.from_dynamic_scale`; flax is not imported)."""
 
 from __future__ import annotations
 
@@ -27,28 +26,23 @@ def target_states(tree: Any) -> list[_tree_paths.Path]:
 def into_loss_scaled(restored: Any, target: Any) -> Any:
   """Puts a checkpoint saved without loss scaling into a loss-scaled target.
 
-  Every leaf of ``restored`` goes to its place in ``target``, the old optimizer state to
-  the loss-scale state's ``inner_state``, each converted to the target leaf's dtype and
-  sharding; the loss-scale fields keep the target's values (the scale at ``init_scale``,
-  the counters at 0). Nothing is left at a default: a leaf on one side only, or of another
-  shape, is an error.
+  The old optimizer state goes to ``inner_state``; the loss-scale fields keep the target's values
+  (the scale at ``init_scale``, the counters at 0).
 
   Args:
-    restored: the tree of a checkpoint whose optimizer state has no
-      :class:`~optax_dls.LossScaleState`, as restored without a target
-      (``manager.restore(step)``, or flax's ``restore_checkpoint(directory,
-      target=None)``): dicts and lists of arrays and numbers, or an optax state in memory.
-    target: the new layout, e.g. ``{'params': params, 'opt_state': tx.init(params)}`` or
-      a flax ``TrainState`` with the loss-scaled ``tx``: a pytree of arrays (or
-      ``jax.ShapeDtypeStruct``, outside the loss-scale state's own fields) holding exactly
-      one :class:`~optax_dls.LossScaleState`.
+    restored: a checkpoint tree whose optimizer state has no :class:`~optax_dls.LossScaleState`,
+      as restored without a target (``manager.restore(step)``, flax's
+      ``restore_checkpoint(directory, target=None)``), or an optax state in memory.
+    target: the new layout, e.g. ``{'params': params, 'opt_state': tx.init(params)}`` or a flax
+      ``TrainState`` with the loss-scaled ``tx``, holding exactly one
+      :class:`~optax_dls.LossScaleState`; leaves outside its fields may be ``jax.ShapeDtypeStruct``.
 
   Returns:
-    ``target`` with the restored values: the same tree structure, dtypes and shardings.
+    ``target`` with the restored values, of the same structure, dtypes and shardings.
 
   Raises:
-    ValueError: ``target`` holds no loss-scale state or several; or ``restored`` and
-      ``target`` differ other than by that state (the leaves and shapes listed).
+    ValueError: ``target`` holds no loss-scale state or several; or ``restored`` and ``target``
+      differ other than by that state (a leaf on one side only, or of another shape; listed).
     TypeError: a field of the target's loss-scale state is a ``jax.ShapeDtypeStruct``.
 
   Example:
@@ -99,8 +93,8 @@ def into_loss_scaled(restored: Any, target: Any) -> Any:
 
 
 def _source(path: _tree_paths.Path, prefix: _tree_paths.Path) -> _tree_paths.Path | None:
-  """Where the target leaf at ``path`` is in a checkpoint without the loss-scale state at
-  ``prefix`` (the inner state one level up); None for that state's own fields."""
+  """Where the target leaf at ``path`` is stored: the inner state of the loss-scale state at
+  ``prefix`` one level up; None for that state's own fields."""
   if path[: len(prefix)] != prefix:
     return path
   rest = path[len(prefix) :]
@@ -121,40 +115,37 @@ def like(target: Any, value: Any) -> Any:
 
 
 def from_dynamic_scale(source: Any, target: Any) -> Any:
-  """``target`` with the loss scale and growth count of a flax ``DynamicScale``, from the
-  ``DynamicScale`` itself or from a whole checkpoint of a ``TrainState`` that had one.
+  """``target`` with the loss scale and growth count of a flax ``DynamicScale``.
 
-  Its ``scale`` becomes the loss scale and its ``fin_steps`` the growth tracker (every
-  ``growth_tracker`` in the policy state). Under ``optax_dls.config.preset("flax", ...)``
-  of the same settings the scale then moves exactly as flax's would
-  (:func:`optax_dls.dynamic_loss_scale` of the same ``growth_interval`` grows one step
-  earlier). A checkpoint of such a ``TrainState`` restored with flax's or Orbax's own code
-  into the new state would leave the moments, count and scale at their initial values
-  (:func:`optax_dls.checkpoint.restore` refuses it); restore it raw and convert it::
+  ``scale`` becomes the loss scale and ``fin_steps`` every ``growth_tracker`` in the policy state.
+  Under ``optax_dls.config.preset("flax", ...)`` of the same settings the scale then moves exactly
+  as flax's would (:func:`optax_dls.dynamic_loss_scale` grows one step earlier). A ``TrainState``
+  checkpoint restored into the new state by flax's or Orbax's own code would keep the moments,
+  count and scale at their initial values (:func:`optax_dls.checkpoint.restore` refuses it);
+  restore it raw and convert it::
 
       raw = flax.training.checkpoints.restore_checkpoint(directory, target=None)
       state = optax_dls.flax.from_dynamic_scale(raw, state)
 
   Args:
-    source: a ``DynamicScale`` or its stored dict ``{'scale', 'fin_steps'}`` (only the
-      target's scale and growth tracker change), or the raw tree of a ``TrainState``
-      checkpoint with a top-level ``'dynamic_scale'`` beside a plain optax ``opt_state``
-      (every leaf restored, ``opt_state`` into ``inner_state`` as
-      :func:`optax_dls.checkpoint.into_loss_scaled` does). The scale must lie in
-      ``[2**-126, 2**126]``, ``fin_steps`` be a whole number >= 0 (static values).
-    target: an optimizer state, a ``TrainState`` built with the loss-scaled ``tx``, or
-      any pytree holding exactly one :class:`optax_dls.LossScaleState`.
+    source: a ``DynamicScale`` or its stored dict ``{'scale', 'fin_steps'}`` (only the scale and
+      growth tracker change), or the raw tree of a ``TrainState`` checkpoint with a top-level
+      ``'dynamic_scale'`` beside a plain optax ``opt_state`` (every leaf restored, as
+      :func:`optax_dls.checkpoint.into_loss_scaled` does). Static values: the scale in
+      ``[2**-126, 2**126]``, ``fin_steps`` a whole number >= 0.
+    target: an optimizer state, a ``TrainState`` built with the loss-scaled ``tx``, or any pytree
+      holding exactly one :class:`optax_dls.LossScaleState`.
 
   Returns:
-    ``target``, of the same structure and dtypes, with the new scale and growth tracker
-    (and, for a checkpoint tree, every other leaf restored).
+    ``target``, of the same structure and dtypes, with the new scale and growth tracker (and, for
+    a checkpoint tree, every other leaf restored).
 
   Raises:
-    TypeError: ``source`` is none of the above, its values are not static numbers, or a
-      field of the target's loss-scale state is a ``jax.ShapeDtypeStruct`` (checkpoint).
-    ValueError: the scale is not finite and > 0 or out of range, ``fin_steps`` < 0,
-      ``target`` holds no or several loss-scale states, or a checkpoint tree and
-      ``target`` differ other than by the loss-scale state (leaves and shapes listed).
+    TypeError: ``source`` is none of the above, its values are not static numbers, or a field of
+      the target's loss-scale state is a ``jax.ShapeDtypeStruct`` (checkpoint).
+    ValueError: the scale is not finite and > 0 or out of range, ``fin_steps`` < 0, ``target``
+      holds no or several loss-scale states, or a checkpoint tree and ``target`` differ other than
+      by the loss-scale state (leaves and shapes listed).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls, optax_dls.flax
@@ -177,17 +168,12 @@ def _ported(dynamic_scale: Any, opt_state: Any) -> Any:
   lss = _find.find_state(opt_state)
   _validation.scale("dynamic_scale.scale", scale, _validation.SCALE_MIN, _validation.SCALE_MAX)
   fin_steps = _validation.count("dynamic_scale.fin_steps", fin_steps, low=0)
-  tracker = lambda n: (
-    n._replace(growth_tracker=jnp.asarray(fin_steps, jnp.int32))
-    if hasattr(n, "growth_tracker") and hasattr(n, "_replace")
-    else n
-  )
-  policy_state = jax.tree.map(
-    tracker, lss.policy_state, is_leaf=lambda n: hasattr(n, "growth_tracker")
-  )
-  return _find.replace_state(
-    opt_state, lss._replace(loss_scale=jnp.asarray(scale, jnp.float32), policy_state=policy_state)
-  )
+  has = lambda n: hasattr(n, "growth_tracker")
+  tracker = jnp.asarray(fin_steps, jnp.int32)
+  grow = lambda n: n._replace(growth_tracker=tracker) if has(n) and hasattr(n, "_replace") else n
+  policy_state = jax.tree.map(grow, lss.policy_state, is_leaf=has)
+  new = lss._replace(loss_scale=jnp.asarray(scale, jnp.float32), policy_state=policy_state)
+  return _find.replace_state(opt_state, new)
 
 
 def _dynamic_scale_fields(dynamic_scale: Any) -> tuple[Any, Any]:
