@@ -16,12 +16,10 @@ from optax_dls._util import validation as _validation
 
 
 class AmaxScaleState(NamedTuple):
-  """Policy state of :func:`amax_policy`.
-
-  Attributes:
-    amax_history: float32 ``[history_len]``, the unscaled statistic of the last steps, newest
-      first, 0 for an empty slot; a non-finite step at S records ``max_value / S``.
-    growth_tracker: int32 ``()``. Consecutive finite steps since the scale last moved."""
+  """Policy state of :func:`amax_policy`: ``amax_history``, float32 ``[history_len]``, the
+  unscaled statistic of the last steps, newest first (0 if empty; ``max_value / S`` for a
+  non-finite step), and ``growth_tracker``, int32 ``()``, consecutive finite steps since the
+  scale last moved."""
 
   amax_history: jax.Array
   growth_tracker: jax.Array
@@ -29,12 +27,6 @@ class AmaxScaleState(NamedTuple):
   def after_scale_reset(self) -> AmaxScaleState:
     """After :func:`optax_dls.reset_scale`: the growth count restarts at 0."""
     return self._replace(growth_tracker=jnp.zeros_like(self.growth_tracker))
-
-
-def _pow2_floor(x: jax.Array) -> jax.Array:
-  """The largest power of two <= x, for normal positive float32 x."""
-  _, exponent = jnp.frexp(x)
-  return jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1)
 
 
 def amax_policy(
@@ -142,7 +134,8 @@ def _amax_update(
   peak = jnp.max(history)
   headroom = jnp.float32(rule.headroom)
   raw = jnp.where(peak > 0, headroom / jnp.maximum(peak, jnp.finfo(jnp.float32).tiny), hi)
-  target = jnp.maximum(_pow2_floor(jnp.clip(raw, lo, hi)), lo)
+  _, exponent = jnp.frexp(jnp.clip(raw, lo, hi))  # the largest power of two <= it: the target
+  target = jnp.maximum(jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1), lo)
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
   shrink = finite & (target < scale)
   grow = finite & (target > scale) & (tracker >= rule.growth_interval)

@@ -41,40 +41,32 @@ class LossScalePolicy(NamedTuple):
 
   Write one the way you write an optax transformation::
 
-      def init() -> tuple[jax.Array, PolicyState]:  # (loss_scale, policy_state)
-        ...
-
-      def update(
-        loss_scale: jax.Array, policy_state: PolicyState, stats: GradStats
-      ) -> tuple[jax.Array, PolicyState]:  # the next (loss_scale, policy_state)
-        ...
+      def init() -> tuple[jax.Array, PolicyState]: ...  # (loss_scale, policy_state)
+      def update(loss_scale, policy_state, stats) -> tuple[jax.Array, PolicyState]: ...
 
   ``loss_scale`` is a float32 ``()`` array, ``policy_state`` any pytree of arrays with fixed
-  dtypes (kept in the optimizer state), ``stats`` a :class:`GradStats`. Both functions are
-  traced under ``jit``: no Python control flow on array values.
+  dtypes (kept in the optimizer state), ``stats`` a :class:`GradStats`; ``update`` returns the
+  next pair. Both are traced under ``jit``: no Python control flow on array values.
 
-  :func:`optax_dls.loss_scaled` checks a policy when built, calling ``init()`` once (nothing
-  compiled): the loss scale must be a float32-castable ``()`` value in
-  ``[min_scale, max_scale]`` (ValueError) and the state a pytree of arrays (TypeError). At
-  trace time ``update`` must return a ``(loss_scale, policy_state)`` pair with a floating
-  ``()`` scale and a state of ``init``'s tree structure, shapes and dtypes (TypeError). The
-  transformation keeps the scale within ``[min_scale, max_scale]`` whatever ``update`` returns.
+  :func:`optax_dls.loss_scaled` calls ``init()`` once when built: the scale must be a
+  float32-castable ``()`` value in ``[min_scale, max_scale]`` (ValueError), the state a pytree of
+  arrays (TypeError). At trace time ``update`` must return a pair of a floating ``()`` scale and
+  a state of ``init``'s tree structure, shapes and dtypes (TypeError). Whatever it returns, the
+  scale is kept within ``[min_scale, max_scale]``.
 
   Attributes:
     init: builds the initial ``(loss_scale, policy_state)``.
     update: moves the scale after one step, given that step's statistics.
-    stats: optional statistics the policy needs beyond ``finite`` and
-      ``grad_norm``: a tuple of strings drawn from ``("amax",)``. Default ``()``.
+    stats: tuple of strings from ``("amax",)``, the optional GradStats fields used. Default ``()``.
     passthrough: bool (a NumPy bool is accepted). When True the gradients go to the inner
       optimizer unscaled, unchecked and never skipped, so ``init()`` must return a scale of
       exactly 1 (the no-op policy). Default False.
     min_scale: float in ``[2**-126, 2**126]``, the lowest scale. Default ``2**-126``.
     max_scale: float in ``[min_scale, 2**126]``, the highest. Default ``2**126``.
-    preset: str or None, the name of the preset the policy was made by
-      (``optax_dls.config.preset``), shown by ``repr``. Default None.
+    preset: str or None, the name of the ``optax_dls.config.preset`` that made it. Default None.
 
-  ``repr`` is one line: the preset's name, a built-in rule's non-default settings (else the
-  functions' names), then the other non-default fields.
+  ``repr`` is one line: the preset, a built-in rule's non-default settings (else the functions'
+  names), then the other non-default fields.
 
   Example:
     Halve the scale on every overflow, never grow it; no state (an empty tuple):
@@ -146,11 +138,8 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
     dtype = jnp.result_type(scale)
   except (TypeError, ValueError):
     dtype = None
-  if (
-    dtype is None
-    or isinstance(scale, bool)
-    or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
-  ):
+  real = dtype is not None and any(jnp.issubdtype(dtype, t) for t in (jnp.floating, jnp.integer))
+  if not real or isinstance(scale, bool):
     raise ValueError(f"{what} must be a real number castable to float32, got {scale!r}.")
   if np.shape(scale) != ():
     raise ValueError(f"{what} must have shape (), got shape {np.shape(scale)} ({scale!r}).")
@@ -184,35 +173,31 @@ def _checked(
   """``policy.update`` with trace-time checks of its output (no runtime cost)."""
   out = policy.update(scale, state, stats)
   name = getattr(policy.update, "__qualname__", None) or repr(policy.update)
+  must = f"policy.update ({name}) must return"
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-      f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}."
-    )
+    raise TypeError(f"{must} a (loss_scale, policy_state) pair, got {out!r}.")
   new_scale, new_state = out
   if np.shape(new_scale) != () or not jnp.issubdtype(jnp.result_type(new_scale), jnp.floating):
     raise TypeError(
-      f"policy.update ({name}) must return a floating loss scale of shape (), got "
+      f"{must} a floating loss scale of shape (), got "
       f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}."
     )
   leaves, new_def = jax.tree.flatten(new_state)
   if new_def != treedef:
     raise TypeError(
-      f"policy.update ({name}) must return a policy state with the tree structure of "
-      f"policy.init()'s, {treedef}, got {new_def}."
+      f"{must} a policy state with the tree structure of policy.init()'s, {treedef}, got {new_def}."
     )
   got = [_leaf_spec(x) for x in leaves]
   if got != specs:
     raise TypeError(
-      f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
-      f"policy.init()'s, {specs}, got {got}."
+      f"{must} policy-state leaves with the shapes and dtypes of policy.init()'s, {specs}, "
+      f"got {got}."
     )
   return new_scale, new_state
 
 
 def check_policy(policy: Any) -> LossScalePolicy:
-  """``policy`` checked (running ``init()`` once), a user's ``update`` wrapped with trace-time
-  output checks. TypeError for a wrong type, ValueError for a wrong value: the field's range
-  (see :class:`LossScalePolicy`), unknown ``stats``, or ``min_scale > max_scale``."""
+  """``policy`` checked, a user's ``update`` wrapped with trace-time output checks."""
   if not isinstance(policy, LossScalePolicy):
     raise TypeError(
       f"policy must be a LossScalePolicy, got {policy!r} of type {type(policy).__name__}."

@@ -1,5 +1,4 @@
-"""The dynamic rule (Micikevicius et al. 2018, Sec. 3.2, with Megatron-LM's and DeepSpeed's
-hysteresis) and the dynamic, static and no-op policies on its state layout."""
+"""The dynamic rule (Micikevicius et al. 2018, Sec. 3.2): the dynamic, static and no-op policies."""
 
 from __future__ import annotations
 
@@ -15,13 +14,8 @@ from optax_dls._util import validation as _validation
 
 
 class DynamicScaleState(NamedTuple):
-  """Policy state of the dynamic rule (and, held constant, of the static and no-op policies).
-
-  Attributes:
-    growth_tracker: int32 ``()``. Consecutive finite steps since the last
-      growth or overflow.
-    hysteresis_left: int32 ``()``. Overflows still tolerated before a backoff.
-  """
+  """Policy state of the dynamic rule, held constant by the static and no-op policies (fields:
+  :func:`dynamic_policy`'s Returns)."""
 
   growth_tracker: jax.Array
   hysteresis_left: jax.Array
@@ -36,9 +30,8 @@ def _dynamic_state(hysteresis: int) -> DynamicScaleState:
 
 
 class DynamicRule(NamedTuple):
-  """The dynamic rule's checked settings, covering the established scalers' variations: one of
-  ``backoff_factor`` / ``backoff_divisor`` is None; ``growth_after`` is the finite steps before
-  a growth, ``reset_after_growth`` the tracker's value after one."""
+  """The dynamic rule's checked settings, with the established scalers' variations: one of
+  ``backoff_factor`` / ``backoff_divisor`` is None; ``reset_after_growth`` restarts the tracker."""
 
   init_scale: float
   min_scale: float
@@ -82,8 +75,7 @@ def _rule_update(
 
 
 def dynamic_rule(rule: DynamicRule) -> LossScalePolicy:
-  """The policy of a checked :class:`DynamicRule` (the rule: :func:`dynamic_policy`); products
-  and quotients are float32, each rounded once."""
+  """The policy of a checked :class:`DynamicRule`; products and quotients float32, rounded once."""
   return LossScalePolicy(
     functools.partial(_rule_init, rule),
     functools.partial(_rule_update, rule),
@@ -105,18 +97,16 @@ def dynamic_policy(
 ) -> LossScalePolicy:
   """Dynamic loss scaling (Micikevicius et al. 2018, Mixed Precision Training).
 
-  On the ``growth_interval``-th consecutive finite step (once ``warmup_steps`` updates have run)
-  the scale grows by ``growth_factor``, capped at ``max_scale``, and the hysteresis is refilled.
-  A non-finite step resets that count and uses up one hysteresis; with none left the scale
-  backs off by ``backoff_factor``, floored at ``min_scale``. Growth is timed as in PyTorch
-  ``GradScaler``, jmp and Keras; flax's ``DynamicScale`` grows one step later.
+  The scale grows by ``growth_factor`` (to at most ``max_scale``, refilling the hysteresis) on
+  the ``growth_interval``-th consecutive finite step, as in PyTorch, jmp and Keras, once
+  ``warmup_steps`` updates have run; a non-finite step uses up one hysteresis, and with none
+  left backs off by ``backoff_factor`` (to at least ``min_scale``).
 
   Args:
     init_scale: float in ``[min_scale, max_scale]``, the initial loss scale. Default ``2**15``.
-    growth_factor: float > 1, finite, also once rounded to float32 (so not
-      within ~6e-8 of 1). Default 2.
-    backoff_factor: float in (0, 1), also once rounded to float32 (so not
-      within ~3e-8 of 1, nor below ~1e-45). Default 0.5.
+    growth_factor: float > 1, finite, and in float32 (not within ~6e-8 of 1). Default 2.
+    backoff_factor: float in (0, 1), also in float32 (not within ~3e-8 of 1, nor below ~1e-45).
+      Default 0.5.
     growth_interval: int in [1, 2**31 - 1], consecutive finite steps before a growth. Default 2000.
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
     max_scale: float in [min_scale, 2**126], ceiling of the scale (never inf). Default ``2**24``.
@@ -127,9 +117,8 @@ def dynamic_policy(
     warmup_steps: int in [0, 2**31 - 1]. No growth before this many updates. Default 0.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a ``DynamicScaleState`` of int32 ``()``
-    ``growth_tracker`` (finite steps since the last growth or overflow) and
-    ``hysteresis_left`` (overflows still tolerated before a backoff).
+    A :class:`LossScalePolicy` whose state is a ``DynamicScaleState`` of int32 ``()`` fields
+    ``growth_tracker`` (finite steps since the last growth or overflow) and ``hysteresis_left``.
 
   Raises:
     ValueError: a value outside its valid range; the message names it.
@@ -188,6 +177,5 @@ def _static_update(
 
 
 def noop_policy() -> LossScalePolicy:
-  """The policy of :func:`~optax_dls.no_loss_scale`: S = 1, nothing checked or skipped
-  (``passthrough=True``)."""
+  """The policy of :func:`~optax_dls.no_loss_scale`: S = 1, ``passthrough=True``."""
   return static_policy(1.0)._replace(passthrough=True)

@@ -1,5 +1,4 @@
-"""Policy wrappers: a float32 fallback flag after a run of skips, and the count of skips at the
-minimum scale."""
+"""Policy wrappers: a float32 fallback flag after a run of skips; the skips at ``min_scale``."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from optax_dls._util import validation as _validation
 
 
 class FallbackState(NamedTuple):
-  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState`` (``policy_state``),
-  the flag (``fp32_fallback``, bool ``()``), the updates it has left (``steps_left``) and the skips
-  in a row (``consecutive_skips``), int32 ``()``."""
+  """Policy state of :func:`fp32_fallback`: the wrapped ``policy_state``, the ``fp32_fallback``
+  flag (bool ``()``), its ``steps_left`` and the ``consecutive_skips`` (int32 ``()``)."""
 
   policy_state: Any
   fp32_fallback: jax.Array
@@ -35,9 +33,8 @@ def fp32_fallback(
 
   After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on for the
   next ``steps`` updates while the wrapped policy keeps moving the scale; the update that ends it
-  restarts the scale at ``scale`` and the wrapped policy's state. The step picks its computation
-  by the flag (both branches traced once, so switching never recompiles; they must return the
-  same structure, shapes and dtypes)::
+  restarts the scale at ``scale`` and the wrapped policy's state. Pick the computation by the
+  flag (both traced once, never recompiled; of the same structure, shapes and dtypes)::
 
       loss = jax.lax.cond(
         optax_dls.metrics(opt_state)["fp32_fallback"], fp32_loss, fp16_loss, params, batch
@@ -59,10 +56,9 @@ def fp32_fallback(
     ``SkipsAtMinScaleState``, holds the wrapped state and ``skips_at_min_scale`` (int32 ``()``).
 
   Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy` or a field of it has the wrong type,
-      or a wrong or traced value.
-    ValueError: a value out of range, ``scale`` included (the message names it), or ``policy``'s
-      ``stats``, scale range or initial scale is not valid.
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`, or a wrong type or traced value.
+    ValueError: a value out of range (named), ``scale`` included, or ``policy``'s ``stats``,
+      scale range or initial scale is not valid.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -81,7 +77,6 @@ def fp32_fallback(
   steps = _validation.count("steps", steps)
   if scale is not None:
     scale = _validation.scale("scale", scale, policy.min_scale, policy.max_scale)
-
   counted = skips_at_min_scale(policy)
   init = functools.partial(_fallback_init, counted)
   update = functools.partial(_fallback_update, counted, after, steps, scale)
@@ -121,8 +116,7 @@ def _fallback_update(
 
 
 class SkipsAtMinScaleState(NamedTuple):
-  """Policy state of :func:`skips_at_min_scale`: the wrapped ``policy_state`` and
-  ``skips_at_min_scale`` (int32 ``()``, saturating), consecutive skips at ``min_scale``."""
+  """Policy state of :func:`skips_at_min_scale`: ``policy_state``, int32 ``skips_at_min_scale``."""
 
   policy_state: Any
   skips_at_min_scale: jax.Array

@@ -17,10 +17,9 @@ from optax_dls._util import validation as _validation
 from optax_dls._util.validation import INT32_MAX, SCALE_MAX, SCALE_MIN
 
 _REQUIRED = inspect.Parameter.empty
-# Each preset: the rule's fixed options, then its arguments as (name, default, role). Roles:
-# "init" / "low" the initial scale and floor ("floor": None is 2**-126, as in flax); "growth" /
-# "backoff" the factors, "factor" both (growth factor, backoff divisor); ("after", low, late) the
-# growth window, grown ``late`` steps later; "hysteresis"; "consecutive" (DeepSpeed).
+# Each preset: fixed rule options, then (argument, default, role). Roles: "init" / "low" ("floor":
+# None is 2**-126), "growth", "backoff", "factor" (growth factor and backoff divisor), "hysteresis",
+# "consecutive", ("after", low, late): the growth window, grown ``late`` steps later.
 _PRESETS: dict[str, tuple[dict[str, Any], tuple[tuple[str, Any, Any], ...]]] = {
   "torch": (
     {},
