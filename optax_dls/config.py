@@ -7,10 +7,6 @@ A configuration is a mapping, its ``loss_scale`` section, or a YAML file holding
       init_scale: 4096        # any dynamic_loss_scale argument overrides it
       growth_interval: 100
       warmup_steps: 50
-
-:func:`from_config` turns it into a policy or, given the inner optimizer, a loss-scaled
-transformation; an unknown key is named before anything is built. :func:`preset` names a
-policy: another framework's trajectory or settings for a kind of training.
 """
 
 from __future__ import annotations
@@ -31,17 +27,13 @@ from optax_dls._util import optional as _optional
 
 __all__ = ["from_config", "preset"]
 
-_POLICY_KEYS = frozenset(
-  {"init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale"}
-  | {"max_scale", "hysteresis", "consecutive_hysteresis", "warmup_steps"}
-)
-_WRAPPER_KEYS = frozenset(
-  {"axis_name", "skip_lowering", "underflow_stats", "fallback_after", "fallback_steps"}
-  | {"fallback_scale"}
-)
+_POLICY_KEYS = frozenset(inspect.signature(_policies.dynamic_policy).parameters)
+_TX_KEYS = frozenset({"axis_name", "skip_lowering", "underflow_stats"})
+_FALLBACK_KEYS = frozenset({"fallback_after", "fallback_steps", "fallback_scale"})
+_WRAPPER_KEYS = _TX_KEYS | _FALLBACK_KEYS
 _HOST_KEYS = frozenset({"alerts", "alert_after"})
 _KINDS = ("dynamic", "static", "none")
-_NOT_NUMBERS = {"consecutive_hysteresis", "axis_name", "skip_lowering", "underflow_stats"}
+_NOT_NUMBERS = _TX_KEYS | {"consecutive_hysteresis"}
 _NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - _NOT_NUMBERS
 _ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
 
@@ -53,7 +45,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
   "qlora": dict(init_scale=2.0**16, growth_interval=1000, max_scale=2.0**24),
 }
 _ALIASES = {"dpo": "preference", "alignment": "preference", "llm": "text_llm", "lora": "qlora"}
-# The presets of another framework's scale trajectory, taking that framework's names.
 _FRAMEWORKS = _presets.FRAMEWORKS
 
 
@@ -80,64 +71,55 @@ def _arguments(name: str) -> frozenset[str]:
 def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
   """The loss-scale policy of a named preset, ``kwargs`` overriding its settings.
 
-  **Another framework's scale trajectory**, bit for bit for the same finite / non-finite
-  steps while the reference stays in ``[2**-126, 2**126]`` (where it stops:
-  ``docs/policies.md``); ``kwargs`` take that framework's names, with its defaults:
+  **Another framework's scale trajectory**, bit for bit for the same finite / non-finite steps
+  while the reference stays in ``[2**-126, 2**126]``; ``kwargs`` take its names and defaults:
 
   * ``"torch"``: ``torch.amp.GradScaler``: ``init_scale=2**16``, ``growth_factor=2``,
     ``backoff_factor=0.5``, ``growth_interval=2000``.
   * ``"keras"``: Keras 3 ``LossScaleOptimizer``: ``initial_scale=2**15``,
     ``dynamic_growth_steps=2000``; factor 2.
-  * ``"jmp"``: ``jmp.DynamicLossScale``: ``loss_scale`` (required, as in jmp),
-    ``period=2000``, ``factor=2``, ``min_loss_scale=1``.
+  * ``"jmp"``: ``jmp.DynamicLossScale``: ``loss_scale`` (required, as in jmp), ``period=2000``,
+    ``factor=2``, ``min_loss_scale=1``.
   * ``"flax"``: ``DynamicScale``: ``growth_factor=2``, ``backoff_factor=0.5``,
     ``growth_interval=2000``, ``scale=2**16``, ``minimum_scale=2**-126`` (None in flax);
     grows on the ``growth_interval + 1``-th consecutive finite step.
   * ``"megatron"``: ``DynamicGradScaler``: ``initial_scale=2**32``, ``min_scale=1``,
-    ``growth_factor=2``, ``backoff_factor=0.5``, ``growth_interval=1000``,
-    ``hysteresis=2``; only a growth refills the hysteresis.
-  * ``"deepspeed"``: ``DynamicLossScaler`` (0.19): ``init_scale=2**16``,
-    ``scale_window=1000``, ``min_scale=1``, ``delayed_shift=2``,
-    ``consecutive_hysteresis=False``; first growth on the ``scale_window + 1``-th step.
+    ``growth_factor=2``, ``backoff_factor=0.5``, ``growth_interval=1000``, ``hysteresis=2``;
+    only a growth refills the hysteresis.
+  * ``"deepspeed"``: ``DynamicLossScaler`` (0.19): ``init_scale=2**16``, ``scale_window=1000``,
+    ``min_scale=1``, ``delayed_shift=2``, ``consecutive_hysteresis=False``; first growth on
+    the ``scale_window + 1``-th step.
 
-  **A kind of training**: :func:`~optax_dls.dynamic_policy` of these values (``kwargs``
-  are its arguments):
+  **A kind of training**: :func:`~optax_dls.dynamic_policy` of ``growth_interval=1000``, these
+  values and ``kwargs``:
 
-  * ``"text_llm"`` (alias ``"llm"``): ``init_scale=2**16``, ``growth_interval=1000``,
-    ``hysteresis=2``: small, well-behaved gradients; hysteresis rides out a rare spike.
-  * ``"multimodal"``: ``init_scale=2**13``, ``growth_interval=1000``,
-    ``warmup_steps=1000``, ``hysteresis=2``: early spikes of fresh projector layers.
-  * ``"preference"`` (``"dpo"``, ``"alignment"``): ``init_scale=2**15``,
-    ``max_scale=2**16``, ``growth_interval=1000``, ``hysteresis=2``: gradients jump
-    when the margin flips, so the scale is capped.
-  * ``"qlora"`` (``"lora"``): ``init_scale=2**16``, ``growth_interval=1000``,
-    ``max_scale=2**24``: tiny adapter gradients that underflow float16 easily.
+  * ``"text_llm"`` (alias ``"llm"``): ``init_scale=2**16``, ``hysteresis=2``.
+  * ``"multimodal"``: ``init_scale=2**13``, ``warmup_steps=1000``, ``hysteresis=2``.
+  * ``"preference"`` (``"dpo"``, ``"alignment"``): ``init_scale=2**15``, ``max_scale=2**16``,
+    ``hysteresis=2``: capped, as gradients jump when the margin flips.
+  * ``"qlora"`` (``"lora"``): ``init_scale=2**16``, ``max_scale=2**24``.
 
   Args:
     name: str, a preset name above (or an alias).
     **kwargs: the settings to change, by the argument names above.
 
   Returns:
-    A :class:`~optax_dls.LossScalePolicy`, for ``optax_dls.loss_scaled(inner, policy)``; its
-    ``preset`` is the name (an alias resolved), which its ``repr`` shows with the settings.
+    A :class:`~optax_dls.LossScalePolicy` whose ``preset`` (in its ``repr``) is the resolved name.
 
   Raises:
-    ValueError: an unknown name (the message lists the known ones), or a value out of
-      range (the message names it).
-    TypeError: an argument the preset does not take (the message lists those it
-      takes), a wrong or traced value, or ``jmp`` without ``loss_scale``.
+    ValueError: an unknown name (the message lists the known ones), or a value out of range.
+    TypeError: an argument the preset does not take (the message lists those it takes), a
+      wrong or traced value, or ``jmp`` without ``loss_scale``.
 
   Example:
-    PyTorch's trajectory with ``growth_interval=2``: two finite steps double the scale,
-    an overflow halves it.
+    PyTorch's trajectory: two finite steps double the scale, an overflow halves it.
 
     >>> import jax.numpy as jnp, optax_dls
     >>> from optax_dls._policies.base import GradStats
     >>> policy = optax_dls.config.preset("torch", init_scale=2.0**16, growth_interval=2)
     >>> scale, state = policy.init()
     >>> for finite in [True, True, False]:
-    ...   stats = GradStats(finite=jnp.array(finite), step=jnp.array(0),
-    ...                     grad_norm=jnp.array(1.0))
+    ...   stats = GradStats(jnp.array(finite), jnp.array(0), grad_norm=jnp.array(1.0))
     ...   scale, state = policy.update(scale, state, stats)
     ...   print(float(scale))
     65536.0
@@ -145,10 +127,9 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
     65536.0
   """
   name = _known(name)
-  unknown = sorted(set(kwargs) - _arguments(name))
-  if unknown:
+  for key in sorted(set(kwargs) - _arguments(name)):
     raise TypeError(
-      f"the loss-scale preset {name!r} takes no argument {unknown[0]!r}; it takes "
+      f"the loss-scale preset {name!r} takes no argument {key!r}; it takes "
       f"{sorted(_arguments(name))}."
     )
   if name in _FRAMEWORKS:
@@ -162,8 +143,7 @@ def preset(name: str, **kwargs: Any) -> _policies.LossScalePolicy:
 
 
 def _load_config(path: str | os.PathLike) -> dict[str, Any]:
-  """The top-level mapping of a YAML file, read as ``yaml.safe_load`` reads it (anchors,
-  aliases, merge keys) but refusing a key given twice in one mapping."""
+  """A YAML file's top-level mapping, read as by ``yaml.safe_load`` but refusing repeated keys."""
   yaml = _optional.require("yaml", "reading a YAML configuration")
 
   unique_keys: Any = type("UniqueKeyLoader", (yaml.SafeLoader,), {})
@@ -181,20 +161,16 @@ def _load_config(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
   unique_keys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-  name = os.fspath(path)
+  where = f"the configuration file {os.fspath(path)!r}"
   try:
     with open(path, encoding="utf-8") as f:
       data = yaml.load(f, Loader=unique_keys)  # a SafeLoader
   except UnicodeDecodeError as e:
-    raise ValueError(
-      f"the configuration file {name!r} is not UTF-8 text (a binary file?): {e}"
-    ) from None
+    raise ValueError(f"{where} is not UTF-8 text (a binary file?): {e}") from None
   except yaml.YAMLError as e:
-    raise ValueError(f"the configuration file {name!r} is not valid YAML: {e}") from None
+    raise ValueError(f"{where} is not valid YAML: {e}") from None
   if not isinstance(data, Mapping):  # the file's content, not an argument: a ValueError
-    raise ValueError(  # noqa: TRY004
-      f"the configuration file {name!r} must hold a mapping, got {type(data).__name__}."
-    )
+    raise ValueError(f"{where} must hold a mapping, got {type(data).__name__}.")  # noqa: TRY004
   return dict(data)
 
 
@@ -243,8 +219,7 @@ def _take(section: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
 
 
 def _policy(section: dict[str, Any]) -> Any:
-  """The policy of the section's ``kind`` (before any fallback); pops all but the wrapper
-  keys from ``section``."""
+  """The section's policy before any fallback; pops all but the wrapper keys from ``section``."""
   kind = section.pop("kind", "dynamic")
   if kind not in _KINDS:
     raise ValueError(f"loss_scale kind must be one of {_KINDS}, got kind={kind!r}.")
@@ -261,57 +236,49 @@ def _policy(section: dict[str, Any]) -> Any:
     if "scale" not in section:
       raise ValueError("loss_scale kind='static' needs a 'scale' key.")
     return _policies.static_policy(section.pop("scale"))
-  _reject(section, frozenset({"axis_name", "skip_lowering", "underflow_stats"}), f"kind={kind!r}")
+  _reject(section, _TX_KEYS, f"kind={kind!r}")
   return _policies.noop_policy()
 
 
 def from_config(config: Any, inner: optax.GradientTransformation | None = None) -> Any:
   """Builds loss scaling from a configuration mapping or YAML file.
 
-  The mapping (or its ``loss_scale`` section, when it has one; the other sections are left
-  alone) may hold:
+  The mapping (or its ``loss_scale`` section, the others left alone) may hold these keys, each
+  building exactly what the same argument does by hand:
 
   * ``kind``: ``"dynamic"`` (default), ``"static"`` or ``"none"``;
   * ``preset``: a name for :func:`preset` (dynamic only), overridden by
   * the :func:`~optax_dls.dynamic_policy` arguments (``init_scale``, ``growth_interval``,
     ``warmup_steps``, ...; with a framework's preset, its own names) for ``dynamic``, or
     ``scale`` for ``static``;
-  * ``fallback_after``, ``fallback_steps``, ``fallback_scale``: wrap the policy in
-    :func:`~optax_dls.fp32_fallback` (``after``, ``steps``, ``scale``); kind ``static``
-    takes the first two, kind ``none`` none of them;
-  * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of
-    :func:`~optax_dls.loss_scaled`, and ``underflow_stats`` (a bool: chain
-    :func:`~optax_dls.underflow_stats` first inside, with the same ``axis_name``).
-
-  Each key builds exactly what the same argument does by hand.
+  * ``fallback_after``, ``fallback_steps``, ``fallback_scale``: :func:`~optax_dls.fp32_fallback`
+    (``after``, ``steps``, ``scale``); kind ``static`` takes the first two, ``none`` none;
+  * with ``inner`` only: ``axis_name`` and ``skip_lowering`` of :func:`~optax_dls.loss_scaled`,
+    and ``underflow_stats`` (a bool: chain :func:`~optax_dls.underflow_stats` first inside, on the
+    same ``axis_name``).
 
   Args:
-    config: a mapping, or a ``str`` / ``os.PathLike`` path to a YAML file (needs PyYAML)
-      holding one, read as ``yaml.safe_load`` reads it but refusing a repeated key.
+    config: a mapping, or a ``str`` / ``os.PathLike`` path to a YAML file holding one (needs
+      PyYAML), read as by ``yaml.safe_load`` but refusing a repeated key.
     inner: the optax transformation to wrap, or None (default).
 
   Returns:
-    A :class:`~optax_dls.LossScalePolicy` when ``inner`` is None, otherwise the
-    loss-scaled transformation (:func:`~optax_dls.loss_scaled`).
+    A :class:`~optax_dls.LossScalePolicy` if ``inner`` is None, else the loss-scaled ``inner``.
 
   Raises:
-    ValueError: an unknown key (named), kind or preset, a wrapper option without
-      ``inner``, a fallback option without ``fallback_after``, ``alerts`` (see
-      :class:`~optax_dls.SkipAlerts`), a value out of range, loss-scale keys beside a
-      ``loss_scale`` section, or a YAML file that is not UTF-8, does not parse, repeats
-      a key, holds an unhashable key or a Python tag, or holds no mapping (named).
-    TypeError: ``config`` (or its section) is neither a mapping nor a path, or a value
-      of the wrong type (``1e4``, a string to YAML, gets a hint to write ``1.0e4``).
+    ValueError: an unknown key (named), kind or preset, a wrapper option without ``inner``, a
+      fallback option without ``fallback_after``, ``alerts`` (see :class:`~optax_dls.SkipAlerts`),
+      a value out of range, loss-scale keys beside a ``loss_scale`` section, or a YAML file
+      that is not UTF-8, does not parse, repeats a key, holds an unhashable key or a Python
+      tag, or holds no mapping (named).
+    TypeError: ``config`` (or its section) is neither a mapping nor a path, or a value of the
+      wrong type (``1e4``, a string to YAML, gets a hint to write ``1.0e4``).
     OSError: the YAML file cannot be read.
     ImportError: a path given without PyYAML (naming the ``monitoring`` extra).
   """
   section = _section(config)
   policy = _policy(section)
-  fallback = {
-    k.removeprefix("fallback_"): section.pop(k)
-    for k in sorted(section)
-    if k.startswith("fallback_")
-  }
+  fallback = {k.removeprefix("fallback_"): v for k, v in _take(section, _FALLBACK_KEYS).items()}
   if fallback.get("after") is not None:
     policy = _policies.fp32_fallback(policy, **fallback)
   elif set(fallback) - {"after"}:

@@ -1,10 +1,5 @@
-"""Per-group gradient scaling: a second, fixed scale for one sub-network's gradients.
-
-One loss scale S is bounded by the largest gradients, which can leave a small sub-network's (a LoRA
-adapter's) below float16's underflow threshold. Multiplying the cotangent into it by k at its output
-and by 1/k at its input scales only its gradients; :func:`group_unscale` divides them again before
-the optimizer: loss scaling (Micikevicius et al. 2018) applied to part of the backward pass.
-"""
+"""Per-group gradient scaling: a second, fixed scale for a sub-network's gradients (a LoRA
+adapter's, left below float16's range by one loss scale), as in Micikevicius et al. (2018)."""
 
 from __future__ import annotations
 
@@ -66,13 +61,10 @@ _scale_gradient.defvjp(
 def group_scaled(fn: Callable[..., Any], factor: float) -> Callable[..., Any]:
   """Wraps a sub-network ``fn(params, *inputs)``: its gradients come out ``factor`` times larger.
 
-  The output's cotangent is multiplied by ``factor`` (scaling every gradient inside) and the
-  cotangents of ``inputs`` by ``1 / factor`` on the way out, so the rest of the network gets what it
-  would without the wrapper (up to float16 rounding). ``params``' gradients stay scaled: divide them
-  with :func:`group_unscale` inside the loss-scaled optimizer, so that an overflow in the group
-  skips the step. Only floating array leaves of the inputs and outputs are touched; every other leaf
-  passes as it is. For one cotangent alone, ``optax.scale_gradient(x, factor)`` does the same in the
-  cotangent's dtype.
+  The output's cotangent is multiplied by ``factor`` and the inputs' by ``1 / factor``, so the
+  rest of the network gets what it would without the wrapper (up to float16 rounding). Divide
+  ``params``' gradients with :func:`group_unscale` inside the loss-scaled optimizer, so that an
+  overflow in the group skips the step. Only floating array leaves are touched.
 
   Args:
     fn: callable ``fn(params, *inputs, **kwargs) -> outputs`` (pytrees).
@@ -107,11 +99,9 @@ def _floats_scaled(tree: Any, factor: float) -> Any:
 def group_unscale(factor: float, mask: Any) -> optax.GradientTransformation:
   """Divides the gradients selected by ``mask`` by ``factor`` (the inverse of :func:`group_scaled`).
 
-  Use it first inside the loss-scaled optimizer,
-  ``dynamic_loss_scale(optax.chain(group_unscale(2.0**12, is_adapter), optax.adam(1e-3)))``, so both
-  unscales run before the inner optimizer and a non-finite group gradient skips the step. The
-  product is formed in float32 (or wider) and cast back; non-floating leaves pass through.
-  Stateless.
+  Use it first inside the loss-scaled optimizer, so a non-finite group gradient skips the step:
+  ``dynamic_loss_scale(optax.chain(group_unscale(2.0**12, is_adapter), optax.adam(1e-3)))``. The
+  product is formed in float32 (or wider) and cast back; non-floating leaves pass. Stateless.
 
   Args:
     factor: float in [2**-126, 2**126], the factor given to :func:`group_scaled`.

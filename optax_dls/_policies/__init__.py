@@ -1,9 +1,6 @@
-"""Loss-scale policies: pure ``init`` / ``update`` pairs over a small state (:mod:`.base`). The
-dynamic rule (:mod:`.dynamic`) backs the dynamic, static and no-op policies and the framework
-presets (:mod:`.presets`); :mod:`.amax` follows the gradients' magnitude; :mod:`.fallback` wraps a
-policy with a float32 fallback and a count of skips at ``min_scale``.
-
-May import: ``_util`` only."""
+"""Loss-scale policies, pure ``init`` / ``update`` pairs: the protocol (``base``), the dynamic,
+static, no-op and framework policies (``dynamic``, ``presets``), the gradient-aware ``amax``
+policy and the float32 ``fallback`` wrapper. May import: ``_util`` only."""
 
 from optax_dls._policies.amax import AmaxScaleState, amax_policy
 from optax_dls._policies.base import STATS, GradStats, LossScalePolicy, check_policy

@@ -16,12 +16,10 @@ from optax_dls._util import validation as _validation
 
 
 class AmaxScaleState(NamedTuple):
-  """Policy state of :func:`amax_policy`.
-
-  Attributes:
-    amax_history: float32 ``[history_len]``. The unscaled statistic of the last steps, newest first,
-      0 for an empty slot; a non-finite step at S records ``max_value / S``.
-    growth_tracker: int32 ``()``. Consecutive finite steps since the scale last moved."""
+  """Policy state of :func:`amax_policy`: ``amax_history``, float32 ``[history_len]``, the
+  unscaled statistic of the last steps, newest first (0 if empty; ``max_value / S`` for a
+  non-finite step), and ``growth_tracker``, int32 ``()``, consecutive finite steps since the
+  scale last moved."""
 
   amax_history: jax.Array
   growth_tracker: jax.Array
@@ -29,12 +27,6 @@ class AmaxScaleState(NamedTuple):
   def after_scale_reset(self) -> AmaxScaleState:
     """After :func:`optax_dls.reset_scale`: the growth count restarts at 0."""
     return self._replace(growth_tracker=jnp.zeros_like(self.growth_tracker))
-
-
-def _pow2_floor(x: jax.Array) -> jax.Array:
-  """The largest power of two <= x, for normal positive float32 x."""
-  _, exponent = jnp.frexp(x)
-  return jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1)
 
 
 def amax_policy(
@@ -54,23 +46,17 @@ def amax_policy(
   Delayed scaling, as for FP8 (Micikevicius et al. 2022, *FP8 Formats for Deep Learning*;
   Transformer Engine ``DelayedScaling``): each step records the unscaled statistic (the scaled amax
   over S, or the global norm) and targets ``T = pow2_floor(max_value / 2**margin / max(history))``,
-  clipped to ``[min_scale, max_scale]``.
-
-  * Finite step, ``T < S``: back off to ``T`` at once, before any overflow.
-  * Finite step, ``T > S`` and ``growth_interval`` consecutive finite steps
-    since the scale last moved: grow to ``min(S * growth_factor, T)``.
-  * Non-finite step (skipped): ``S = max(S * backoff_factor, min_scale)``, and
-    ``max_value / S`` enters the history, holding the scale down for ``history_len`` steps.
-
-  The amax is over the gradients the optimizer receives; activation cotangents can be larger, which
-  ``margin`` absorbs.
+  clipped to ``[min_scale, max_scale]``. A finite step with ``T < S`` backs off to ``T`` at once;
+  with ``T > S``, after ``growth_interval`` consecutive finite steps since the scale last moved,
+  it grows to ``min(S * growth_factor, T)``. A non-finite step sets
+  ``S = max(S * backoff_factor, min_scale)`` and records ``max_value / S``, holding the scale down
+  for ``history_len`` steps. ``margin`` absorbs activation cotangents larger than the gradients.
 
   Args:
     init_scale: float, the first scale, in ``[min_scale, max_scale]``. Default ``2**15``.
     margin: float in [0, 64], octaves of headroom below ``max_value``. Default 2.
     history_len: int in [1, 4096], steps in the history. Default 16.
-    growth_interval: int in [1, 2**31 - 1], consecutive finite steps between two growths. Default
-      16.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps per growth. Default 16.
     growth_factor: float > 1, the largest growth per step. Default 2.
     backoff_factor: float in (0, 1), backoff on a non-finite step. Default 0.5.
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
@@ -117,7 +103,7 @@ def amax_policy(
 
 
 class _AmaxRule(NamedTuple):
-  """The checked settings of :func:`amax_policy` (``headroom``: ``max_value * 2**-margin``)."""
+  """The checked settings of :func:`amax_policy`; ``headroom`` is ``max_value * 2**-margin``."""
 
   init_scale: float
   history_len: int
@@ -132,10 +118,8 @@ class _AmaxRule(NamedTuple):
 
 
 def _amax_init(rule: _AmaxRule) -> tuple[jax.Array, AmaxScaleState]:
-  history = jnp.zeros([rule.history_len], jnp.float32)
-  return jnp.asarray(rule.init_scale, jnp.float32), AmaxScaleState(
-    history, jnp.zeros([], jnp.int32)
-  )
+  state = AmaxScaleState(jnp.zeros([rule.history_len], jnp.float32), jnp.zeros([], jnp.int32))
+  return jnp.asarray(rule.init_scale, jnp.float32), state
 
 
 def _amax_update(
@@ -150,14 +134,13 @@ def _amax_update(
   peak = jnp.max(history)
   headroom = jnp.float32(rule.headroom)
   raw = jnp.where(peak > 0, headroom / jnp.maximum(peak, jnp.finfo(jnp.float32).tiny), hi)
-  target = jnp.maximum(_pow2_floor(jnp.clip(raw, lo, hi)), lo)
+  _, exponent = jnp.frexp(jnp.clip(raw, lo, hi))  # the largest power of two <= it: the target
+  target = jnp.maximum(jnp.ldexp(jnp.ones([], jnp.float32), exponent - 1), lo)
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
   shrink = finite & (target < scale)
   grow = finite & (target > scale) & (tracker >= rule.growth_interval)
   grown = jnp.minimum(scale * jnp.float32(rule.growth_factor), target)
   backed = jnp.maximum(scale * jnp.float32(rule.backoff_factor), lo)
   new_scale = jnp.where(shrink, target, jnp.where(grow, grown, jnp.where(finite, scale, backed)))
-  moved = shrink | grow
-  return new_scale.astype(jnp.float32), AmaxScaleState(
-    history, jnp.where(moved, 0, tracker).astype(jnp.int32)
-  )
+  state = AmaxScaleState(history, jnp.where(shrink | grow, 0, tracker).astype(jnp.int32))
+  return new_scale.astype(jnp.float32), state

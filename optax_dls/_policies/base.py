@@ -1,5 +1,4 @@
-"""The policy protocol: ``LossScalePolicy``, the ``GradStats`` it reads, and the check of a
-user's policy."""
+"""The policy protocol: ``LossScalePolicy``, the ``GradStats`` it reads, and its check."""
 
 from __future__ import annotations
 
@@ -18,21 +17,17 @@ STATS = frozenset({"amax"})
 
 
 class GradStats(NamedTuple):
-  """What a policy learns about one step's gradients.
+  """What a policy learns about one step's gradients (reduced over ``axis_name`` when given).
 
   Attributes:
-    finite: bool ``()``. True when the loss scale was valid, every floating
-      entry of the unscaled gradients is finite and, when the loss is given
-      (``update(..., loss=)``, :func:`optax_dls.value_and_grad`), the loss is finite
-      too (reduced over ``axis_name`` when one is given): the step was applied.
-    step: int32 ``()``. Number of updates before this one, skipped included.
-    grad_norm: float32 ``()``, global L2 norm of the *unscaled* gradients
-      (inf or NaN when they are not finite; a step skipped for its loss
-      alone has a finite norm). With ``axis_name`` it is reduced
-      over those axes, the same on every device.
-    amax: float32 ``()``, largest absolute value of the *scaled* gradients as
-      they arrived (maximised over ``axis_name`` when one is given), or
-      ``None`` unless the policy lists ``"amax"`` in ``LossScalePolicy.stats``.
+    finite: bool ``()``, True when the step was applied: the loss scale was valid, every
+      floating entry of the unscaled gradients is finite and so is the loss when given
+      (``update(..., loss=)``, :func:`optax_dls.value_and_grad`).
+    step: int32 ``()``, the number of updates before this one, skipped included.
+    grad_norm: float32 ``()``, global L2 norm of the *unscaled* gradients (inf or NaN when
+      they are not finite; finite for a step skipped for its loss alone).
+    amax: float32 ``()``, largest absolute value of the *scaled* gradients as they arrived,
+      or ``None`` unless the policy lists ``"amax"`` in ``LossScalePolicy.stats``.
   """
 
   finite: jax.Array
@@ -46,49 +41,35 @@ class LossScalePolicy(NamedTuple):
 
   Write one the way you write an optax transformation::
 
-      def init() -> tuple[jax.Array, PolicyState]:  # (loss_scale, policy_state)
-        ...
+      def init() -> tuple[jax.Array, PolicyState]: ...  # (loss_scale, policy_state)
+      def update(loss_scale, policy_state, stats) -> tuple[jax.Array, PolicyState]: ...
 
-      def update(
-        loss_scale: jax.Array, policy_state: PolicyState, stats: GradStats
-      ) -> tuple[jax.Array, PolicyState]:  # the next (loss_scale, policy_state)
-        ...
+  ``loss_scale`` is a float32 ``()`` array, ``policy_state`` any pytree of arrays with fixed
+  dtypes (kept in the optimizer state), ``stats`` a :class:`GradStats`; ``update`` returns the
+  next pair. Both are traced under ``jit``: no Python control flow on array values.
 
-  ``loss_scale`` is a float32 ``()`` array; ``policy_state`` is any pytree of
-  arrays with fixed dtypes (it lives in the optimizer state); ``stats`` is a
-  :class:`GradStats`. Both functions are traced under ``jit``: no Python
-  control flow on array values.
-
-  :func:`optax_dls.loss_scaled` checks a policy when it is built: it calls
-  ``init()`` once (tiny arrays, nothing compiled) and requires a
-  float32-castable ``()`` loss scale in ``[min_scale, max_scale]``
-  (ValueError) and a state that is a pytree of arrays (TypeError); at trace
-  time ``update`` must return a ``(loss_scale, policy_state)`` pair with a
-  floating ``()`` scale and a state of ``init``'s tree structure, shapes and
-  dtypes (TypeError). Whatever ``update`` returns, the loss-scaled
-  transformation keeps the scale within ``[min_scale, max_scale]``.
+  :func:`optax_dls.loss_scaled` calls ``init()`` once when built: the scale must be a
+  float32-castable ``()`` value in ``[min_scale, max_scale]`` (ValueError), the state a pytree of
+  arrays (TypeError). At trace time ``update`` must return a pair of a floating ``()`` scale and
+  a state of ``init``'s tree structure, shapes and dtypes (TypeError). Whatever it returns, the
+  scale is kept within ``[min_scale, max_scale]``.
 
   Attributes:
     init: builds the initial ``(loss_scale, policy_state)``.
     update: moves the scale after one step, given that step's statistics.
-    stats: optional statistics the policy needs beyond ``finite`` and
-      ``grad_norm``: a tuple of strings drawn from ``("amax",)``. Default ``()``.
-    passthrough: bool (a NumPy bool is accepted). When True the wrapper
-      neither unscales nor checks nor skips: gradients go to the inner
-      optimizer unchanged. Only sound when the scale is always 1 (the no-op
-      policy), so ``init()`` must return a scale of exactly 1. Default False.
-    min_scale: float in ``[2**-126, 2**126]``, the lowest scale the policy
-      may take. Default ``2**-126``.
+    stats: tuple of strings from ``("amax",)``, the optional GradStats fields used. Default ``()``.
+    passthrough: bool (a NumPy bool is accepted). When True the gradients go to the inner
+      optimizer unscaled, unchecked and never skipped, so ``init()`` must return a scale of
+      exactly 1 (the no-op policy). Default False.
+    min_scale: float in ``[2**-126, 2**126]``, the lowest scale. Default ``2**-126``.
     max_scale: float in ``[min_scale, 2**126]``, the highest. Default ``2**126``.
-    preset: str or None, the name of the preset the policy was made by
-      (``optax_dls.config.preset``), shown by ``repr``. Default None.
+    preset: str or None, the name of the ``optax_dls.config.preset`` that made it. Default None.
 
-  ``repr`` is one line: the preset's name, a built-in rule's settings that differ from their
-  defaults (else the functions' names), then the other fields that differ from theirs.
+  ``repr`` is one line: the preset, a built-in rule's non-default settings (else the functions'
+  names), then the other non-default fields.
 
   Example:
-    A policy that halves the scale on every overflow and never grows it, with
-    no state of its own (an empty tuple):
+    Halve the scale on every overflow, never grow it; no state (an empty tuple):
 
     >>> import jax.numpy as jnp, optax, optax_dls
     >>> def init():
@@ -113,7 +94,7 @@ class LossScalePolicy(NamedTuple):
 
   def __repr__(self) -> str:
     shown = [f"preset={self.preset!r}"] if self.preset is not None else []
-    # A built-in rule's update is a partial of its settings; a wrapper's, of what it wraps.
+    # A built-in rule's update is a partial of its settings, a wrapper's of what it wraps.
     rule: Any = (*getattr(self.update, "args", ()), None)[0]
     if hasattr(rule, "_asdict") and not isinstance(rule, LossScalePolicy):
       defaults = rule._field_defaults
@@ -141,19 +122,12 @@ def _text(value: Any) -> str:
   return _validation.scale_text(value) if isinstance(value, float) else repr(value)
 
 
-def _name(policy: LossScalePolicy) -> str:
-  return getattr(policy.update, "__qualname__", None) or repr(policy.update)
-
-
 def _leaf_spec(x: Any) -> tuple[tuple[int, ...], Any]:
   return tuple(np.shape(x)), jnp.result_type(x)
 
 
 def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
-  """Runs ``policy.init()`` once (tiny arrays, no compilation) and checks what it returns.
-
-  Returns the tree structure and the (shape, dtype) of each leaf of the policy state.
-  """
+  """Checks ``policy.init()``'s output; returns the state's treedef and leaf (shape, dtype)s."""
   with jax.ensure_compile_time_eval():  # also where the transformation is built in a trace
     out = policy.init()
   if not (isinstance(out, tuple) and len(out) == 2):
@@ -164,11 +138,8 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
     dtype = jnp.result_type(scale)
   except (TypeError, ValueError):
     dtype = None
-  if (
-    dtype is None
-    or isinstance(scale, bool)
-    or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
-  ):
+  real = dtype is not None and any(jnp.issubdtype(dtype, t) for t in (jnp.floating, jnp.integer))
+  if not real or isinstance(scale, bool):
     raise ValueError(f"{what} must be a real number castable to float32, got {scale!r}.")
   if np.shape(scale) != ():
     raise ValueError(f"{what} must have shape (), got shape {np.shape(scale)} ({scale!r}).")
@@ -179,8 +150,7 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
       raise ValueError(
         f"{what} must be finite and > 0, within the policy's [min_scale, max_scale] = "
         f"[{_validation.scale_text(policy.min_scale)}, "
-        f"{_validation.scale_text(policy.max_scale)}] in "
-        f"float32, got {scale!r}."
+        f"{_validation.scale_text(policy.max_scale)}] in float32, got {scale!r}."
       )
     if policy.passthrough and value != 1.0:
       raise ValueError(
@@ -197,68 +167,45 @@ def _check_init(policy: LossScalePolicy) -> tuple[Any, list[tuple[tuple[int, ...
   return treedef, [_leaf_spec(x) for x in leaves]
 
 
-def _checked_update(policy: LossScalePolicy, treedef: Any, specs: list) -> Callable:
-  """``policy.update`` with trace-time checks of its output (pure Python, no runtime cost)."""
-  return functools.partial(_checked, policy, treedef, specs)
-
-
 def _checked(
   policy: LossScalePolicy, treedef: Any, specs: list, scale: Any, state: Any, stats: GradStats
 ) -> tuple[Any, Any]:
+  """``policy.update`` with trace-time checks of its output (no runtime cost)."""
   out = policy.update(scale, state, stats)
-  name = _name(policy)
+  name = getattr(policy.update, "__qualname__", None) or repr(policy.update)
+  must = f"policy.update ({name}) must return"
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-      f"policy.update ({name}) must return a (loss_scale, policy_state) pair, got {out!r}."
-    )
+    raise TypeError(f"{must} a (loss_scale, policy_state) pair, got {out!r}.")
   new_scale, new_state = out
   if np.shape(new_scale) != () or not jnp.issubdtype(jnp.result_type(new_scale), jnp.floating):
     raise TypeError(
-      f"policy.update ({name}) must return a floating loss scale of shape (), got "
+      f"{must} a floating loss scale of shape (), got "
       f"shape {np.shape(new_scale)} and dtype {jnp.result_type(new_scale)}."
     )
   leaves, new_def = jax.tree.flatten(new_state)
   if new_def != treedef:
     raise TypeError(
-      f"policy.update ({name}) must return a policy state with the tree structure of "
-      f"policy.init()'s, {treedef}, got {new_def}."
+      f"{must} a policy state with the tree structure of policy.init()'s, {treedef}, got {new_def}."
     )
   got = [_leaf_spec(x) for x in leaves]
   if got != specs:
     raise TypeError(
-      f"policy.update ({name}) must return policy-state leaves with the shapes and dtypes of "
-      f"policy.init()'s, {specs}, got {got}."
+      f"{must} policy-state leaves with the shapes and dtypes of policy.init()'s, {specs}, "
+      f"got {got}."
     )
   return new_scale, new_state
 
 
 def check_policy(policy: Any) -> LossScalePolicy:
-  """Returns ``policy`` checked, its ``update`` wrapped with trace-time output checks.
-
-  Runs ``policy.init()`` once, eagerly (tiny arrays; nothing is compiled).
-
-  Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy`; ``init`` / ``update`` not
-      callable; ``stats`` not a tuple of strings; ``passthrough`` not a bool;
-      ``min_scale`` / ``max_scale`` not numbers; ``init()`` not a
-      ``(loss_scale, policy_state)`` pair or a state leaf that is not an array.
-      At trace time: ``update`` returns something other than a
-      ``(loss_scale, policy_state)`` pair with a floating ``()`` scale and a state
-      of ``init``'s tree structure, shapes and dtypes.
-    ValueError: unknown ``stats``; ``min_scale`` / ``max_scale`` outside
-      ``[2**-126, 2**126]`` or in the wrong order; ``init``'s loss scale not a
-      float32 ``()`` value in ``[min_scale, max_scale]``; ``passthrough=True``
-      with an initial scale other than 1.
-  """
+  """``policy`` checked, a user's ``update`` wrapped with trace-time output checks."""
   if not isinstance(policy, LossScalePolicy):
     raise TypeError(
       f"policy must be a LossScalePolicy, got {policy!r} of type {type(policy).__name__}."
     )
   if not (callable(policy.init) and callable(policy.update)):
     raise TypeError(f"policy.init and policy.update must be callable, got {policy!r}.")
-  if not isinstance(policy.stats, (tuple, list)) or not all(
-    isinstance(x, str) for x in policy.stats
-  ):
+  stats = policy.stats
+  if not (isinstance(stats, (tuple, list)) and all(isinstance(x, str) for x in stats)):
     raise TypeError(
       f"policy.stats must be a tuple of strings drawn from {sorted(STATS)}, "
       f"got {policy.stats!r} of type {type(policy.stats).__name__}."
@@ -279,8 +226,8 @@ def check_policy(policy: Any) -> LossScalePolicy:
     passthrough=_validation.boolean("policy.passthrough", policy.passthrough),
   )
   treedef, specs = _check_init(policy)
-  # A function made by exec has no module (None): a policy of the user's.
+  # A built-in rule's output is held by its tests; a user's (module None from exec) is checked.
   module = getattr(getattr(policy.update, "func", policy.update), "__module__", None) or ""
   if module.startswith("optax_dls._policies."):
-    return policy  # a built-in rule: its output is held by its tests, not checked per trace
-  return policy._replace(update=_checked_update(policy, treedef, specs))
+    return policy
+  return policy._replace(update=functools.partial(_checked, policy, treedef, specs))

@@ -1,6 +1,4 @@
-"""The dynamic rule (Micikevicius et al. 2018, *Mixed Precision Training*, Sec. 3.2, with the
-hysteresis of Megatron-LM and DeepSpeed), written once, and the dynamic, static and no-op
-policies built on its state layout; the framework presets reuse it."""
+"""The dynamic rule (Micikevicius et al. 2018, Sec. 3.2): the dynamic, static and no-op policies."""
 
 from __future__ import annotations
 
@@ -16,20 +14,14 @@ from optax_dls._util import validation as _validation
 
 
 class DynamicScaleState(NamedTuple):
-  """Policy state of the dynamic rule (and, held constant, of the static and no-op policies).
-
-  Attributes:
-    growth_tracker: int32 ``()``. Consecutive finite steps since the last
-      growth or overflow.
-    hysteresis_left: int32 ``()``. Overflows still tolerated before a backoff.
-  """
+  """Policy state of the dynamic rule, held constant by the static and no-op policies (fields:
+  :func:`dynamic_policy`'s Returns)."""
 
   growth_tracker: jax.Array
   hysteresis_left: jax.Array
 
   def after_scale_reset(self) -> DynamicScaleState:
-    """This state once :func:`optax_dls.reset_scale` has set a new scale: the growth
-    count restarts at 0."""
+    """After :func:`optax_dls.reset_scale`: the growth count restarts at 0."""
     return self._replace(growth_tracker=jnp.zeros_like(self.growth_tracker))
 
 
@@ -38,15 +30,8 @@ def _dynamic_state(hysteresis: int) -> DynamicScaleState:
 
 
 class DynamicRule(NamedTuple):
-  """The dynamic rule's settings, with every variation of the established scalers.
-
-  Already checked when the rule is built. Attributes: ``init_scale``, ``min_scale``,
-  ``max_scale`` (floats); ``growth_factor`` (float > 1); ``growth_after`` (int >= 1,
-  consecutive finite steps before a growth); ``backoff_factor`` (float in (0, 1)) or
-  ``backoff_divisor`` (float > 1), one of them None; ``reset_after_growth`` (int, the
-  tracker's value after a growth, 0 by default); ``hysteresis`` (int >= 1);
-  ``consecutive_hysteresis`` (bool); ``warmup_steps`` (int >= 0).
-  """
+  """The dynamic rule's checked settings, with the established scalers' variations: one of
+  ``backoff_factor`` / ``backoff_divisor`` is None; ``reset_after_growth`` restarts the tracker."""
 
   init_scale: float
   min_scale: float
@@ -90,15 +75,7 @@ def _rule_update(
 
 
 def dynamic_rule(rule: DynamicRule) -> LossScalePolicy:
-  """The policy of a :class:`DynamicRule` (its settings already checked).
-
-  Finite step: ``tracker += 1``; with ``consecutive_hysteresis`` the hysteresis
-  is refilled; when ``tracker >= growth_after`` and ``step >= warmup_steps``:
-  ``S = min(S * growth_factor, max_scale)``, ``tracker = reset_after_growth``,
-  hysteresis refilled. Non-finite step: ``tracker = 0``, the hysteresis drops by
-  one (floored at 0) and at 0 ``S = max(S * backoff_factor, min_scale)`` (or
-  ``S / backoff_divisor``). Products and quotients are float32, each rounded once.
-  """
+  """The policy of a checked :class:`DynamicRule`; products and quotients float32, rounded once."""
   return LossScalePolicy(
     functools.partial(_rule_init, rule),
     functools.partial(_rule_update, rule),
@@ -120,41 +97,28 @@ def dynamic_policy(
 ) -> LossScalePolicy:
   """Dynamic loss scaling (Micikevicius et al. 2018, Mixed Precision Training).
 
-  On a finite step the growth tracker counts up; on the ``growth_interval``-th
-  consecutive finite step (and once ``warmup_steps`` updates have run) the
-  scale is multiplied by ``growth_factor``, capped at ``max_scale``, the
-  tracker resets and the hysteresis is refilled. On a non-finite step the
-  tracker resets and the hysteresis drops by one (floored at 0); when it is 0
-  the scale is multiplied by ``backoff_factor``, floored at ``min_scale``.
-  The growth timing matches PyTorch ``GradScaler``, jmp and Keras; flax's
-  ``DynamicScale`` grows one step later.
+  The scale grows by ``growth_factor`` (to at most ``max_scale``, refilling the hysteresis) on
+  the ``growth_interval``-th consecutive finite step, as in PyTorch, jmp and Keras, once
+  ``warmup_steps`` updates have run; a non-finite step uses up one hysteresis, and with none
+  left backs off by ``backoff_factor`` (to at least ``min_scale``).
 
   Args:
-    init_scale: float, initial loss scale S. Default ``2**15``. Must satisfy
-      ``min_scale <= init_scale <= max_scale``.
-    growth_factor: float > 1, finite, also once rounded to float32 (so not
-      within ~6e-8 of 1). Default 2.
-    backoff_factor: float in (0, 1), also once rounded to float32 (so not
-      within ~3e-8 of 1, nor below ~1e-45). Default 0.5.
-    growth_interval: int in [1, 2**31 - 1], consecutive finite steps before a
-      growth. Default 2000.
+    init_scale: float in ``[min_scale, max_scale]``, the initial loss scale. Default ``2**15``.
+    growth_factor: float > 1, finite, and in float32 (not within ~6e-8 of 1). Default 2.
+    backoff_factor: float in (0, 1), also in float32 (not within ~3e-8 of 1, nor below ~1e-45).
+      Default 0.5.
+    growth_interval: int in [1, 2**31 - 1], consecutive finite steps before a growth. Default 2000.
     min_scale: float in [2**-126, 2**126], floor of the scale. Default 1.
-    max_scale: float in [min_scale, 2**126], ceiling of the scale (never
-      inf). Default ``2**24``.
-    hysteresis: int in [1, 2**31 - 1], overflows tolerated before a backoff
-      (DeepSpeed ``delayed_shift``, Megatron ``hysteresis``). With 1 (the
-      default) every overflow backs off, as in PyTorch.
-    consecutive_hysteresis: bool. If True, every finite step refills the
-      hysteresis (DeepSpeed's option); otherwise only a growth does (Megatron).
-      Default False.
-    warmup_steps: int in [0, 2**31 - 1]. No growth before this many updates.
-      Default 0.
+    max_scale: float in [min_scale, 2**126], ceiling of the scale (never inf). Default ``2**24``.
+    hysteresis: int in [1, 2**31 - 1], overflows tolerated before a backoff (DeepSpeed
+      ``delayed_shift``, Megatron ``hysteresis``). Default 1: every overflow backs off (PyTorch).
+    consecutive_hysteresis: bool. If True every finite step refills the hysteresis
+      (DeepSpeed's option), else only a growth does (Megatron). Default False.
+    warmup_steps: int in [0, 2**31 - 1]. No growth before this many updates. Default 0.
 
   Returns:
-    A :class:`LossScalePolicy` whose state is a ``DynamicScaleState``: the
-    consecutive finite steps since the last growth or overflow
-    (``growth_tracker``) and the overflows still tolerated before a backoff
-    (``hysteresis_left``), both int32 ``()``.
+    A :class:`LossScalePolicy` whose state is a ``DynamicScaleState`` of int32 ``()`` fields
+    ``growth_tracker`` (finite steps since the last growth or overflow) and ``hysteresis_left``.
 
   Raises:
     ValueError: a value outside its valid range; the message names it.
@@ -194,9 +158,8 @@ def dynamic_policy(
 
 
 def static_policy(scale: float) -> LossScalePolicy:
-  """The policy of :func:`~optax_dls.static_loss_scale`: ``scale`` (in ``[2**-126,
-  2**126]``) never moves, non-finite steps are still skipped; the state is the dynamic
-  policy's, held constant, so a checkpoint moves between the two."""
+  """The policy of :func:`~optax_dls.static_loss_scale`: ``scale`` in ``[2**-126, 2**126]``, fixed;
+  non-finite steps skipped; the dynamic policy's state, held constant."""
   scale = _validation.scale("scale", scale)
   init = functools.partial(_static_init, scale)
   return LossScalePolicy(init, _static_update, min_scale=scale, max_scale=scale)
@@ -214,6 +177,5 @@ def _static_update(
 
 
 def noop_policy() -> LossScalePolicy:
-  """The policy of :func:`~optax_dls.no_loss_scale`: S = 1, nothing checked or skipped
-  (``passthrough=True``)."""
+  """The policy of :func:`~optax_dls.no_loss_scale`: S = 1, ``passthrough=True``."""
   return static_policy(1.0)._replace(passthrough=True)

@@ -1,5 +1,4 @@
-"""Float32 fallback: a policy wrapper whose flag asks for the loss in float32 for a while after a
-run of skipped steps, and the count of skips at the minimum scale, which backing off cannot cure."""
+"""Policy wrappers: a float32 fallback flag after a run of skips; the skips at ``min_scale``."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from optax_dls._util import validation as _validation
 
 
 class FallbackState(NamedTuple):
-  """Policy state of :func:`fp32_fallback`: the wrapped ``SkipsAtMinScaleState`` (``policy_state``),
-  the flag (``fp32_fallback``, bool ``()``), the updates it has left (``steps_left``) and the skips
-  in a row (``consecutive_skips``), int32 ``()``."""
+  """Policy state of :func:`fp32_fallback`: the wrapped ``policy_state``, the ``fp32_fallback``
+  flag (bool ``()``), its ``steps_left`` and the ``consecutive_skips`` (int32 ``()``)."""
 
   policy_state: Any
   fp32_fallback: jax.Array
@@ -34,22 +32,20 @@ def fp32_fallback(
   """Wraps ``policy`` with a float32 fallback for when float16 keeps failing.
 
   After ``after`` consecutive skips the ``fp32_fallback`` flag (in :func:`metrics`) is on for the
-  next ``steps`` updates, while the wrapped policy keeps moving the scale; the update that ends it
-  restarts the scale at ``scale`` and the wrapped policy's state. The step picks the computation
-  with the flag (both branches traced once, so switching never recompiles; they must return the same
-  structure, shapes and dtypes)::
+  next ``steps`` updates while the wrapped policy keeps moving the scale; the update that ends it
+  restarts the scale at ``scale`` and the wrapped policy's state. Pick the computation by the
+  flag (both traced once, never recompiled; of the same structure, shapes and dtypes)::
 
       loss = jax.lax.cond(
         optax_dls.metrics(opt_state)["fp32_fallback"], fp32_loss, fp16_loss, params, batch
       )
 
-  It also counts the consecutive skips taken at the policy's ``min_scale``, which backing off cannot
-  cure: :func:`metrics` reports ``skips_at_min_scale`` (reset by an applied step and when the
-  fallback ends); :class:`SkipAlerts` warns on the first.
+  :func:`metrics` also reports ``skips_at_min_scale``, the consecutive skips at the policy's
+  ``min_scale`` that backing off cannot cure (reset by an applied step and when the fallback
+  ends); :class:`SkipAlerts` warns on the first.
 
   Args:
-    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`; its ``min_scale`` is
-      the floor the count compares with.
+    policy: the :class:`LossScalePolicy` to wrap, e.g. :func:`dynamic_policy`.
     after: int in [1, 2**31 - 1], consecutive skipped steps that start the fallback. Default 10.
     steps: int in [1, 2**31 - 1], updates the fallback lasts. Default 100.
     scale: float in the policy's ``[min_scale, max_scale]``, or None (the default: the policy's
@@ -60,10 +56,9 @@ def fp32_fallback(
     ``SkipsAtMinScaleState``, holds the wrapped state and ``skips_at_min_scale`` (int32 ``()``).
 
   Raises:
-    TypeError: ``policy`` is not a :class:`LossScalePolicy`, one of its fields has the wrong type
-      (see :class:`LossScalePolicy`), or a wrong or traced value.
-    ValueError: a value out of range, ``scale`` included (the message names it), or ``policy``'s
-      ``stats``, scale range or initial scale is not valid.
+    TypeError: ``policy`` is not a :class:`LossScalePolicy`, or a wrong type or traced value.
+    ValueError: a value out of range (named), ``scale`` included, or ``policy``'s ``stats``,
+      scale range or initial scale is not valid.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls
@@ -82,7 +77,6 @@ def fp32_fallback(
   steps = _validation.count("steps", steps)
   if scale is not None:
     scale = _validation.scale("scale", scale, policy.min_scale, policy.max_scale)
-
   counted = skips_at_min_scale(policy)
   init = functools.partial(_fallback_init, counted)
   update = functools.partial(_fallback_update, counted, after, steps, scale)
@@ -122,8 +116,7 @@ def _fallback_update(
 
 
 class SkipsAtMinScaleState(NamedTuple):
-  """Policy state of :func:`skips_at_min_scale`: the wrapped ``policy_state`` and
-  ``skips_at_min_scale`` (int32 ``()``, saturating), consecutive skips at ``min_scale``."""
+  """Policy state of :func:`skips_at_min_scale`: ``policy_state``, int32 ``skips_at_min_scale``."""
 
   policy_state: Any
   skips_at_min_scale: jax.Array
@@ -133,8 +126,7 @@ class SkipsAtMinScaleState(NamedTuple):
 
 
 def skips_at_min_scale(policy: LossScalePolicy) -> LossScalePolicy:
-  """Wraps ``policy`` to count consecutive skips at its ``min_scale``; the scale is the wrapped
-  policy's. TypeError / ValueError as ``check_policy`` raises them."""
+  """``policy`` counting the consecutive skips at its ``min_scale``; raises as ``check_policy``."""
   policy = check_policy(policy)
   init = functools.partial(_min_scale_init, policy)
   return policy._replace(init=init, update=functools.partial(_min_scale_update, policy))

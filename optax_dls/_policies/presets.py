@@ -1,14 +1,9 @@
-"""The presets reproducing other frameworks' scale trajectories, public as
-``optax_dls.config.preset("torch")``, ``"keras"``, ``"jmp"``, ``"flax"``, ``"megatron"`` and
-``"deepspeed"`` (their arguments, defaults and limits: ``config.preset`` and ``docs/policies.md``).
+"""Other frameworks' scale trajectories, bit for bit, as :func:`optax_dls.config.preset` names.
 
-Given the same finite / non-finite steps, each scale equals the reference's bit for bit while the
-reference stays inside ``[2**-126, 2**126]``. References: PyTorch ``torch/amp/grad_scaler.py``,
-Megatron-LM ``megatron/core/optimizer/grad_scaler.py``, DeepSpeed
-``deepspeed/runtime/fp16/loss_scaler.py``, Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``,
-jmp ``jmp/_src/loss_scale.py``, flax ``flax/training/dynamic_scale.py``; the rule is Micikevicius et
-al. (2018), Sec. 3.2.
-"""
+References: PyTorch ``torch/amp/grad_scaler.py``, Megatron-LM
+``megatron/core/optimizer/grad_scaler.py``, DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py``,
+Keras 3 ``keras/src/optimizers/loss_scale_optimizer.py``, jmp ``jmp/_src/loss_scale.py``, flax
+``flax/training/dynamic_scale.py``."""
 
 from __future__ import annotations
 
@@ -22,11 +17,9 @@ from optax_dls._util import validation as _validation
 from optax_dls._util.validation import INT32_MAX, SCALE_MAX, SCALE_MIN
 
 _REQUIRED = inspect.Parameter.empty
-# Each preset: the rule's fixed options, then its arguments as (name, default, role). Roles:
-# "init" / "low" the initial scale and floor ("floor": None is 2**-126, as in flax);
-# "growth" / "backoff" the factors, "factor" both (a growth factor and a backoff divisor);
-# ("after", low, late) the growth window, grown ``late`` steps later (flax, DeepSpeed);
-# "hysteresis"; "consecutive" DeepSpeed's consecutive hysteresis.
+# Each preset: fixed rule options, then (argument, default, role). Roles: "init" / "low" ("floor":
+# None is 2**-126), "growth", "backoff", "factor" (growth factor and backoff divisor), "hysteresis",
+# "consecutive", ("after", low, late): the growth window, grown ``late`` steps later.
 _PRESETS: dict[str, tuple[dict[str, Any], tuple[tuple[str, Any, Any], ...]]] = {
   "torch": (
     {},
@@ -85,8 +78,7 @@ _PRESETS: dict[str, tuple[dict[str, Any], tuple[tuple[str, Any, Any], ...]]] = {
 
 
 def _option(role: Any, name: str, value: Any) -> dict[str, Any]:
-  """The :class:`DynamicRule` options (or ``init`` / ``low`` for the scale range) of one argument,
-  checked; ValueError / TypeError naming it."""
+  """The checked :class:`DynamicRule` options (or ``init`` / ``low``) of one argument."""
   if role in ("init", "low"):
     return {role: (name, value)}
   if role == "floor":
