@@ -50,12 +50,8 @@ def pmax(x: Any, axis_name: AxisName) -> Any:
 
 
 def varying_axes(x: Any) -> frozenset[str]:
-  """Mesh axes over which ``x`` (an array or a ``ShapeDtypeStruct``) varies, as
-  typed by ``shard_map(check_vma=True)``.
-
-  Empty outside ``shard_map``, under ``shard_map(check_vma=False)`` and under
-  ``pmap``, where JAX does not track it.
-  """
+  """Mesh axes over which ``x`` (an array or a ``ShapeDtypeStruct``) varies under
+  ``shard_map(check_vma=True)``; empty wherever JAX does not track it."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
@@ -98,16 +94,9 @@ def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: AxisName) -> None:
-  """Raises ValueError when the gradients vary over a mapped axis that neither
-  ``axis_name`` nor the (replicated) loss-scale state covers.
-
-  Under ``shard_map`` with ``check_vma=True`` each gradient leaf's type says
-  over which mesh axes it varies. If it varies over an axis missing from
-  ``axis_name`` while the loss scale does not, each device would decide alone
-  whether to skip and the replicated loss-scale state would diverge. Runs at
-  trace time; a no-op where JAX does not track variance (``pmap``,
-  ``check_vma=False``).
-  """
+  """ValueError at trace time when the gradients vary (``shard_map(check_vma=True)``) over
+  a mesh axis that neither ``axis_name`` nor the replicated loss-scale state covers: each
+  device would decide alone and the state would diverge."""
   found = frozenset().union(*map(varying_axes, grad_leaves))
   if not found - varying_axes(state_leaf):  # nothing to cover (no shard_map, or replicated)
     return

@@ -42,14 +42,8 @@ def _as(x: Any, dtype: Any) -> jax.Array:
 
 
 def unscale(tree: Any, inv_scale: jax.typing.ArrayLike, params: Any = None) -> Any:
-  """Multiplies each floating leaf by ``inv_scale`` in float32 (or wider); other leaves
-  pass through unchanged.
-
-  The product takes the leaf's own dtype, except where ``params`` has, at the leaf's
-  place, a real floating parameter of a wider dtype (a float16 or bfloat16 gradient of a
-  float32 parameter): it then takes the parameter's dtype, so that no value below the
-  gradient dtype's smallest subnormal is flushed to zero again.
-  """
+  """Each floating leaf times ``inv_scale`` in float32 (or wider), in the leaf's dtype or
+  its wider real parameter's (:func:`widened`); other leaves pass through unchanged."""
 
   def one(x: Any) -> Any:
     if not is_float(x):
@@ -131,17 +125,12 @@ def check(
 ) -> Check:
   """The exact check of ``unscale(grads, 1/scale)``, without forming it: a :class:`Check`.
 
-  Exact: finite values of any size count as finite; an inf or NaN anywhere, or an entry
-  that unscaling by ``1/scale`` > 1 overflows in its own dtype (a float16 leaf past 65504),
-  makes the step non-finite; so does a scale that is not valid. With ``fused`` (GPUs and
-  TPUs) each leaf is read once by one variadic reduction (its sum of squares, of squares
-  times ``2**-100`` and its largest magnitude): no conditional, nothing for the host.
-  Without (the CPU) each leaf is read once for its sum of squares, which is finite only
-  when every entry is; a sum that is not, or a scale below 1, takes the exact reads in a
-  ``lax.cond`` that runs only then (plain reductions, which XLA all-reduces across a mesh).
-  With ``axis_name`` the flag, the codes and the norm are the same on every device: a leaf
-  that varies over a named axis (``shard_map(check_vma=True)``) is summed over it, one
-  replicated over it counted once.
+  Finite values of any size count as finite; an inf or NaN, an entry that unscaling by
+  ``1/scale`` > 1 overflows in its own dtype, or a scale that is not valid makes the step
+  non-finite. ``fused`` (GPUs, TPUs): one variadic reduction per leaf, no conditional.
+  Otherwise (the CPU): each leaf's sum of squares decides, and only a sum that is not
+  finite, or a scale below 1, takes the exact reads in a ``lax.cond``. With ``axis_name``
+  the results are reduced over the named axes (a replicated leaf counted once).
   """
   valid = valid_scale(scale)
   inv = jnp.where(valid, 1.0 / jnp.asarray(scale, jnp.float32), jnp.nan)

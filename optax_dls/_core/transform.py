@@ -305,11 +305,9 @@ _FORGOTTEN = (
 
 
 def _unscaled(grads: Any, scale: Any) -> bool:
-  """Whether the step is traced with its gradients (computed in the trace the scale is an
-  argument of) and none of them depends on the scale: the loss was not multiplied by it.
-  The walk reads the tracers' ``parent`` equations, which JAX records while tracing; an
-  eager step, gradients handed in as arguments or a JAX without such records tell
-  nothing, and nothing is said."""
+  """Whether the gradients were computed in the trace the scale is an argument of and none
+  depends on the scale (the loss was not multiplied by it); False whenever JAX's records
+  (the tracers' ``parent`` equations) tell nothing."""
   trace = getattr(scale, "_trace", None)
   parent = lambda x: getattr(x, "parent", None)
   computed = lambda g: getattr(g, "_trace", None) is trace and parent(g) is not None
