@@ -48,9 +48,8 @@ def unscale(tree: Any, inv_scale: jax.typing.ArrayLike, params: Any = None) -> A
   def one(x: Any) -> Any:
     if not is_float(x):
       return x
-    dtype = jnp.result_type(x)  # a Python float's too
-    ct = compute_dtype(dtype)
-    return _as(lax.mul(_as(x, ct), _as(inv_scale, ct)), dtype)
+    ct = compute_dtype(jnp.result_type(x))  # a Python float's too
+    return _as(lax.mul(_as(x, ct), _as(inv_scale, ct)), jnp.result_type(x))
 
   return jax.tree.map(one, widened(tree, params))
 
@@ -145,10 +144,10 @@ def check(
   reads = lambda: [_reads(x, tinies[r], fused) for x, r in zip(leaves, reals, strict=True)]
   sq, tq, tops = (list(v) for v in zip(*reads()))
   if not fused:  # the CPU: the sums of squares decide, the rest only where they cannot
-    zeros = [_multi_device.vary_like(jnp.zeros([], r), x) for x, r in zip(leaves, reals)]
+    # Finite sums and no scale below 1: any finite stand-ins decide the same (the sums).
     quick = jnp.all(jnp.isfinite(jnp.stack([_as(v, jnp.float32) for v in sq]))) & (inv <= 1)
     exact = lambda _: tuple(list(v) for v in list(zip(*reads()))[1:])
-    tq, tops = lax.cond(quick, lambda _: (zeros, zeros), exact, None)
+    tq, tops = lax.cond(quick, lambda _: (sq, sq), exact, None)
   # Every leaf's results in vectors behind a barrier: XLA keeps one reduction per leaf.
   to32 = [_as(v * jnp.asarray(_TO_FLOAT32[r], r), jnp.float32) for v, r in zip(tq, reals)]
   vectors, tops = lax.optimization_barrier(
@@ -156,11 +155,8 @@ def check(
   )
   sq_v, tq_v = vectors.reshape(2, len(leaves))
   k = jnp.where(inv > 1, inv, 1.0)  # a scale below 1: the unscaled values are checked
-  big = jnp.zeros([len(leaves)], jnp.bool_)
-  for dtype in dict.fromkeys(jnp.real(x).dtype for x in leaves):  # each leaf in its own dtype
-    at = np.asarray([i for i, x in enumerate(leaves) if jnp.real(x).dtype == dtype])
-    top = jnp.stack([tops[i] for i in at])
-    big = big.at[at].set(~jnp.isfinite(_as(top * _as(k, top.dtype), dtype)))
+  unscaled = lambda top, x: _as(top * _as(k, top.dtype), jnp.real(x).dtype)  # in x's dtype
+  big = jnp.stack([~jnp.isfinite(unscaled(t, x)) for t, x in zip(tops, leaves, strict=True)])
   codes = jnp.where(jnp.isnan(sq_v) | jnp.isnan(tq_v), 2, big.astype(jnp.int32))
   if axis_name is None:
     total, tiny_total = jnp.sum(sq_v), jnp.sum(tq_v)

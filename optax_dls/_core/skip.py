@@ -45,40 +45,36 @@ def check(lowering: str, grads: Any, scale: jax.Array, axis_name: Any, want_amax
   return one(lowering == "where")(grads, scale)
 
 
-def skipped(lowering: str, finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> Any:
+def skipped(lowering: str, finite: jax.Array, apply: Callable, *ops: Any) -> Any:
   """``apply(grads, inner_state, params) -> (out, inner_state)`` where ``finite``, else
-  ``(skip(params, out), inner_state)`` in the types ``apply`` returns, lowered as
+  ``(negative zeros like out, inner_state)`` in the types ``apply`` returns, lowered as
   ``lowering`` says."""
   if lowering == "auto":
-    by = lambda lowered: lambda f, *o: lowered(f, apply, skip, *o)
+    by = lambda lowered: lambda f, *o: lowered(f, apply, *o)
     return lax.platform_dependent(finite, *ops, cpu=by(by_cond), default=by(by_where))
-  return (by_cond if lowering == "cond" else by_where)(finite, apply, skip, *ops)
+  return (by_cond if lowering == "cond" else by_where)(finite, apply, *ops)
 
 
-def by_cond(finite: jax.Array, apply: Callable, skip: Callable, *ops: Any) -> Any:
+def by_cond(finite: jax.Array, apply: Callable, *ops: Any) -> Any:
   def skipped_step(g: Any, s: Any, p: Any) -> tuple[Any, Any]:
     out, new_s = jax.eval_shape(apply, g, s, p)
-    return skip(p, out), jax.tree.map(like, s, new_s)
+    return jax.tree.map(negative_zeros_like, out), jax.tree.map(like, s, new_s)
 
   return lax.cond(finite, apply, skipped_step, *ops)
 
 
-def by_where(
-  finite: jax.Array, apply: Callable, skip: Callable, grads: Any, inner_state: Any, params: Any
-) -> Any:
+def by_where(finite: jax.Array, apply: Callable, grads: Any, inner_state: Any, params: Any) -> Any:
   # The same types on both sides: one select each (jnp.where would also broadcast).
   safe = jax.tree.map(lambda g: lax.select_n(finite, jnp.zeros_like(g), g), grads)
   out, new_s = apply(safe, inner_state, params)
   keep = lambda new, old: jnp.where(finite, new, like(old, new))
-  out = jax.tree.map(lambda n, o: lax.select_n(finite, o, n), out, skip(params, out))
+  out = jax.tree.map(lambda n: lax.select_n(finite, negative_zeros_like(n), n), out)
   return out, jax.tree.map(keep, new_s, inner_state)
 
 
 def strong(x: Any) -> Any:
   """``x`` strongly typed (same dtype and value); other leaves pass through."""
-  if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.number):
-    return x
-  return lax.convert_element_type(x, x.dtype) if jax.typeof(x).weak_type else x
+  return lax.convert_element_type(x, x.dtype) if isinstance(x, jax.Array) and weak(x) else x
 
 
 def weak(x: Any) -> bool:

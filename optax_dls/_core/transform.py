@@ -226,16 +226,12 @@ def build(  # noqa: C901 (the closures of one transformation)
         out, new = _model.inner_update(inner.update, unscaled, p, inner_state, **extra_args)
       return out, jax.tree.map(_skip.as_weak_as, new, inner_state)
 
-    skip = lambda p, out: jax.tree.map(_skip.negative_zeros_like, out)
-    out, inner_state = _skip.skipped(
-      lowering, finite, apply, skip, updates, state.inner_state, kept
-    )
-    inc = optax.safe_increment
+    out, inner_state = _skip.skipped(lowering, finite, apply, updates, state.inner_state, kept)
     return out, LossScaleState(
       loss_scale=new_scale,
       num_steps=step,
-      num_skipped=jnp.where(finite, state.num_skipped, inc(state.num_skipped)),
-      consecutive_skips=jnp.where(finite, 0, inc(state.consecutive_skips)),
+      num_skipped=jnp.where(finite, state.num_skipped, optax.safe_increment(state.num_skipped)),
+      consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
       grad_norm=check.grad_norm,
       nonfinite=record,
       overflows=overflows,
