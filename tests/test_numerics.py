@@ -35,6 +35,20 @@ def test_huge_finite_gradients_are_finite_and_applied(lowering):
   np.testing.assert_allclose(float(state.grad_norm), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("with_params", [True, False])
+def test_finite_float16_gradients_whose_squares_pass_float16_s_range_are_applied(
+  with_params, lowering
+):
+  """A float16 leaf whose sum of squares is past 65504 (a norm above 256) is finite: the
+  CPU's quick path must not read the sum as the leaf's largest entry."""
+  params = {"w": jnp.zeros(16, jnp.float16)}
+  grads = {"w": jnp.full(16, 100.0, jnp.float16)}
+  tx = optax_dls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0, skip_lowering=lowering)
+  updates, state = tx.update(grads, tx.init(params), params if with_params else None)
+  assert bool(state.last_step_finite) and float(state.loss_scale) == 1024.0
+  np.testing.assert_allclose(np.asarray(updates["w"], np.float32), -100.0 / 1024.0, rtol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_norm_past_the_float32_range_is_inf_but_the_step_is_finite(dtype, lowering):
   grads = {"w": jnp.array([3e38, 3e38], dtype)}
