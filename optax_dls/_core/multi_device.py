@@ -40,13 +40,21 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
 def psum(x: Any, axis_name: AxisName) -> Any:
   """``lax.psum`` over the named axes, or ``x`` itself when there are none."""
   names = axis_names(axis_name)
-  return lax.psum(x, names) if names else x
+  return lax.psum(_varying_over(x, names), names) if names else x
 
 
 def pmax(x: Any, axis_name: AxisName) -> Any:
   """``lax.pmax`` over the named axes, or ``x`` itself when there are none."""
   names = axis_names(axis_name)
-  return lax.pmax(x, names) if names else x
+  return lax.pmax(_varying_over(x, names), names) if names else x
+
+
+def _varying_over(x: Any, names: tuple[str, ...]) -> Any:
+  """``x`` made to vary over the ``shard_map`` axes among ``names``: a named axis the value
+  is replicated over (gradients sharded over another) is then reduced, not refused."""
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
+  missing = tuple(sorted(set(names) & set(manual) - varying_axes(x)))
+  return pcast_varying(x, missing) if missing else x
 
 
 def varying_axes(x: Any) -> frozenset[str]:

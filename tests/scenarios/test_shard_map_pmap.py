@@ -260,3 +260,38 @@ def test_shard_map_statistics_are_global_and_replicated(mesh, make_tx, backs_off
   np.testing.assert_array_equal(per_device[:, 0], float(ref_state.loss_scale))
   # The amax policy backs off (before any overflow) because of the one large entry.
   assert (float(ref_state.loss_scale) < float(tx.init(params).loss_scale)) == backs_off
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_an_axis_the_gradients_do_not_vary_over_may_be_named(mesh, bad, lowering):
+  """Gradients sharded over "data" only, replicated over "model", with both axes named (as
+  the coverage message and the docstring advise): the norm is the global one, counted once,
+  and an inf in one shard skips every device."""
+  specs = {"w": P("data"), "b": P()}
+  tx = _tx(AXES, lowering=lowering)
+  params = _params()
+  state_specs = optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    tx.init(params),
+    specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda x: isinstance(x, P),
+  )
+
+  def update(grads, state, params):
+    _, state = tx.update(grads, state, params)
+    return state.last_step_finite, state.grad_norm
+
+  fn = jax.jit(
+    jax.shard_map(update, mesh=mesh, in_specs=(specs, state_specs, specs), out_specs=(P(), P()))
+  )
+  grads = _grads(2.0**10)
+  if bad:
+    grads["w"] = grads["w"].at[5, 2].set(jnp.inf)
+  put = lambda t, s: jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), t, s)
+  finite, norm = fn(put(grads, specs), put(tx.init(params), state_specs), put(params, specs))
+  assert bool(finite) is not bad
+  if not bad:
+    flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)])
+    np.testing.assert_allclose(float(norm), np.linalg.norm(flat) / 2.0**10, rtol=1e-5)
