@@ -71,3 +71,17 @@ def test_the_library_s_own_transformations_pickle_as_optax_s_do():
 def test_a_configuration_with_underflow_stats_checks_inner_first():
   with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
     config.from_config({"underflow_stats": True}, 5)
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [
+    lambda: optax_dls.dynamic_loss_scale(optax.adam(1.0)),
+    lambda: optax.chain(optax.clip(1.0), optax_dls.static_loss_scale(optax.sgd(1.0), 2.0)),
+  ],
+  ids=["direct", "in_a_chain"],
+)
+def test_an_inner_optimizer_already_loss_scaled_is_refused_at_init(inner):
+  tx = optax_dls.dynamic_loss_scale(inner())
+  with pytest.raises(ValueError, match="inner is already loss-scaled.*Wrap the optimizer once"):
+    tx.init({"w": jnp.ones(2)})

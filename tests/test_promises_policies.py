@@ -133,3 +133,18 @@ def test_each_policy_s_state_is_the_one_the_tables_name():
     assert said[name] in ((), state._fields), (name, said[name], state._fields)
     seen.add(name)
   assert seen == set(said)
+
+
+@pytest.mark.parametrize("returned, kept", [(jnp.nan, 4.0), (-3.0, 1.0), (jnp.inf, 16.0)])
+def test_whatever_a_policy_returns_the_scale_stays_in_its_range(returned, kept):
+  """LossScalePolicy: "Whatever it returns, the scale is kept within [min_scale,
+  max_scale]": a NaN restarts at the initial scale, the rest is clipped."""
+  policy = optax_dls.LossScalePolicy(
+    lambda: (jnp.float32(4.0), ()),
+    lambda s, st, g: (jnp.where(g.finite, s, jnp.float32(returned)), st),
+    min_scale=1.0,
+    max_scale=16.0,
+  )
+  tx = optax_dls.loss_scaled(optax.sgd(1.0), policy)
+  _, state = tx.update({"w": jnp.array([jnp.inf])}, tx.init({"w": jnp.ones(1)}))
+  assert float(state.loss_scale) == kept

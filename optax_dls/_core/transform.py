@@ -93,7 +93,7 @@ def loss_scaled(
       ``skip_lowering`` or a label is not a string.
     ValueError: ``skip_lowering`` is not one of the three, the policy's scales are out of
       range, or the labels are empty or malformed (at ``init``: they do not match the
-      parameters). At trace time: under ``shard_map(check_vma=True)`` the gradients vary
+      parameters, or ``inner`` is loss-scaled already). At trace time: under ``shard_map(check_vma=True)`` the gradients vary
       over a mesh axis ``axis_name`` leaves out, or ``axis_name`` names an axis not mapped
       there; or the state's policy state is not of this transformation's policy.
 
@@ -138,6 +138,8 @@ def build(  # noqa: C901 (the closures of one transformation)
     scale, policy_state = policy.init()
     trained = _model.trained(params)
     inner_state = inner.init(trained) if policy.passthrough else settled_inner_init(inner, trained)
+    if any(isinstance(x, LossScaleState) for x in jax.tree.leaves(inner_state, is_leaf=_is_state)):
+      raise ValueError(_TWICE)
     n = len(_labels.leaf_names(params))
     return init_state(scale, policy_state, inner_state, n, leaf_labels(params))
 
@@ -172,7 +174,8 @@ def build(  # noqa: C901 (the closures of one transformation)
     stats = _policies.GradStats(finite, state.num_steps, check.grad_norm, check.amax)
     scale = jnp.where(valid, state.loss_scale, init_scale)
     new_scale, policy_state = policy.update(scale, state.policy_state, stats)
-    new_scale = jnp.where(valid, jnp.asarray(new_scale, jnp.float32), init_scale)
+    new_scale = jnp.asarray(new_scale, jnp.float32)  # a NaN from the policy restarts too
+    new_scale = jnp.where(valid & ~jnp.isnan(new_scale), new_scale, init_scale)
     return jnp.clip(new_scale, low, high), policy_state
 
   def update_fn(
@@ -287,6 +290,16 @@ def _loss_code(loss: Any, axis_name: Any) -> jax.Array:
   return _multi_device.pmax(code.astype(jnp.int32), axis_name)
 
 
+_TWICE = (
+  "inner is already loss-scaled (its state holds a LossScaleState): the gradients would be "
+  "unscaled twice. Wrap the optimizer once, e.g. dynamic_loss_scale(optax.chain(clip, adam))."
+)
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
+
+
 _FORGOTTEN = (
   "optax_dls: no gradient this update receives depends on the loss scale in opt_state: "
   "the loss was not multiplied by optax_dls.scale_loss(loss, opt_state) before "
@@ -294,9 +307,7 @@ _FORGOTTEN = (
   "it, SGD stalls). Return optax_dls.scale_loss(loss, opt_state) from the function you "
   "differentiate, or use optax_dls.value_and_grad(loss_fn, tx) "
   "(optax_dls.flax.value_and_grad for a TrainState or an nnx.Optimizer), which "
-  "multiplies it. (Or the gradients were transformed before this update unscaled them, "
-  "as by a clip chained before the loss scaling: put it inside, "
-  "dynamic_loss_scale(optax.chain(clip, ...)).)"
+  "multiplies it."
 )
 
 
