@@ -195,7 +195,8 @@ def _section(config: Any) -> dict[str, Any]:
     if key in _NUMBER_KEYS and isinstance(value, str):
       raise TypeError(
         f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
-        "YAML reads a number such as 1e4 as a string: write 1.0e4 or 10000."
+        "YAML (1.1, as PyYAML reads it) takes 1e4 and 1.0e4 for strings: write 1.0e+4 or "
+        "10000."
       )
   for key in sorted(_HOST_KEYS & set(section)):
     raise ValueError(
@@ -272,7 +273,7 @@ def from_config(config: Any, inner: optax.GradientTransformation | None = None) 
       that is not UTF-8, does not parse, repeats a key, holds an unhashable key or a Python
       tag, or holds no mapping (named).
     TypeError: ``config`` (or its section) is neither a mapping nor a path, or a value of the
-      wrong type (``1e4``, a string to YAML, gets a hint to write ``1.0e4``).
+      wrong type (``1e4``, a string to YAML, gets a hint to write ``1.0e+4``).
     OSError: the YAML file cannot be read.
     ImportError: a path given without PyYAML (naming the ``monitoring`` extra).
   """
