@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   Returns:
     The exit code, an ``int``: 0 success (also ``--help``, and Ctrl-C ending ``--follow``); 1 the
     output was closed early (``| head``); 2 no readable logs, a missing optional dependency (naming
-    ``pip install "optax_dls[monitoring]"``), or a usage error (a bad ``--plot``, ``--watch 0``).
+    ``pip install -e ".[monitoring]"``), or a usage error (a bad ``--plot``, ``--watch 0``).
   """
   try:
     return _main(argv)

@@ -820,7 +820,7 @@ def test_the_median_scale_is_a_logged_value(tmp_path, capsys):
 
 # --- Optional dependencies: one line naming the extra, exit status 2 ---
 
-_INSTALL = 'pip install "optax_dls[monitoring]"'
+_INSTALL = 'pip install -e ".[monitoring]"'
 
 
 def _without(monkeypatch, *modules):

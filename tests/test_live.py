@@ -292,7 +292,7 @@ def test_without_tensorboard_the_follower_says_so_once(tmp_path, monkeypatch):
   follower = _live.Follower(str(tmp_path))
   lines, warnings = follower.refresh(block=False)
   assert _step_of(lines[0], "r") == 1 and len(warnings) == 1
-  assert 'pip install "optax_dls[monitoring]"' in warnings[0]
+  assert 'pip install -e ".[monitoring]"' in warnings[0]
   assert follower.refresh(block=False)[1] == []
 
 

@@ -35,7 +35,7 @@ def test_optax_dls_flax_without_flax_names_the_flax_extra(monkeypatch):
   with pytest.raises(ImportError) as e:
     importlib.import_module("optax_dls.flax")
   assert isinstance(e.value, _optional.MissingExtraError)
-  assert 'pip install "optax_dls[flax]"' in _one_line(e)
+  assert 'pip install -e ".[flax]"' in _one_line(e)
 
 
 def test_a_yaml_configuration_without_pyyaml_names_the_monitoring_extra(tmp_path, monkeypatch):
@@ -45,7 +45,7 @@ def test_a_yaml_configuration_without_pyyaml_names_the_monitoring_extra(tmp_path
   with pytest.raises(ImportError) as e:
     config.from_config(path)
   text = _one_line(e)
-  assert "PyYAML" in text and 'pip install "optax_dls[monitoring]"' in text
+  assert "PyYAML" in text and 'pip install -e ".[monitoring]"' in text
 
 
 def test_restore_without_orbax_names_the_checkpoint_extra(monkeypatch):
@@ -55,7 +55,7 @@ def test_restore_without_orbax_names_the_checkpoint_extra(monkeypatch):
   with pytest.raises(ImportError) as e:
     checkpoint.restore(object(), target)
   text = _one_line(e)
-  assert "orbax-checkpoint" in text and 'pip install "optax_dls[checkpoint]"' in text
+  assert "pip install orbax-checkpoint" in text and 'pip install -e ".[checkpoint]"' in text
 
 
 def test_every_named_extra_is_declared_and_brings_its_package():

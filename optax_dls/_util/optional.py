@@ -20,8 +20,8 @@ class MissingExtraError(ImportError):
 
 
 def install(extra: str) -> str:
-  """The command that installs ``extra``, e.g. ``pip install "optax_dls[monitoring]"``."""
-  return f'pip install "optax_dls[{extra}]"'
+  """The command that installs ``extra`` from optax_dls's folder: ``pip install -e ".[flax]"``."""
+  return f'pip install -e ".[{extra}]"'
 
 
 def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
@@ -32,5 +32,6 @@ def require(module: str, feature: str, otherwise: str = "") -> types.ModuleType:
     package, extra = PACKAGES[module.split(".")[0]]
     alternative = f", or {otherwise}" if otherwise else ""
     raise MissingExtraError(
-      f"{feature} needs {package} ({e}): {install(extra)}{alternative}"
+      f"{feature} needs {package} ({e}): pip install {package} (or, in optax_dls's folder, "
+      f"the {extra!r} extra: {install(extra)}){alternative}"
     ) from e
