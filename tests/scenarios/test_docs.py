@@ -32,6 +32,8 @@ RUNNABLE_PAGES = [
   "troubleshooting.md",
   "design.md",
   "example.md",
+  "policies.md",
+  "observability.md",
 ] + sorted(str(p.relative_to(DOCS)) for p in (DOCS / "guide").glob("*.md"))
 # A page that imports one of these is skipped without it.
 OPTIONAL = {"flax", "orbax", "jmp", "torch"}
