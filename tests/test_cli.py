@@ -1151,3 +1151,15 @@ def test_the_plot_has_a_panel_per_quantity_and_marks_skipped_and_recomputed_step
   assert list(marks["run: skipped"].get_xdata()) == [20, 40]
   assert list(marks["run: recomputed"].get_xdata()) == [10, 30]
   assert marks["run: skipped"].get_marker() != marks["run: recomputed"].get_marker()
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_stuck_at_the_minimum_advises_the_fallback_only_where_it_is_off(fallback):
+  from optax_dls._logs import diagnosis
+
+  extra = lambda i: {"fp32_fallback": i > 110} if fallback else {}
+  rows = [SYMPTOMS["stuck at the minimum"](i) | extra(i) | {"step": i} for i in range(300)]
+  found = dict(diagnosis.diagnose(rows, diagnosis.summarize(rows)))
+  advice = next(a for s, a in found.items() if s.startswith("stuck at the minimum"))
+  assert ("turn on optax_dls.fp32_fallback" in advice) is not fallback
+  assert ("the float32 fallback did not end the skips" in advice) is fallback

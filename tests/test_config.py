@@ -118,7 +118,7 @@ def test_preset_values_follow_their_rationale():
   assert 2**15 <= float(llm.init()[0]) <= 2**16
   assert 2**12 <= float(mm.init()[0]) <= 2**14 and "warmup_steps=1000" in repr(mm)
   assert pref.max_scale == 65536 and repr(optax_dls.config.preset("dpo")) == repr(pref)
-  assert float(qlora.init()[0]) >= 2**16 and "growth_after=1000" in repr(qlora)
+  assert float(qlora.init()[0]) >= 2**16 and "growth_interval=1000" in repr(qlora)
   for p in (llm, mm, pref, qlora):
     optax_dls.loss_scaled(optax.sgd(0.1), p)  # every preset is valid
 
@@ -223,12 +223,22 @@ def test_a_preset_s_repr_is_one_line_naming_the_preset_and_its_settings():
   torch = repr(optax_dls.config.preset("torch", growth_interval=5))
   assert torch == (
     "LossScalePolicy(preset='torch', init_scale=2**16, min_scale=2**-126, max_scale=2**126, "
-    "growth_factor=2.0, growth_after=5, backoff_factor=0.5)"
+    "growth_factor=2.0, growth_interval=5, backoff_factor=0.5)"
   )
   llm = repr(optax_dls.config.preset("llm"))
   assert llm.startswith("LossScalePolicy(preset='text_llm', init_scale=2**16,") and "\n" not in llm
   # The same form as a dynamic policy's, without the name.
   assert repr(optax_dls.dynamic_policy(init_scale=8.0, hysteresis=2)) == (
     "LossScalePolicy(init_scale=8.0, min_scale=1.0, max_scale=2**24, growth_factor=2.0, "
-    "growth_after=2000, backoff_factor=0.5, hysteresis=2)"
+    "growth_interval=2000, backoff_factor=0.5, hysteresis=2)"
   )
+
+
+@pytest.mark.parametrize("name", ["text_llm", "multimodal", "preference", "qlora", "torch"])
+def test_a_preset_s_repr_names_dynamic_policy_s_arguments(name):
+  """The settings a preset's repr shows, copied into dynamic_policy, make the same rule."""
+  policy = optax_dls.config.preset(name)
+  text = repr(policy).removeprefix("LossScalePolicy(").removesuffix(")")
+  kwargs = dict(item.split("=", 1) for item in text.split(", ") if not item.startswith("preset"))
+  rebuilt = optax_dls.dynamic_policy(**{k: eval(v) for k, v in kwargs.items()})
+  assert repr(rebuilt) == repr(policy._replace(preset=None))

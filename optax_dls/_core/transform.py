@@ -93,9 +93,10 @@ def loss_scaled(
       ``skip_lowering`` or a label is not a string.
     ValueError: ``skip_lowering`` is not one of the three, the policy's scales are out of
       range, or the labels are empty or malformed (at ``init``: they do not match the
-      parameters, or ``inner`` is loss-scaled already). At trace time: under ``shard_map(check_vma=True)`` the gradients vary
-      over a mesh axis ``axis_name`` leaves out, or ``axis_name`` names an axis not mapped
-      there; or the state's policy state is not of this transformation's policy.
+      parameters, or ``inner`` is loss-scaled already). At trace time: under
+      ``shard_map(check_vma=True)`` the gradients vary over a mesh axis ``axis_name`` leaves
+      out, or ``axis_name`` names an axis not mapped there; or the state's policy state is
+      not of this transformation's policy.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_dls

@@ -246,8 +246,8 @@ _ADVICE = {
   f"loss-scaled optimizer, or train in bfloat16. {_T}frequent-overflow.",
   "scale never grows": "Shorten growth_interval (e.g. 1000), check warmup_steps, or raise "
   f"max_scale. {_T}scale-never-grows.",
-  "gradients too small": "Raise init_scale and max_scale (optax_dls.config.preset('qlora') "
-  f"starts at 2**16), or train in bfloat16. {_T}gradients-always-small.",
+  "gradients too small": "Raise init_scale and max_scale (dynamic_loss_scale(..., "
+  f"init_scale=2**16, max_scale=2**32)), or train in bfloat16. {_T}gradients-always-small.",
   "gradients lost, no loss scaling": "Wrap the optimizer in optax_dls.dynamic_loss_scale, "
   "multiply the loss by optax_dls.scale_loss (or train in bfloat16). "
   f"{_T}the-loss-was-not-multiplied.",
@@ -255,6 +255,8 @@ _ADVICE = {
   f"inside to see whether gradients underflow. {_T}gradients-always-small.",
   "stuck at the minimum": "Look for inf/NaN inputs or labels, run with jax_debug_nans, or turn "
   f"on optax_dls.fp32_fallback(policy, after=10). {_T}stuck-at-the-minimum.",
+  "stuck at the minimum, fallback on": "Look for inf/NaN inputs or labels, or run with "
+  f"jax_debug_nans: the float32 fallback did not end the skips. {_T}stuck-at-the-minimum.",
   "NaN skips": "No loss scale cures a NaN (0/0, log(0), inf - inf, bad data): "
   "optax_dls.locate(loss_fn, params, batch) on such a step names the operation; check the "
   f"data with optax_dls.all_finite(batch). {_T}where-a-step-failed.",
@@ -368,7 +370,9 @@ def _stuck(count: int, summary: dict[str, Any]) -> _Found:
     f"stuck at the minimum: at least {count} updates were skipped with the loss scale at or "
     f"below 1 (lowest logged {scale_text(summary['scale_min'])})"
   )
-  return [(symptom, where_advice(summary, at_minimum=True) + _ADVICE["stuck at the minimum"])]
+  on = summary.get("fp32_fallback_steps")  # None without the fallback in the logs
+  advice = _ADVICE["stuck at the minimum, fallback on" if on else "stuck at the minimum"]
+  return [(symptom, where_advice(summary, at_minimum=True) + advice)]
 
 
 def _diverging(rows: Rows, iv: Intervals) -> _Found:

@@ -37,7 +37,7 @@ class DynamicRule(NamedTuple):
   min_scale: float
   max_scale: float
   growth_factor: float
-  growth_after: int
+  growth_interval: int
   backoff_factor: float | None = None
   backoff_divisor: float | None = None
   reset_after_growth: int = 0
@@ -55,7 +55,7 @@ def _rule_update(
 ) -> tuple[jax.Array, DynamicScaleState]:
   finite = stats.finite
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
-  grow = finite & (tracker >= rule.growth_after) & (stats.step >= rule.warmup_steps)
+  grow = finite & (tracker >= rule.growth_interval) & (stats.step >= rule.warmup_steps)
   left = jnp.maximum(state.hysteresis_left - 1, 0)
   backoff = ~finite & (left == 0)
   if rule.backoff_divisor is None:
@@ -148,7 +148,7 @@ def dynamic_policy(
     min_scale=min_scale,
     max_scale=max_scale,
     growth_factor=growth_factor,
-    growth_after=growth_interval,
+    growth_interval=growth_interval,
     backoff_factor=backoff_factor,
     hysteresis=_validation.count("hysteresis", hysteresis),
     consecutive_hysteresis=_validation.boolean("consecutive_hysteresis", consecutive_hysteresis),

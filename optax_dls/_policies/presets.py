@@ -94,7 +94,7 @@ def _option(role: Any, name: str, value: Any) -> dict[str, Any]:
     return {"consecutive_hysteresis": _validation.boolean(name, value)}
   low, late = (1, 0) if role == "hysteresis" else role[1:]
   value = _validation.count(name, value, low=low, high=INT32_MAX - 1 - late)
-  return {"hysteresis" if role == "hysteresis" else "growth_after": value + late}
+  return {"hysteresis" if role == "hysteresis" else "growth_interval": value + late}
 
 
 def _preset(name: str) -> Callable[..., LossScalePolicy]:
