@@ -77,7 +77,10 @@ def _param_names(params: Any) -> list[str] | None:
     array_like = lambda x: hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
     if leaves and not any(map(array_like, leaves)):  # an Equinox model has some
       raise TypeError("no leaf is an array or a number")
-    return _names.leaf_names(params)
+    names = _names.leaf_names(params)
+    if not names:  # the record names floating leaves only
+      raise TypeError("no leaf is a floating array")
+    return names
   except (TypeError, ValueError) as e:
     raise TypeError(
       "params must be a pytree of arrays or jax.ShapeDtypeStruct (the parameters), or a list "

@@ -423,7 +423,7 @@ def test_paths_must_be_str_or_pathlike(call):
 
 def test_tensorboard_true_without_tensorboardx_names_the_extra(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tensorboardX", None)
-  with pytest.raises(ImportError, match=r'tensorboardX.*pip install "optax_dls\[monitoring\]"'):
+  with pytest.raises(ImportError, match=r'pip install tensorboardX.*pip install -e "\.\[monitoring\]"'):
     writers.MetricsWriter(tmp_path)
   with writers.MetricsWriter(tmp_path, tensorboard=False) as w:  # the JSON lines need nothing
     assert w.log(0, {"a": 1.0})
@@ -563,7 +563,7 @@ def test_a_malformed_non_finite_record_is_refused_naming_what_is_wrong(tmp_path,
     w.log(0, metrics)
 
 
-@pytest.mark.parametrize("params", [{"a": "text"}, object()])
+@pytest.mark.parametrize("params", [{"a": "text"}, object(), 3, [1, 2], {"step": jnp.int32(0)}])
 def test_params_that_are_not_parameters_nor_names_raise_type_error(tmp_path, params):
   with pytest.raises(TypeError, match="params must be a pytree"):
     writers.MetricsWriter(tmp_path, tensorboard=False, params=params)
