@@ -37,9 +37,10 @@ def test_nonfinite_leaves_names_the_leaf_and_refuses_parameters_that_cannot_be_t
       optax_dls.nonfinite_leaves(state, bad)
 
 
+@pytest.mark.parametrize("make", [optax_dls.dynamic_loss_scale, optax_dls.no_loss_scale])
 @pytest.mark.parametrize("bad", ["x", {"a": 1.0}, 1 + 2j, jnp.array([1, 2])])
-def test_a_loss_that_is_not_a_real_floating_array_is_named(bad):
-  tx = optax_dls.dynamic_loss_scale(optax.sgd(0.1))
+def test_a_loss_that_is_not_a_real_floating_array_is_named(bad, make):
+  tx = make(optax.sgd(0.1))
   with pytest.raises(TypeError, match="loss must be None or a real floating-point array"):
     tx.update(PARAMS, tx.init(PARAMS), PARAMS, loss=bad)
 

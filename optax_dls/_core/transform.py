@@ -139,7 +139,7 @@ def build(  # noqa: C901 (the closures of one transformation)
     scale, policy_state = policy.init()
     trained = _model.trained(params)
     inner_state = inner.init(trained) if policy.passthrough else settled_inner_init(inner, trained)
-    if any(isinstance(x, LossScaleState) for x in jax.tree.leaves(inner_state, is_leaf=_is_state)):
+    if any(map(_is_state, jax.tree.leaves(inner_state, is_leaf=_is_state))):
       raise ValueError(_TWICE)
     n = len(_labels.leaf_names(params))
     return init_state(scale, policy_state, inner_state, n, leaf_labels(params))
@@ -186,6 +186,7 @@ def build(  # noqa: C901 (the closures of one transformation)
       check_state(state)
     backing_off = isinstance(state.inner_state, BackOff)
     if policy.passthrough:  # nothing is checked, nothing to back off from
+      _loss_code(loss, None)  # a loss that is not a float array refused as under scaling
       return (jnp.bool_(True), state) if backing_off else passed(updates, state, params, extra_args)
     if jax.tree.structure(state.policy_state) != policy_def:  # type: ignore[operator]
       raise ValueError(_other_policy(state, policy_kind))
@@ -247,15 +248,13 @@ def build(  # noqa: C901 (the closures of one transformation)
 
 
 class BackOff(NamedTuple):
-  """In place of a state's ``inner_state`` (an empty pytree): ``update`` then checks the
-  gradients and returns ``(finite, state)`` with only the policy's move for an overflow and
-  the record, the inner optimizer untouched (:func:`optax_dls.value_and_grad`'s tries)."""
+  """In place of ``inner_state``: ``update`` then only checks, returning ``(finite, state)``
+  with the scale moved and the record (:func:`optax_dls.value_and_grad`'s tries)."""
 
 
 def _leaf_codes(state: LossScaleState, check: _numerics.Check, backing_off: bool) -> jax.Array:
-  """The record's code of each parameter leaf; ValueError for gradients of other parameters
-  but in a recomputation's check, whose gradients may be of more than the parameters
-  (argnums of several arguments): the check covers them all, the record names no leaf."""
+  """The record's code of each parameter leaf; ValueError for gradients of other parameters,
+  but in a recomputation's check (of several arguments, say), whose leaves it names none."""
   num_leaves = state.nonfinite.shape[0] - 2
   if check.codes.shape[0] == num_leaves:
     return check.codes.astype(jnp.int32)
@@ -265,8 +264,7 @@ def _leaf_codes(state: LossScaleState, check: _numerics.Check, backing_off: bool
 
 
 def _plain(grads: Any, params: Any) -> bool:
-  """Whether every leaf of ``grads`` and of ``params`` is a floating array (no None, no
-  integer array, no function): nothing to hold out of the step."""
+  """Whether every leaf of ``grads`` and ``params`` is a floating array: none to hold out."""
   none = lambda x: x is None
   leaves = jax.tree.leaves((grads, () if params is None else params), is_leaf=none)
   return all(hasattr(x, "dtype") and _numerics.is_float(x) for x in leaves)
@@ -331,8 +329,7 @@ def _unscaled(grads: Any, scale: Any) -> bool:
 
 
 def _walk(start: list[Any], hit: Any, limit: int = 1_000_000) -> bool | None:
-  """Walks the equations ``start`` is computed by, back to the arguments: True at the
-  first input ``hit`` accepts, False when none does, None when the walk is too long."""
+  """True at the first input ``hit`` accepts back from ``start``, False at none, None if long."""
   stack, seen = list(start), set()
   while stack:
     eqn = getattr(stack.pop(), "parent", None)
