@@ -60,15 +60,13 @@ def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
     raise TypeError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
   if loss.dtype == jnp.float16:
     warnings.warn(
-      "optax_dls: the loss is float16: differentiating loss * S starts the backward pass "
-      "at S in float16, which is inf once S reaches 2**16 (a dynamic scale grows toward "
-      "its max_scale, 2**24 by default), and every step at such a scale overflows and is "
-      "skipped. Compute the loss in float32: "
-      "cast the per-example values before the reduction "
+      "optax_dls: the loss is float16: differentiating loss * S starts the backward pass at S "
+      "in float16, which is inf once S reaches 2**16 (a dynamic scale grows toward its "
+      "max_scale, 2**24 by default), and every step at such a scale overflows and is skipped. "
+      "Compute the loss in float32: cast the per-example values before the reduction "
       "(jnp.mean(per_example.astype(jnp.float32))), or reduce in float32 with "
-      "optax_dls.full_precision(jnp.mean, output_dtype=jnp.float32)(per_example). A "
-      "float16 loss cast to float32 after its reduction silences this and keeps the "
-      "overflow.",
+      "optax_dls.full_precision(jnp.mean, output_dtype=jnp.float32)(per_example). A float16 "
+      "loss cast to float32 after its reduction silences this and keeps the overflow.",
       UserWarning,
       stacklevel=_frames.user_stacklevel(),
     )

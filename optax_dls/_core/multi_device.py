@@ -12,7 +12,6 @@ import jax
 from jax import lax
 
 AxisName = str | Sequence[str] | None
-typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # type: ignore[attr-defined]
 
 
 def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
@@ -60,7 +59,7 @@ def _varying_over(x: Any, names: tuple[str, ...]) -> Any:
 def varying_axes(x: Any) -> frozenset[str]:
   """Mesh axes over which ``x`` (an array or a ``ShapeDtypeStruct``) varies under
   ``shard_map(check_vma=True)``; empty wherever JAX does not track it."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x)
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
 
@@ -82,9 +81,8 @@ def shard_like(x: jax.Array, like: Any) -> jax.Array:
   want = _sharding(like)
   if getattr(want, "spec", None) in (None, getattr(_sharding(x), "spec", None)):
     return x
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
   types = getattr(getattr(want, "mesh", None), "axis_types", ()) or ()
-  if explicit is None or explicit not in types:
+  if jax.sharding.AxisType.Explicit not in types:
     return x
   # The sharding itself (its mesh with it), not the spec alone: no mesh context is needed.
   return jax.sharding.reshard(x, want)
@@ -92,7 +90,7 @@ def shard_like(x: jax.Array, like: Any) -> jax.Array:
 
 def _sharding(x: Any) -> Any:
   """The sharding of an array, a tracer or a ``jax.ShapeDtypeStruct``."""
-  return getattr(x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x), "sharding", None)
+  return getattr(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x), "sharding", None)
 
 
 def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -136,7 +134,7 @@ def check_axis_coverage(grad_leaves: Sequence[Any], state_leaf: Any, axis_name: 
 def _is_mapped(name: Any) -> bool:
   """Whether ``name`` is an axis mapped where this is traced (shard_map, pmap, vmap)."""
   try:
-    lax.axis_size(name) if hasattr(lax, "axis_size") else lax.psum(1, name)
+    lax.axis_size(name)
   except NameError:
     return False
   return True
@@ -145,10 +143,7 @@ def _is_mapped(name: Any) -> bool:
 def axis_sizes(axis_name: AxisName) -> dict[str, int]:
   """Size of each named axis; ValueError (at trace time) for a name not mapped here."""
   try:
-    return {
-      n: lax.axis_size(n) if hasattr(lax, "axis_size") else lax.psum(1, n)
-      for n in axis_names(axis_name)
-    }
+    return {n: lax.axis_size(n) for n in axis_names(axis_name)}
   except NameError as e:
     unmapped = [n for n in axis_names(axis_name) if not _is_mapped(n)]
     mapped = mapped_axes()

@@ -156,8 +156,12 @@ def check(
   )
   sq_v, tq_v = vectors.reshape(2, len(leaves))
   k = jnp.where(inv > 1, inv, 1.0)  # a scale below 1: the unscaled values are checked
-  unscaled = lambda top, x: _as(top * _as(k, top.dtype), jnp.real(x).dtype)  # in x's dtype
-  big = jnp.stack([~jnp.isfinite(unscaled(t, x)) for t, x in zip(tops, leaves, strict=True)])
+  big = jnp.zeros([len(leaves)], jnp.bool_)
+  # Each leaf in its own dtype, one vector per dtype (per leaf, XLA makes a kernel of each).
+  for dtype in dict.fromkeys(jnp.real(x).dtype for x in leaves):
+    at = np.asarray([i for i, x in enumerate(leaves) if jnp.real(x).dtype == dtype])
+    top = jnp.stack([tops[i] for i in at])
+    big = big.at[at].set(~jnp.isfinite(_as(top * _as(k, top.dtype), dtype)))
   codes = jnp.where(jnp.isnan(sq_v) | jnp.isnan(tq_v), 2, big.astype(jnp.int32))
   if axis_name is None:
     total, tiny_total = jnp.sum(sq_v), jnp.sum(tq_v)

@@ -139,7 +139,8 @@ def build(  # noqa: C901 (the closures of one transformation)
     scale, policy_state = policy.init()
     trained = _model.trained(params)
     inner_state = inner.init(trained) if policy.passthrough else settled_inner_init(inner, trained)
-    if any(map(_is_state, jax.tree.leaves(inner_state, is_leaf=_is_state))):
+    inside = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+    if any(isinstance(x, LossScaleState) for x in inside):
       raise ValueError(_TWICE)
     n = len(_labels.leaf_names(params))
     return init_state(scale, policy_state, inner_state, n, leaf_labels(params))
@@ -295,18 +296,13 @@ _TWICE = (
 )
 
 
-def _is_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
 _FORGOTTEN = (
-  "optax_dls: no gradient this update receives depends on the loss scale in opt_state: "
-  "the loss was not multiplied by optax_dls.scale_loss(loss, opt_state) before "
-  "differentiation, so each update divides unscaled gradients by the scale (Adam hides "
-  "it, SGD stalls). Return optax_dls.scale_loss(loss, opt_state) from the function you "
-  "differentiate, or use optax_dls.value_and_grad(loss_fn, tx) "
-  "(optax_dls.flax.value_and_grad for a TrainState or an nnx.Optimizer), which "
-  "multiplies it."
+  "optax_dls: no gradient this update receives depends on the loss scale in opt_state: the "
+  "loss was not multiplied by optax_dls.scale_loss(loss, opt_state) before differentiation, "
+  "so each update divides unscaled gradients by the scale (Adam hides it, SGD stalls). "
+  "Return optax_dls.scale_loss(loss, opt_state) from the function you differentiate, or use "
+  "optax_dls.value_and_grad(loss_fn, tx) (optax_dls.flax.value_and_grad for a TrainState or "
+  "an nnx.Optimizer), which multiplies it."
 )
 
 
