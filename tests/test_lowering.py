@@ -204,12 +204,14 @@ def test_a_policy_that_returns_an_invalid_scale_is_caught_and_clamped():
   state = tx.init(params)
   update = jax.jit(tx.update)
   _, state = update({"w": jnp.array([4.0])}, state, params)
-  assert bool(state.last_step_finite) and np.isnan(float(state.loss_scale))
+  assert bool(state.last_step_finite) and float(state.loss_scale) == 4.0  # NaN: restarted
+  updates, state = update({"w": jnp.array([4.0])}, state, params)
+  assert bool(state.last_step_finite) and float(updates["w"][0]) == -1.0  # 4 / S, applied
+  assert float(state.loss_scale) == 2.0**20  # 2**60 clamped to max_scale
+  state = state._replace(loss_scale=jnp.float32(jnp.nan))  # a corrupted checkpoint's scale
   updates, state = update({"w": jnp.array([4.0])}, state, params)
   assert not bool(state.last_step_finite) and not np.any(np.asarray(updates["w"]))
-  assert float(state.loss_scale) == 4.0  # restarted at the initial scale
-  _, state = update({"w": jnp.array([4.0])}, state, params)
-  assert float(state.loss_scale) == 2.0**20  # 2**60 clamped to max_scale
+  assert float(state.loss_scale) == 4.0  # skipped, restarted at the initial scale
 
 
 def _compiled(tx):

@@ -52,9 +52,9 @@ def loss_scaled(
      ``optax.apply_updates`` leaves every parameter bit for bit, and ``inner_state`` is
      returned unchanged (its step count and schedule do not advance; the inner optimizer
      never sees a non-finite value);
-  4. ``policy.update`` moves S for the next loss, within ``[min_scale, max_scale]``. A
-     scale that is not valid (NaN, inf, 0, negative) skips the step and comes back as the
-     policy's initial scale.
+  4. ``policy.update`` moves S for the next loss, within ``[min_scale, max_scale]`` (a NaN
+     it returns is the initial scale). A scale in the state that is not valid (NaN, inf,
+     0, negative: a corrupted checkpoint) skips the step and comes back as the initial one.
 
   No host synchronisation. The state's types are a fixed point from ``init`` on (no
   retrace after the first step): ``init`` gives each inner state leaf the dtype and weak
