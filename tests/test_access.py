@@ -112,7 +112,8 @@ def test_none_or_several_states_raise_clear_errors():
   ):
     with pytest.raises(ValueError, match="2 LossScaleStates.*ambiguous"):
       fn(two)
-  nested = optax_dls.dynamic_loss_scale(optax_dls.dynamic_loss_scale(optax.adam(1e-3))).init(P)
+  inner = optax_dls.dynamic_loss_scale(optax.adam(1e-3)).init(P)
+  nested = inner._replace(inner_state=inner)  # loss scaling twice (which init refuses)
   with pytest.raises(ValueError, match="ambiguous"):
     optax_dls.find_state(nested)
 
