@@ -423,7 +423,8 @@ def test_paths_must_be_str_or_pathlike(call):
 
 def test_tensorboard_true_without_tensorboardx_names_the_extra(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tensorboardX", None)
-  with pytest.raises(ImportError, match=r'pip install tensorboardX.*pip install -e "\.\[monitoring\]"'):
+  install = r'pip install tensorboardX.*pip install -e "\.\[monitoring\]"'
+  with pytest.raises(ImportError, match=install):
     writers.MetricsWriter(tmp_path)
   with writers.MetricsWriter(tmp_path, tensorboard=False) as w:  # the JSON lines need nothing
     assert w.log(0, {"a": 1.0})
