@@ -65,8 +65,8 @@ class LossScalePolicy(NamedTuple):
     max_scale: float in ``[min_scale, 2**126]``, the highest. Default ``2**126``.
     preset: str or None, the name of the ``optax_dls.config.preset`` that made it. Default None.
 
-  ``repr`` is one line: the preset, a built-in rule's non-default settings (else the functions'
-  names), then the other non-default fields.
+  ``repr`` is one line: the preset, a built-in rule's settings (those with a default where they
+  differ; else the functions' names), then the other fields that differ from their defaults.
 
   Example:
     Halve the scale on every overflow, never grow it; no state (an empty tuple):
