@@ -36,6 +36,9 @@ _KINDS = ("dynamic", "static", "none")
 _NOT_NUMBERS = _TX_KEYS | {"consecutive_hysteresis"}
 _NUMBER_KEYS = (_POLICY_KEYS | _WRAPPER_KEYS | {"scale"}) - _NOT_NUMBERS
 _ALL_KEYS = _POLICY_KEYS | _WRAPPER_KEYS | {"kind", "preset", "scale"}
+_WHOLE_KEYS = frozenset(
+  {"growth_interval", "hysteresis", "warmup_steps", "fallback_after", "fallback_steps"}
+)
 
 # The presets for a kind of training (why each value: docs/observability.md).
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -195,8 +198,8 @@ def _section(config: Any) -> dict[str, Any]:
     if key in _NUMBER_KEYS and isinstance(value, str):
       raise TypeError(
         f"loss-scale configuration key {key!r} must be a number, got the string {value!r}. "
-        "YAML (1.1, as PyYAML reads it) takes 1e4 and 1.0e4 for strings: write 1.0e+4 or "
-        "10000."
+        "YAML (1.1, as PyYAML reads it) takes 1e4 and 1.0e4 for strings: write "
+        + ("10000." if key in _WHOLE_KEYS else "1.0e+4 or 10000.")
       )
   for key in sorted(_HOST_KEYS & set(section)):
     raise ValueError(

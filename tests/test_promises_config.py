@@ -91,3 +91,9 @@ def test_the_number_hint_s_spelling_is_read_by_yaml_as_a_number(tmp_path):
     config.from_config(path)
   path.write_text(f"loss_scale:\n  init_scale: {str(e.value).split('write ')[1].split()[0]}\n")
   assert float(config.from_config(path).init()[0]) == 1.0e4
+
+
+def test_the_number_hint_of_a_whole_number_key_says_to_write_the_integer():
+  with pytest.raises(TypeError, match=r"write 10000\.$") as e:
+    config.from_config({"growth_interval": "1e3"})
+  assert "1.0e+4" not in str(e.value)

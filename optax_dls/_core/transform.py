@@ -75,8 +75,8 @@ def loss_scaled(
     skip_lowering: ``"auto"`` (default), ``"cond"`` or ``"where"``: how the skip is
       compiled (a ``lax.cond``, or a ``jnp.where`` selection that XLA's GPU backend fuses
       into the optimizer's kernels). Both make the same decisions and scales; applied
-      values agree to float32 rounding. ``"auto"`` takes ``"cond"`` on the CPU and
-      ``"where"`` on every other platform.
+      values and ``grad_norm`` agree to float32 rounding (so may the scale of a policy
+      that reads the norm). ``"auto"`` takes ``"cond"`` on the CPU, else ``"where"``.
     labels: ``None`` (default), or parameter-group labels as in :func:`underflow_stats`
       (a pytree of non-empty strings without ``/`` matching the parameters or a prefix,
       or a callable ``params -> such a pytree``): the state then counts, per label, the
