@@ -52,8 +52,7 @@ def _varying_over(x: Any, names: tuple[str, ...]) -> Any:
   """``x`` made to vary over the ``shard_map`` axes among ``names``: a named axis the value
   is replicated over (gradients sharded over another) is then reduced, not refused."""
   manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
-  missing = tuple(sorted(set(names) & set(manual) - varying_axes(x)))
-  return pcast_varying(x, missing) if missing else x
+  return _vary_over(x, set(names) & set(manual))
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -65,12 +64,14 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 
 def vary_like(x: jax.Array, like: Any) -> jax.Array:
-  """``x`` made to vary over every mesh axis ``like`` varies over (a no-op outside
-  ``shard_map``)."""
-  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
-  if not missing:
-    return x
-  return pcast_varying(x, missing)
+  """``x`` made to vary over the mesh axes ``like`` varies over (none outside ``shard_map``)."""
+  return _vary_over(x, varying_axes(like))
+
+
+def _vary_over(x: Any, axes: set[str] | frozenset[str]) -> Any:
+  """``x`` made to vary over ``axes`` as well as over those it varies over already."""
+  missing = tuple(sorted(set(axes) - varying_axes(x)))
+  return pcast_varying(x, missing) if missing else x
 
 
 def shard_like(x: jax.Array, like: Any) -> jax.Array:
