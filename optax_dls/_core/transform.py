@@ -139,8 +139,7 @@ def build(  # noqa: C901 (the closures of one transformation)
     scale, policy_state = policy.init()
     trained = _model.trained(params)
     inner_state = inner.init(trained) if policy.passthrough else settled_inner_init(inner, trained)
-    inside = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-    if any(isinstance(x, LossScaleState) for x in inside):
+    if _holds_state(inner_state):
       raise ValueError(_TWICE)
     n = len(_labels.leaf_names(params))
     return init_state(scale, policy_state, inner_state, n, leaf_labels(params))
@@ -379,12 +378,17 @@ def is_loss_scaled(tx: Any) -> bool:
   )
 
 
+def _holds_state(tree: Any) -> bool:
+  """Whether ``tree`` holds a :class:`LossScaleState` somewhere."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+  return any(isinstance(x, LossScaleState) for x in leaves)
+
+
 def check_state(state: Any) -> None:
   """TypeError, saying what to do, unless ``state`` is a :class:`LossScaleState`."""
   if isinstance(state, LossScaleState):
     return
-  inside = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
-  if any(isinstance(x, LossScaleState) for x in inside):
+  if _holds_state(state):
     raise TypeError(
       f"opt_state must be this transformation's own state (the LossScaleState its init "
       f"returned), got a {type(state).__name__} holding one: pass that state itself (a "
