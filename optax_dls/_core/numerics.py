@@ -178,9 +178,8 @@ def check(
   )
   amax = None
   if want_amax:  # fused, the check's own largest magnitudes; the CPU's quick path has none
-    parts = lambda x: jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))  # as _reads
-    tops = tops if fused else [jnp.max(parts(x)) for x in leaves if x.size]
-    top = jnp.max(jnp.stack([_as(t, jnp.float32) for t in tops] or [jnp.zeros([], jnp.float32)]))
+    tops = tops if fused else [_reads(x, tinies[r], False)[2] for x, r in zip(leaves, reals)]
+    top = jnp.max(jnp.stack([_as(t, jnp.float32) for t in tops]))
     amax = top if axis_name is None else _multi_device.pmax(top, axis_name)
   return Check(valid & ~jnp.any(codes > 0), norm, codes.astype(jnp.uint8), amax)
 
