@@ -1,5 +1,6 @@
 """Loss scaling under shard_map and pmap: axis_name reduces the skip decision and the statistics."""
 
+import functools
 import warnings
 
 import jax
@@ -41,15 +42,19 @@ def _grads(scale, bad=None):
   return {"w": jnp.asarray(w), "b": jnp.full((4,), 0.5 * scale)}
 
 
-def _state_specs(tx, state):
+def _state_specs(tx, state, specs=PSPECS):
   return optax.tree_map_params(
     tx,
     lambda _, s: s,
     state,
-    PSPECS,
+    specs,
     transform_non_params=lambda _: P(),
     is_leaf=lambda x: isinstance(x, P),
   )
+
+
+def _put(mesh, tree, specs):
+  return jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), tree, specs)
 
 
 def _sharded_update(tx, mesh, check_vma=True):
@@ -73,7 +78,7 @@ def _sharded_update(tx, mesh, check_vma=True):
   )
 
   def run(grads, state, params):
-    put = lambda t, s: jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), t, s)
+    put = functools.partial(_put, mesh)
     return jax.jit(fn)(put(grads, PSPECS), put(state, state_specs), put(params, PSPECS))
 
   return run
@@ -270,14 +275,7 @@ def test_an_axis_the_gradients_do_not_vary_over_may_be_named(mesh, bad, lowering
   specs = {"w": P("data"), "b": P()}
   tx = _tx(AXES, lowering=lowering)
   params = _params()
-  state_specs = optax.tree_map_params(
-    tx,
-    lambda _, s: s,
-    tx.init(params),
-    specs,
-    transform_non_params=lambda _: P(),
-    is_leaf=lambda x: isinstance(x, P),
-  )
+  state_specs = _state_specs(tx, tx.init(params), specs)
 
   def update(grads, state, params):
     _, state = tx.update(grads, state, params)
@@ -289,7 +287,7 @@ def test_an_axis_the_gradients_do_not_vary_over_may_be_named(mesh, bad, lowering
   grads = _grads(2.0**10)
   if bad:
     grads["w"] = grads["w"].at[5, 2].set(jnp.inf)
-  put = lambda t, s: jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), t, s)
+  put = functools.partial(_put, mesh)
   finite, norm = fn(put(grads, specs), put(tx.init(params), state_specs), put(params, specs))
   assert bool(finite) is not bad
   if not bad:
